@@ -1,0 +1,4 @@
+"""coldstart: make big GPU containers start fast."""
+
+__version__ = "0.1.0"
+

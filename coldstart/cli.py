@@ -1,0 +1,80 @@
+"""The ``coldstart`` command line.
+
+Each command lives in its own module under :mod:`coldstart.commands` and is imported only when it
+is invoked (or when ``--help`` lists it), so ``coldstart probe`` never pays for importing torch.
+Expected failures (:class:`coldstart.errors.ColdstartError`) print one line and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from typing import Any
+
+import click
+
+from coldstart.errors import ColdstartError
+
+# command name -> (module, attribute). A module that does not exist yet is simply not listed.
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("coldstart.commands.demo", "demo"),
+    "convert": ("coldstart.commands.convert", "convert"),
+    "pull": ("coldstart.commands.pull", "pull"),
+    "snapshotter": ("coldstart.commands.snapshotter", "snapshotter"),
+    "fuse-server": ("coldstart.commands.fuse_server", "fuse_server"),
+    "bench": ("coldstart.commands.bench", "bench"),
+    "weights": ("coldstart.commands.weights", "weights"),
+    "models": ("coldstart.commands.models", "models"),
+    "probe": ("coldstart.commands.probe", "probe"),
+    "router": ("coldstart.commands.router", "router"),
+    "node": ("coldstart.commands.node", "node"),
+}
+
+
+class _LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        names = [n for n, (mod, _) in _COMMANDS.items() if importlib.util.find_spec(mod)]
+        return sorted(names)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        entry = _COMMANDS.get(cmd_name)
+        if entry is None or importlib.util.find_spec(entry[0]) is None:
+            return None
+        module = importlib.import_module(entry[0])
+        command: click.Command = getattr(module, entry[1])
+        return command
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="coldstart")
+def cli() -> None:
+    """coldstart: make big GPU containers start fast.
+
+    Lazy-pull image layers through a containerd snapshotter, stream model weights into memory at
+    the speed of the source, and push readiness to the request router within milliseconds.
+    """
+
+
+def main(argv: list[str] | None = None) -> Any:
+    """Entry point of the console script: run the CLI, turning expected failures into one line."""
+    try:
+        return cli.main(args=argv, prog_name="coldstart", standalone_mode=False)
+    except ColdstartError as exc:
+        click.echo(f"coldstart: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        click.echo("coldstart: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("coldstart: interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

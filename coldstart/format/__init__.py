@@ -1,0 +1,1 @@
+"""coldstart.format."""
