@@ -1,0 +1,187 @@
+"""One typed configuration tree (CONVENTIONS §9).
+
+Every key is written once, here, with its default. ``load(path)`` reads TOML; unknown keys and
+wrong types are an :class:`~coldstart.errors.InvalidArgument` naming the key. Durations are float
+seconds, sizes are integer bytes. ``dump(config)`` writes the whole tree back as TOML (used by
+``coldstart snapshotter --print-config``). CLI flags override with :func:`dataclasses.replace`.
+
+Example::
+
+    cfg = load("/etc/coldstart/config.toml")
+    cfg = dataclasses.replace(cfg, root="/tmp/cs")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from coldstart.errors import InvalidArgument
+
+__all__ = [
+    "CacheConfig",
+    "Config",
+    "FetchConfig",
+    "FuseConfig",
+    "RegistryConfig",
+    "dump",
+    "from_dict",
+    "load",
+]
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    # hosts reached over plain HTTP (loopback is always allowed)
+    insecure_hosts: tuple[str, ...] = ()
+    # containerd-style mirrors and TLS: <hosts_dir>/<host>/hosts.toml
+    hosts_dir: str = "/etc/containerd/certs.d"
+    # docker-style credentials; "" means $DOCKER_CONFIG/config.json or ~/.docker/config.json
+    docker_config: str = ""
+    # deadline of one registry request, seconds
+    timeout: float = 30.0
+    # attempts after the first on 5xx / connection errors (exponential backoff with jitter)
+    retries: int = 3
+
+
+@dataclass(frozen=True)
+class FetchConfig:
+    # deadline of one range request, seconds
+    request_timeout: float = 10.0
+    # a FUSE read not served within this many seconds returns EIO (never a hang)
+    read_deadline: float = 30.0
+    # adjacent missing chunks are fetched in one range request up to this many bytes
+    max_coalesce_bytes: int = 16 * MiB
+    # concurrent range requests per FUSE server
+    concurrency: int = 8
+    # background fetch of the rest of a layer after prefetch, bytes/second (0 = off)
+    background_rate: int = 0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    # node-wide chunk cache directory; "" means <root>/cache
+    dir: str = ""
+    # size limit; least-recently-used chunks are evicted beyond it
+    max_bytes: int = 20 * GiB
+
+
+@dataclass(frozen=True)
+class FuseConfig:
+    # control socket of the FUSE server process (outlives the gRPC process)
+    socket: str = "/run/coldstart/fuse.sock"
+    # kernel entry / attribute cache timeouts, seconds (layers are immutable)
+    entry_timeout: float = 86400.0
+    attr_timeout: float = 86400.0
+    # read-ahead set on each FUSE mount's backing device, KiB
+    read_ahead_kb: int = 1024
+
+
+@dataclass(frozen=True)
+class Config:
+    # metadata, snapshot directories and (by default) the chunk cache live here
+    root: str = "/var/lib/coldstart"
+    # gRPC socket containerd's proxy_plugins.coldstart.address points at
+    socket: str = "/run/coldstart/snapshotter.sock"
+    # mount layers whose TOC digest is not annotated (unverified); off: they are pulled normally
+    allow_unverified: bool = False
+    # host:port for Prometheus metrics; "" disables
+    metrics_address: str = ""
+    log_level: str = "info"
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
+    fetch: FetchConfig = field(default_factory=FetchConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    fuse: FuseConfig = field(default_factory=FuseConfig)
+
+    @property
+    def cache_dir(self) -> str:
+        return self.cache.dir or str(Path(self.root) / "cache")
+
+
+T = TypeVar("T")
+
+
+def _check(value: Any, typ: Any, where: str) -> Any:
+    origin = typing.get_origin(typ)
+    if dataclasses.is_dataclass(typ) and isinstance(typ, type):
+        if not isinstance(value, dict):
+            raise InvalidArgument(f"config: [{where}] must be a table")
+        return from_dict(typ, value, where)
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise InvalidArgument(f"config: {where} must be a list")
+        (item,) = {a for a in typing.get_args(typ) if a is not Ellipsis}
+        return tuple(_check(v, item, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin in (types.UnionType, typing.Union):
+        for arg in typing.get_args(typ):
+            try:
+                return _check(value, arg, where)
+            except InvalidArgument:
+                continue
+        raise InvalidArgument(f"config: {where} has the wrong type ({type(value).__name__})")
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is int and isinstance(value, bool):
+        raise InvalidArgument(f"config: {where} must be an integer")
+    if not isinstance(value, typ):
+        raise InvalidArgument(
+            f"config: {where} must be {typ.__name__}, not {type(value).__name__}")
+    return value
+
+
+def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
+    """Build dataclass ``cls`` from a parsed TOML table; unknown keys are an error."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - names)
+    if unknown:
+        key = f"{where}.{unknown[0]}" if where else unknown[0]
+        raise InvalidArgument(f"config: unknown key {key!r}")
+    kwargs = {k: _check(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def load(path: str | Path | None) -> Config:
+    """Read the config file at ``path`` (``None``: all defaults)."""
+    if path is None:
+        return Config()
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError as exc:
+        raise InvalidArgument(f"config file {path} does not exist") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidArgument(f"config file {path}: {exc}") from exc
+    return from_dict(Config, data)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, tuple | list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(type(v))
+
+
+def dump(config: Any, _prefix: str = "") -> str:
+    """The whole tree as TOML, scalars first, then one table per section."""
+    scalars, tables = [], []
+    for f in dataclasses.fields(config):
+        v = getattr(config, f.name)
+        if dataclasses.is_dataclass(v):
+            name = f"{_prefix}{f.name}"
+            tables.append(f"\n[{name}]\n" + dump(v, name + "."))
+        else:
+            scalars.append(f"{f.name} = {_toml_value(v)}\n")
+    return "".join(scalars) + "".join(tables)

@@ -1,0 +1,369 @@
+"""OCI and Docker v2 manifests, indexes and image configs: parse, select a platform, rewrite.
+
+Parsing keeps unknown fields (``Manifest.raw``/``ImageConfig.raw``) so a converter that rewrites a
+config or manifest changes only what it means to change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform as _platform
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from coldstart.errors import FormatError, InvalidArgument, NotFound
+from coldstart.oci.reference import validate_digest
+
+__all__ = [
+    "ALL_MANIFEST_TYPES",
+    "DOCKER_CONFIG",
+    "DOCKER_LAYER_FOREIGN_GZIP",
+    "DOCKER_LAYER_GZIP",
+    "DOCKER_MANIFEST",
+    "DOCKER_MANIFEST_LIST",
+    "INDEX_TYPES",
+    "LAYER_TYPES",
+    "MANIFEST_TYPES",
+    "OCI_CONFIG",
+    "OCI_INDEX",
+    "OCI_LAYER_GZIP",
+    "OCI_LAYER_TAR",
+    "OCI_LAYER_ZSTD",
+    "OCI_MANIFEST",
+    "Descriptor",
+    "ImageConfig",
+    "Index",
+    "Manifest",
+    "Platform",
+    "canonical_json",
+    "digest_of",
+    "host_platform",
+    "is_index",
+    "parse_any",
+    "parse_index",
+    "parse_manifest",
+    "select_platform",
+]
+
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
+OCI_LAYER_TAR = "application/vnd.oci.image.layer.v1.tar"
+OCI_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
+OCI_LAYER_ZSTD = "application/vnd.oci.image.layer.v1.tar+zstd"
+DOCKER_MANIFEST_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
+DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
+DOCKER_CONFIG = "application/vnd.docker.container.image.v1+json"
+DOCKER_LAYER_GZIP = "application/vnd.docker.image.rootfs.diff.tar.gzip"
+DOCKER_LAYER_FOREIGN_GZIP = "application/vnd.docker.image.rootfs.foreign.diff.tar.gzip"
+
+INDEX_TYPES = (OCI_INDEX, DOCKER_MANIFEST_LIST)
+MANIFEST_TYPES = (OCI_MANIFEST, DOCKER_MANIFEST)
+ALL_MANIFEST_TYPES: tuple[str, ...] = (*INDEX_TYPES, *MANIFEST_TYPES)
+LAYER_TYPES = (OCI_LAYER_TAR, OCI_LAYER_GZIP, OCI_LAYER_ZSTD, DOCKER_LAYER_GZIP,
+               DOCKER_LAYER_FOREIGN_GZIP)
+
+
+def digest_of(data: bytes) -> str:
+    """``sha256:<hex>`` of ``data``."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Compact, key-sorted JSON: stable bytes (and so a stable digest) for what we write."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _load(body: bytes, what: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FormatError(f"{what} is not valid JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise FormatError(f"{what} is not a JSON object")
+    return obj
+
+
+@dataclass(frozen=True)
+class Platform:
+    """``os/architecture[/variant]`` of an image, as in an index entry or a config."""
+
+    os: str
+    architecture: str
+    variant: str | None = None
+    os_version: str | None = None
+
+    @classmethod
+    def parse(cls, s: str) -> Platform:
+        """``linux/amd64``, ``linux/arm64/v8``."""
+        parts = s.strip().split("/")
+        if len(parts) not in (2, 3) or not all(parts):
+            raise InvalidArgument(f"invalid platform {s!r} (want os/arch[/variant])")
+        return cls(os=parts[0], architecture=_normalise_arch(parts[1]),
+                   variant=parts[2] if len(parts) == 3 else None)
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> Platform:
+        try:
+            return cls(os=str(obj["os"]), architecture=_normalise_arch(str(obj["architecture"])),
+                       variant=obj.get("variant") or None, os_version=obj.get("os.version"))
+        except KeyError as exc:
+            raise FormatError(f"platform lacks {exc.args[0]!r}") from exc
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"architecture": self.architecture, "os": self.os}
+        if self.variant:
+            out["variant"] = self.variant
+        if self.os_version:
+            out["os.version"] = self.os_version
+        return out
+
+    def matches(self, want: Platform) -> bool:
+        """Whether this (an image's) platform satisfies ``want`` (a missing variant matches)."""
+        if self.os != want.os or self.architecture != want.architecture:
+            return False
+        if want.variant is None or self.variant is None:
+            return True
+        return _normalise_variant(self.variant) == _normalise_variant(want.variant)
+
+    def __str__(self) -> str:
+        return "/".join(p for p in (self.os, self.architecture, self.variant) if p)
+
+
+def _normalise_arch(arch: str) -> str:
+    return {"x86_64": "amd64", "x86-64": "amd64", "aarch64": "arm64"}.get(arch, arch)
+
+
+def _normalise_variant(variant: str) -> str:
+    return "v8" if variant in ("8", "v8") else variant
+
+
+def host_platform() -> Platform:
+    """The platform of the machine we run on (``linux/amd64`` here)."""
+    return Platform(os="linux", architecture=_normalise_arch(_platform.machine().lower()))
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """A content descriptor: what to fetch, how big it is, what it is."""
+
+    media_type: str
+    digest: str
+    size: int
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    platform: Platform | None = None
+    urls: tuple[str, ...] = ()
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Descriptor:
+        if not isinstance(obj, dict):
+            raise FormatError("descriptor is not a JSON object")
+        try:
+            digest = str(obj["digest"])
+            size = obj["size"]
+        except KeyError as exc:
+            raise FormatError(f"descriptor lacks {exc.args[0]!r}") from exc
+        try:
+            validate_digest(digest)
+        except InvalidArgument as exc:
+            raise FormatError(f"descriptor has {exc}") from exc
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise FormatError(f"descriptor {digest} has invalid size {size!r}")
+        ann = obj.get("annotations") or {}
+        if not isinstance(ann, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in ann.items()
+        ):
+            raise FormatError(f"descriptor {digest} has invalid annotations")
+        plat = obj.get("platform")
+        return cls(
+            media_type=str(obj.get("mediaType", "")),
+            digest=digest,
+            size=size,
+            annotations=dict(ann),
+            platform=Platform.from_json(plat) if isinstance(plat, dict) else None,
+            urls=tuple(str(u) for u in obj.get("urls") or ()),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"mediaType": self.media_type, "digest": self.digest,
+                               "size": self.size}
+        if self.annotations:
+            out["annotations"] = dict(self.annotations)
+        if self.platform is not None:
+            out["platform"] = self.platform.to_json()
+        if self.urls:
+            out["urls"] = list(self.urls)
+        return out
+
+    def with_annotations(self, extra: Mapping[str, str]) -> Descriptor:
+        return replace(self, annotations={**self.annotations, **extra})
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """An image manifest (OCI or Docker v2 schema 2)."""
+
+    media_type: str
+    config: Descriptor
+    layers: tuple[Descriptor, ...]
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    raw: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        """Serialise, keeping any fields we do not model (``subject``, ``artifactType``...)."""
+        obj = dict(self.raw)
+        obj["schemaVersion"] = 2
+        obj["mediaType"] = self.media_type
+        obj["config"] = self.config.to_json()
+        obj["layers"] = [d.to_json() for d in self.layers]
+        if self.annotations:
+            obj["annotations"] = dict(self.annotations)
+        else:
+            obj.pop("annotations", None)
+        return canonical_json(obj)
+
+
+@dataclass(frozen=True)
+class Index:
+    """An image index (OCI) or manifest list (Docker)."""
+
+    media_type: str
+    manifests: tuple[Descriptor, ...]
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    raw: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        obj = dict(self.raw)
+        obj["schemaVersion"] = 2
+        obj["mediaType"] = self.media_type
+        obj["manifests"] = [d.to_json() for d in self.manifests]
+        if self.annotations:
+            obj["annotations"] = dict(self.annotations)
+        else:
+            obj.pop("annotations", None)
+        return canonical_json(obj)
+
+
+def _sniff_type(obj: Mapping[str, Any], declared: str | None) -> str:
+    media = obj.get("mediaType") or ""
+    if declared and declared.split(";")[0].strip() in ALL_MANIFEST_TYPES:
+        declared = declared.split(";")[0].strip()
+    else:
+        declared = None
+    mt = str(media or declared or "")
+    if not mt:
+        # OCI allows leaving mediaType out; tell the two apart by their fields.
+        mt = OCI_INDEX if "manifests" in obj else OCI_MANIFEST
+    return mt
+
+
+def is_index(media_type: str) -> bool:
+    return media_type.split(";")[0].strip() in INDEX_TYPES
+
+
+def parse_manifest(body: bytes, media_type: str | None = None) -> Manifest:
+    """Parse an image manifest; raise :class:`FormatError` for anything else."""
+    obj = _load(body, "manifest")
+    mt = _sniff_type(obj, media_type)
+    if mt not in MANIFEST_TYPES:
+        raise FormatError(f"not an image manifest (media type {mt!r})")
+    if obj.get("schemaVersion") != 2:
+        raise FormatError(f"unsupported manifest schemaVersion {obj.get('schemaVersion')!r}")
+    if "config" not in obj or not isinstance(obj.get("layers", []), list):
+        raise FormatError("manifest lacks config or layers")
+    ann = obj.get("annotations") or {}
+    return Manifest(
+        media_type=mt,
+        config=Descriptor.from_json(obj["config"]),
+        layers=tuple(Descriptor.from_json(d) for d in obj.get("layers") or []),
+        annotations=dict(ann) if isinstance(ann, dict) else {},
+        raw=obj,
+    )
+
+
+def parse_index(body: bytes, media_type: str | None = None) -> Index:
+    """Parse an image index or Docker manifest list."""
+    obj = _load(body, "index")
+    mt = _sniff_type(obj, media_type)
+    if mt not in INDEX_TYPES:
+        raise FormatError(f"not an image index (media type {mt!r})")
+    if not isinstance(obj.get("manifests"), list):
+        raise FormatError("index lacks manifests")
+    ann = obj.get("annotations") or {}
+    return Index(
+        media_type=mt,
+        manifests=tuple(Descriptor.from_json(d) for d in obj["manifests"]),
+        annotations=dict(ann) if isinstance(ann, dict) else {},
+        raw=obj,
+    )
+
+
+def parse_any(body: bytes, media_type: str | None = None) -> Manifest | Index:
+    """Parse a manifest or an index, whichever ``body`` is."""
+    obj = _load(body, "manifest")
+    mt = _sniff_type(obj, media_type)
+    if mt in INDEX_TYPES:
+        return parse_index(body, mt)
+    return parse_manifest(body, mt)
+
+
+def select_platform(index: Index, want: Platform | None = None) -> Descriptor:
+    """The index entry for ``want`` (default: this host); :class:`NotFound` if none matches."""
+    target = want or host_platform()
+    candidates = [d for d in index.manifests
+                  if d.media_type in MANIFEST_TYPES or not d.media_type]
+    for d in candidates:
+        if d.platform is not None and d.platform.matches(target):
+            return d
+    available = ", ".join(str(d.platform) for d in candidates if d.platform) or "none"
+    raise NotFound(f"no manifest for platform {target} in index (available: {available})")
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    """An image config; only ``rootfs.diff_ids`` and the platform are modelled, the rest kept."""
+
+    raw: Mapping[str, Any]
+
+    @classmethod
+    def parse(cls, body: bytes) -> ImageConfig:
+        obj = _load(body, "image config")
+        rootfs = obj.get("rootfs")
+        if not isinstance(rootfs, dict) or not isinstance(rootfs.get("diff_ids"), list):
+            raise FormatError("image config lacks rootfs.diff_ids")
+        return cls(raw=obj)
+
+    @property
+    def diff_ids(self) -> tuple[str, ...]:
+        return tuple(str(d) for d in self.raw["rootfs"]["diff_ids"])
+
+    @property
+    def platform(self) -> Platform | None:
+        if "os" in self.raw and "architecture" in self.raw:
+            return Platform(os=str(self.raw["os"]),
+                            architecture=_normalise_arch(str(self.raw["architecture"])),
+                            variant=self.raw.get("variant"))
+        return None
+
+    def with_diff_ids(self, diff_ids: Iterable[str]) -> ImageConfig:
+        """A copy whose ``rootfs.diff_ids`` are ``diff_ids`` (same count required)."""
+        new = [validate_digest(d) for d in diff_ids]
+        if len(new) != len(self.diff_ids):
+            raise InvalidArgument(
+                f"config has {len(self.diff_ids)} diff_ids, got {len(new)} replacements")
+        obj = dict(self.raw)
+        obj["rootfs"] = {**self.raw["rootfs"], "diff_ids": new}
+        return ImageConfig(raw=obj)
+
+    def to_bytes(self) -> bytes:
+        return canonical_json(self.raw)
+
+
+def build_manifest(config: Descriptor, layers: Sequence[Descriptor], *,
+                   media_type: str = OCI_MANIFEST,
+                   annotations: Mapping[str, str] | None = None) -> Manifest:
+    """A fresh manifest from descriptors."""
+    return Manifest(media_type=media_type, config=config, layers=tuple(layers),
+                    annotations=dict(annotations or {}), raw={})

@@ -1,0 +1,102 @@
+"""What the snapshotter hands the FUSE server to mount one lazily pulled layer, and the labels it
+comes from.
+
+The labels are interface facts (see shared/reference/containerd-snapshotter.md): containerd passes
+every layer annotation whose key starts with ``containerd.io/snapshot/`` plus
+``containerd.io/snapshot.ref``; the CRI plugin adds ``cri.*``; our own ``coldstart pull`` adds
+``containerd.io/snapshot/remote/coldstart.*``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from coldstart.errors import InvalidArgument
+
+SNAPSHOT_PREFIX = "containerd.io/snapshot/"
+TARGET_SNAPSHOT_REF = "containerd.io/snapshot.ref"
+# set on every snapshot we commit as a lazily mounted layer (stargz uses the same key)
+REMOTE_SNAPSHOT = "containerd.io/snapshot/remote"
+REMOTE_SNAPSHOT_VALUE = "remote snapshot"
+
+CRI_IMAGE_REF = "containerd.io/snapshot/cri.image-ref"
+CRI_MANIFEST_DIGEST = "containerd.io/snapshot/cri.manifest-digest"
+CRI_LAYER_DIGEST = "containerd.io/snapshot/cri.layer-digest"
+CRI_IMAGE_LAYERS = "containerd.io/snapshot/cri.image-layers"
+
+_OURS = "containerd.io/snapshot/remote/coldstart."
+REMOTE_REFERENCE = _OURS + "reference"      # registry/repo[:tag][@digest] the blob is fetched from
+REMOTE_DIGEST = _OURS + "digest"            # layer (blob) digest
+REMOTE_SIZE = _OURS + "size"                # blob size in bytes
+REMOTE_MEDIA_TYPE = _OURS + "media-type"    # layer media type
+REMOTE_MANIFEST_DIGEST = _OURS + "manifest-digest"
+# JSON object: the layer descriptor's annotations that do not already travel under
+# SNAPSHOT_PREFIX (the zstd:chunked ones, io.github.containers.zstd-chunked.*)
+REMOTE_ANNOTATIONS = _OURS + "annotations"
+
+# containerd limits one label's key + value to this many bytes
+LABEL_LIMIT = 4096
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Where a layer's blob lives and what its manifest said about it.
+
+    ``annotations`` are the layer descriptor's annotations (TOC digest and friends); when they
+    lack the format's TOC digest and ``manifest_digest`` is known, the mounter may fetch that
+    manifest (verified by its digest) to find them.
+    """
+
+    reference: str
+    digest: str
+    size: int = -1
+    media_type: str = ""
+    manifest_digest: str = ""
+    annotations: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> LayerSpec:
+        try:
+            data: dict[str, Any] = json.loads(text)
+            return cls(**data)
+        except (ValueError, TypeError) as exc:
+            raise InvalidArgument(f"bad layer spec: {exc}") from exc
+
+
+def layer_spec_from_labels(labels: Mapping[str, str]) -> LayerSpec | None:
+    """The layer to mount lazily, from a Prepare's labels; ``None`` when they do not name one."""
+    reference = labels.get(REMOTE_REFERENCE) or labels.get(CRI_IMAGE_REF)
+    digest = labels.get(REMOTE_DIGEST) or labels.get(CRI_LAYER_DIGEST)
+    if not reference or not digest:
+        return None
+    annotations = {
+        k: v for k, v in labels.items()
+        if k.startswith(SNAPSHOT_PREFIX)
+        and not k.startswith(("containerd.io/snapshot/cri.", "containerd.io/snapshot/remote"))
+    }
+    extra = labels.get(REMOTE_ANNOTATIONS)
+    if extra:
+        try:
+            parsed = json.loads(extra)
+        except ValueError as exc:
+            raise InvalidArgument(f"label {REMOTE_ANNOTATIONS} is not JSON: {exc}") from exc
+        if isinstance(parsed, dict):
+            annotations.update({str(k): str(v) for k, v in parsed.items()})
+    try:
+        size = int(labels.get(REMOTE_SIZE, "-1"))
+    except ValueError:
+        size = -1
+    return LayerSpec(
+        reference=reference,
+        digest=digest,
+        size=size,
+        media_type=labels.get(REMOTE_MEDIA_TYPE, ""),
+        manifest_digest=labels.get(REMOTE_MANIFEST_DIGEST) or labels.get(CRI_MANIFEST_DIGEST, ""),
+        annotations=annotations,
+    )
