@@ -1,0 +1,187 @@
+"""The table of contents of a seekable layer, independent of its compression.
+
+Both eStargz and zstd:chunked describe a layer with the same JSON entries; this module holds the
+model every other part of coldstart reads (the snapshotter's FUSE layer answers lookup, getattr
+and readdir from it) and the rules that make a TOC from an untrusted blob safe to use: names are
+normalized and may not escape the layer, parents are synthesized, duplicates are refused.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass, field
+
+from coldstart.errors import FormatError
+
+__all__ = [
+    "ENTRY_TYPES",
+    "NO_PREFETCH_LANDMARK",
+    "PREFETCH_LANDMARK",
+    "TOC",
+    "Chunk",
+    "Entry",
+    "normalize_name",
+]
+
+ENTRY_TYPES = frozenset({"dir", "reg", "symlink", "hardlink", "char", "block", "fifo"})
+PREFETCH_LANDMARK = ".prefetch.landmark"
+NO_PREFETCH_LANDMARK = ".no.prefetch.landmark"
+#: Permission bits kept in ``Entry.mode`` (rwx for all, plus suid, sgid, sticky).
+MODE_PERM_MASK = 0o7777
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One independently decompressible piece of a regular file.
+
+    ``blob[offset:end_offset]`` is a gzip member or zstd frame; decompressing it and taking
+    ``[inner_offset, inner_offset + chunk_size)`` gives the file's bytes at ``chunk_offset``.
+    """
+
+    offset: int
+    end_offset: int
+    chunk_offset: int
+    chunk_size: int
+    digest: str
+    inner_offset: int = 0
+    zeros: bool = False
+    #: True when the member/frame holds nothing but this chunk's bytes (our writer and
+    #: containers/storage write such frames): decompressing more than the chunk is then an error.
+    exact: bool = False
+
+    @property
+    def compressed_size(self) -> int:
+        """Bytes to fetch for this chunk (0 for a hole)."""
+        return 0 if self.zeros else self.end_offset - self.offset
+
+
+@dataclass(slots=True)
+class Entry:
+    """One file system object of the layer (a whiteout is an ordinary entry named ``.wh.*``)."""
+
+    name: str
+    type: str
+    size: int = 0
+    mode: int = 0
+    uid: int = 0
+    gid: int = 0
+    uname: str = ""
+    gname: str = ""
+    mtime_ns: int = 0
+    link_name: str = ""
+    dev_major: int = 0
+    dev_minor: int = 0
+    xattrs: dict[str, bytes] = field(default_factory=dict)
+    digest: str | None = None
+    chunks: list[Chunk] = field(default_factory=list)
+
+    @property
+    def basename(self) -> str:
+        """The last path component ("" for the root)."""
+        return self.name.rpartition("/")[2]
+
+    @property
+    def parent(self) -> str:
+        """The parent directory's name ("" for top-level entries and the root)."""
+        return self.name.rpartition("/")[0]
+
+
+def normalize_name(raw: str, *, what: str = "entry") -> str:
+    """Normalize a path from a tar header or TOC; refuse one that could escape the layer.
+
+    ``./a/b/``, ``a//b`` and ``a/./b`` become ``a/b``; ``.``, ``./`` and ``""`` are the root
+    (``""``). Absolute paths, ``..`` components and NUL bytes raise FormatError.
+
+    >>> normalize_name("./usr/bin/")
+    'usr/bin'
+    """
+    if "\x00" in raw:
+        raise FormatError(f"{what} name {raw!r} contains a NUL byte")
+    if raw.startswith("/"):
+        raise FormatError(f"{what} name {raw!r} is absolute")
+    parts = [p for p in raw.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise FormatError(f"{what} name {raw!r} contains '..'")
+    return "/".join(parts)
+
+
+class TOC:
+    """A validated table of contents: entries by normalized name, with every parent present.
+
+    Build one with :meth:`TOC.build`, which refuses duplicates and synthesizes missing parent
+    directories (mode 0o755, owned by root), including the root ``""``.
+    """
+
+    __slots__ = ("_children", "entries", "format", "order", "prefetch")
+
+    def __init__(self, format: str, entries: dict[str, Entry], order: list[str],
+                 prefetch: list[str]) -> None:
+        self.format = format
+        self.entries = entries
+        #: Names in the order the layer stores them (synthesized parents excluded).
+        self.order = order
+        self.prefetch = prefetch
+        children: dict[str, list[str]] = {}
+        for name in entries:
+            if name:
+                children.setdefault(entries[name].parent, []).append(name)
+        for names in children.values():
+            names.sort()
+        self._children = children
+
+    @classmethod
+    def build(cls, format: str, entries: list[Entry]) -> TOC:
+        """Index ``entries`` (in layer order) and synthesize the missing directories.
+
+        Raises FormatError for a duplicate name, a name whose parent is not a directory, or
+        an unknown entry type. ``prefetch`` is every name before the prefetch landmark.
+        """
+        by_name: dict[str, Entry] = {}
+        order: list[str] = []
+        prefetch: list[str] = []
+        landmark_seen = False
+        for e in entries:
+            if e.type not in ENTRY_TYPES:
+                raise FormatError(f"entry {e.name!r}: unknown type {e.type!r}")
+            if e.name in by_name:
+                prev = by_name[e.name]
+                # The root directory may appear explicitly once after being implied; any
+                # other repeat is a layer that says two different things about one path.
+                raise FormatError(
+                    f"entry {e.name!r} appears twice (as {prev.type} and as {e.type})"
+                )
+            if e.name == "" and e.type != "dir":
+                raise FormatError(f"root entry has type {e.type!r}, not dir")
+            by_name[e.name] = e
+            order.append(e.name)
+            if e.name == PREFETCH_LANDMARK:
+                landmark_seen = True
+            elif not landmark_seen:
+                prefetch.append(e.name)
+        if not landmark_seen:
+            prefetch = []
+        for name in list(by_name):
+            parent = by_name[name].parent if name else None
+            while parent is not None:
+                p = by_name.get(parent)
+                if p is None:
+                    by_name[parent] = Entry(name=parent, type="dir", mode=0o755)
+                elif p.type != "dir":
+                    raise FormatError(f"entry {name!r}: parent {parent!r} is a {p.type}, not a dir")
+                else:
+                    break
+                parent = posixpath.dirname(parent) if parent else None
+        if "" not in by_name:
+            by_name[""] = Entry(name="", type="dir", mode=0o755)
+        return cls(format, by_name, order, prefetch)
+
+    def children(self, name: str) -> list[str]:
+        """Full names of the direct children of directory ``name``, sorted."""
+        return list(self._children.get(name, ()))
+
+    def get(self, name: str) -> Entry | None:
+        """The entry called ``name`` (normalized), or None."""
+        return self.entries.get(name)
+
+    def __len__(self) -> int:
+        return len(self.entries)

@@ -1,0 +1,855 @@
+"""A thin, thread-safe client for the OCI distribution API (v2) over httpx.
+
+This module is the one place that speaks HTTP to registries and maps httpx's errors and HTTP
+statuses to :mod:`coldstart.errors`:
+
+- 404 → :class:`NotFound`; 401/403 → :class:`AuthError`; 416 → :class:`InvalidArgument`;
+- 5xx, 429, connection errors → retried with exponential backoff and full jitter inside the
+  call's deadline, then :class:`Unavailable`; an exhausted deadline → :class:`DeadlineExceeded`;
+- a downloaded blob or manifest whose bytes do not match its digest → :class:`IntegrityError`.
+
+Every public call takes ``timeout`` (seconds, covering all its retries); the client's default is
+``timeout=30``. One client may be shared by many threads (httpx's pool is thread-safe; our token
+cache is locked).
+
+>>> with RegistryClient() as client:                                  # doctest: +SKIP
+...     resolved = client.resolve(Reference.parse("127.0.0.1:5000/app:v1"))
+...     layer = resolved.manifest.layers[0]
+...     head = client.read_blob_range(resolved.ref, layer.digest, 0, 512)
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import io
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, BinaryIO
+from urllib.parse import urlencode, urljoin, urlsplit
+
+import httpx
+
+from coldstart.errors import (
+    ColdstartError,
+    DeadlineExceeded,
+    FailedPrecondition,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
+from coldstart.oci.credentials import Credentials, DockerConfig, default_docker_config
+from coldstart.oci.hosts import Endpoint, HostsConfig
+from coldstart.oci.manifest import (
+    ALL_MANIFEST_TYPES,
+    Descriptor,
+    Index,
+    Manifest,
+    Platform,
+    digest_of,
+    is_index,
+    parse_index,
+    parse_manifest,
+    select_platform,
+)
+from coldstart.oci.reference import Reference, validate_digest
+
+if TYPE_CHECKING:
+    from coldstart.remote.registry_blob import RegistryBlob
+
+__all__ = ["AuthError", "RegistryClient", "Resolved"]
+
+MAX_MANIFEST_BYTES = 4 << 20
+_RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
+_CHUNK = 1 << 20
+_USER_AGENT = "coldstart/0.1"
+
+
+class AuthError(FailedPrecondition):
+    """The registry refused our credentials, or wants credentials we do not have."""
+
+    grpc_code = "PERMISSION_DENIED"
+    exit_code = 10
+    errno = 13  # EACCES
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """An image reference resolved to one platform's manifest."""
+
+    ref: Reference                  # pinned to the manifest's digest
+    manifest: Manifest
+    manifest_bytes: bytes
+    media_type: str
+    digest: str
+    index: Index | None = None      # set when the reference named an index
+    index_digest: str | None = None
+
+
+class _Deadline:
+    def __init__(self, seconds: float, what: str) -> None:
+        self.end = time.monotonic() + seconds
+        self.seconds = seconds
+        self.what = what
+
+    def remaining(self) -> float:
+        return self.end - time.monotonic()
+
+    def check(self) -> float:
+        left = self.remaining()
+        if left <= 0:
+            raise DeadlineExceeded(f"{self.what}: no answer within {self.seconds:g} s")
+        return left
+
+
+@dataclass
+class _Token:
+    value: str
+    expires: float
+
+
+_CHALLENGE_RE = re.compile(r'(\w+)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^\s,]+))')
+
+
+def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
+    scheme, _, rest = header.strip().partition(" ")
+    params = {m.group(1).lower(): (m.group(2) if m.group(2) is not None else m.group(3))
+              for m in _CHALLENGE_RE.finditer(rest)}
+    return scheme.lower(), params
+
+
+def _registry_message(resp: httpx.Response) -> str:
+    try:
+        doc = resp.json()
+        errs = doc.get("errors") or []
+        if errs:
+            return "; ".join(f"{e.get('code', '')}: {e.get('message', '')}".strip(": ")
+                             for e in errs if isinstance(e, dict))
+    except Exception:  # noqa: S110 - the body is only a hint for the message
+        pass
+    return resp.reason_phrase or ""
+
+
+_BodyFactory = Callable[[], bytes | Iterator[bytes]]
+
+
+class RegistryClient:
+    """Client for OCI registries: manifests, blobs (ranges too), uploads, mounts.
+
+    ``insecure_hosts`` are spoken to over plain HTTP (loopback always is); ``hosts_dir`` is a
+    containerd ``certs.d`` directory (mirrors, TLS); ``docker_config`` the Docker ``config.json``
+    with credentials (default ``~/.docker/config.json``); ``credentials`` overrides per host.
+    ``timeout`` is the default deadline of every call, ``retries`` how many times a failed
+    attempt is retried inside it.
+    """
+
+    def __init__(self, *, insecure_hosts: Iterable[str] = (), docker_config: Path | None = None,
+                 hosts_dir: Path | None = None, timeout: float = 30.0, retries: int = 3,
+                 backoff: float = 0.2, max_backoff: float = 5.0,
+                 credentials: Mapping[str, Credentials | tuple[str, str]] | None = None,
+                 max_connections: int = 64, blob_timeout: float = 3600.0,
+                 user_agent: str = _USER_AGENT) -> None:
+        if timeout <= 0 or retries < 0:
+            raise InvalidArgument("timeout must be > 0 and retries >= 0")
+        self.timeout = timeout
+        self.blob_timeout = blob_timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.hosts = HostsConfig.create(hosts_dir, insecure_hosts)
+        static = {h: c if isinstance(c, Credentials) else Credentials(*c)
+                  for h, c in (credentials or {}).items()}
+        self.creds = DockerConfig(docker_config or default_docker_config(), static=static)
+        self._limits = httpx.Limits(max_connections=max_connections,
+                                    max_keepalive_connections=max_connections)
+        self._user_agent = user_agent
+        self._lock = threading.Lock()
+        self._clients: dict[tuple[Any, ...], httpx.Client] = {}
+        self._tokens: dict[tuple[str, str], _Token] = {}
+        self._schemes: dict[str, tuple[str, dict[str, str]]] = {}
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close every pooled connection."""
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+            self._closed = True
+        for c in clients:
+            c.close()
+
+    def __enter__(self) -> RegistryClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _client(self, ep: Endpoint | None) -> httpx.Client:
+        key = ep.tls_key() if ep is not None else ("plain",)
+        with self._lock:
+            if self._closed:
+                raise FailedPrecondition("registry client is closed")
+            client = self._clients.get(key)
+            if client is None:
+                client = httpx.Client(
+                    verify=ep.ssl_verify() if ep is not None else True,
+                    limits=self._limits, follow_redirects=False, trust_env=False,
+                    headers={"User-Agent": self._user_agent})
+                self._clients[key] = client
+            return client
+
+    # -- the request engine ----------------------------------------------------------------
+
+    def _timeouts(self, deadline: _Deadline) -> httpx.Timeout:
+        left = max(deadline.check(), 0.001)
+        return httpx.Timeout(min(left, self.timeout), connect=min(left, 10.0),
+                             pool=min(left, self.timeout))
+
+    def _sleep_backoff(self, attempt: int, deadline: _Deadline) -> bool:
+        delay = random.uniform(0, min(self.max_backoff, self.backoff * (2 ** attempt)))
+        if deadline.remaining() <= delay:
+            return False
+        time.sleep(delay)
+        return True
+
+    def _auth_header(self, ep: Endpoint, scope: str) -> str | None:
+        host = ep.host
+        with self._lock:
+            scheme = self._schemes.get(host)
+            if scheme is None:
+                return None
+            if scheme[0] == "bearer":
+                tok = self._tokens.get((host, scope))
+                if tok is not None and tok.expires > time.monotonic():
+                    return f"Bearer {tok.value}"
+                return None
+        if scheme[0] == "basic":
+            creds = self._creds_for(ep)
+            if creds is not None:
+                raw = f"{creds.username}:{creds.secret}".encode()
+                return "Basic " + base64.b64encode(raw).decode()
+        return None
+
+    def _creds_for(self, ep: Endpoint) -> Credentials | None:
+        return self.creds.lookup(ep.host) or (
+            self.creds.lookup(ep.mirror_of) if ep.mirror_of else None)
+
+    def _authenticate(self, ep: Endpoint, challenge: str, scope: str,
+                      deadline: _Deadline) -> bool:
+        """Answer a 401 challenge; return whether a retry with new credentials makes sense."""
+        scheme, params = _parse_challenge(challenge)
+        host = ep.host
+        creds = self._creds_for(ep)
+        if scheme == "basic":
+            with self._lock:
+                known = self._schemes.get(host)
+                self._schemes[host] = ("basic", params)
+            return creds is not None and known is None
+        if scheme != "bearer" or "realm" not in params:
+            raise AuthError(f"{host}: unsupported authentication challenge {challenge!r}")
+        token = self._fetch_token(ep, params, scope, creds, deadline)
+        with self._lock:
+            self._schemes[host] = ("bearer", params)
+            self._tokens[(host, scope)] = token
+        return True
+
+    def _fetch_token(self, ep: Endpoint, params: Mapping[str, str], scope: str,
+                     creds: Credentials | None, deadline: _Deadline) -> _Token:
+        realm = params["realm"]
+        if urlsplit(realm).scheme not in ("http", "https"):
+            raise AuthError(f"{ep.host}: bad token realm {realm!r}")
+        query: list[tuple[str, str]] = []
+        if params.get("service"):
+            query.append(("service", params["service"]))
+        query.extend(("scope", s) for s in scope.split(" ") if s)
+        headers: dict[str, str] = {}
+        method = "GET"
+        content: bytes | None = None
+        if creds is not None and creds.is_identity_token:
+            # OAuth2 refresh-token flow (what `docker login` stores as identitytoken)
+            method = "POST"
+            form = {"grant_type": "refresh_token", "refresh_token": creds.secret,
+                    "service": params.get("service", ""), "scope": scope,
+                    "client_id": "coldstart"}
+            content = urlencode(form).encode()
+            headers["Content-Type"] = "application/x-www-form-urlencoded"
+            url = realm
+        else:
+            if creds is not None:
+                raw = f"{creds.username}:{creds.secret}".encode()
+                headers["Authorization"] = "Basic " + base64.b64encode(raw).decode()
+            url = realm + ("&" if "?" in realm else "?") + urlencode(query)
+        attempt = 0
+        while True:
+            try:
+                resp = self._client(ep).request(method, url, headers=headers, content=content,
+                                                timeout=self._timeouts(deadline))
+            except httpx.TimeoutException as exc:
+                if deadline.remaining() <= 0 or attempt >= self.retries:
+                    raise DeadlineExceeded(f"token server {realm}: timed out") from exc
+            except httpx.TransportError as exc:
+                if attempt >= self.retries or not self._sleep_backoff(attempt, deadline):
+                    raise Unavailable(f"token server {realm}: {exc}") from exc
+            else:
+                if resp.status_code in _RETRY_STATUS and attempt < self.retries \
+                        and self._sleep_backoff(attempt, deadline):
+                    attempt += 1
+                    continue
+                break
+            attempt += 1
+        if resp.status_code in (401, 403):
+            who = f"as {creds.username!r}" if creds else "anonymously (no credentials found)"
+            raise AuthError(f"{ep.host}: token server refused {scope!r} {who}")
+        if resp.status_code != 200:
+            raise Unavailable(f"token server {realm} answered {resp.status_code}")
+        try:
+            doc = resp.json()
+            value = str(doc.get("token") or doc.get("access_token") or "")
+            ttl = float(doc.get("expires_in") or 60)
+        except (ValueError, AttributeError) as exc:
+            raise Unavailable(f"token server {realm} answered something that is not JSON") \
+                from exc
+        if not value:
+            raise AuthError(f"token server {realm} gave no token for {scope!r}")
+        # renew a little early so a token does not expire mid-request
+        return _Token(value=value, expires=time.monotonic() + max(ttl - 10.0, ttl / 2))
+
+    def _send(self, ep: Endpoint, method: str, url: str, *, scope: str,
+              headers: Mapping[str, str], body: _BodyFactory | None, deadline: _Deadline,
+              stream: bool) -> httpx.Response:
+        """One attempt, with authentication and redirects; the caller handles statuses."""
+        client = self._client(ep)
+        authed_once = False
+        while True:
+            hdrs = {**ep.headers, **headers}
+            auth = self._auth_header(ep, scope)
+            if auth:
+                hdrs["Authorization"] = auth
+            req = client.build_request(method, url, headers=hdrs,
+                                       content=body() if body else None,
+                                       timeout=self._timeouts(deadline))
+            resp = client.send(req, stream=True)
+            if resp.status_code == 401 and not authed_once:
+                challenge = resp.headers.get("WWW-Authenticate", "")
+                resp.close()
+                if not challenge:
+                    raise AuthError(f"{ep.host}: 401 Unauthorized without a challenge")
+                authed_once = True
+                if self._authenticate(ep, challenge, scope, deadline):
+                    continue
+                raise AuthError(f"{ep.host}: authentication required and no credentials "
+                                f"found (docker config {self.creds.path})")
+            break
+        hops = 0
+        while resp.status_code in _REDIRECTS and method in ("GET", "HEAD"):
+            location = resp.headers.get("Location")
+            resp.close()
+            if not location or hops >= 5:
+                raise Unavailable(f"{ep.host}: too many or empty redirects for {url}")
+            hops += 1
+            target = urljoin(url, location)
+            hdrs = dict(headers)
+            # blob storage (S3, a CDN) must not see the registry's credentials
+            if urlsplit(target).netloc == urlsplit(url).netloc:
+                auth = self._auth_header(ep, scope)
+                if auth:
+                    hdrs["Authorization"] = auth
+            url = target
+            req = client.build_request(method, url, headers=hdrs,
+                                       timeout=self._timeouts(deadline))
+            resp = client.send(req, stream=True)
+        if not stream:
+            try:
+                chunks = []
+                for chunk in resp.iter_bytes():
+                    chunks.append(chunk)
+                    if deadline.remaining() <= 0:
+                        raise httpx.ReadTimeout("deadline", request=req)
+                resp._content = b"".join(chunks)
+            finally:
+                resp.close()
+        return resp
+
+    def _request(self, ref: Reference, method: str, path: str, *, capability: str,
+                 scope: str | None = None, headers: Mapping[str, str] | None = None,
+                 params: Sequence[tuple[str, str]] = (), body: _BodyFactory | None = None,
+                 ok: Iterable[int] = (200,), timeout: float | None = None,
+                 stream: bool = False, retry: bool = True, what: str = "",
+                 endpoints: Sequence[Endpoint] | None = None,
+                 deadline: _Deadline | None = None) -> httpx.Response:
+        """Send to each endpoint in turn, retrying transient failures within one deadline."""
+        what = what or f"{method} {ref.name}{path}"
+        deadline = deadline or _Deadline(timeout if timeout is not None else self.timeout, what)
+        scope = scope or f"repository:{ref.repository}:pull"
+        eps = list(endpoints) if endpoints is not None else \
+            self.hosts.endpoints(ref.registry, capability)
+        ok_set = frozenset(ok)
+        last: ColdstartError | None = None
+        for i, ep in enumerate(eps):
+            query = list(params)
+            if ep.mirror_of:
+                query.append(("ns", ep.mirror_of))
+            url = f"{ep.base}/{ref.repository}{path}"
+            if query:
+                url += "?" + urlencode(query)
+            try:
+                return self._attempts(ep, method, url, scope=scope, headers=headers or {},
+                                      body=body, ok=ok_set, deadline=deadline, stream=stream,
+                                      retry=retry, what=what)
+            except (NotFound, Unavailable) as exc:
+                last = exc
+                if isinstance(exc, DeadlineExceeded) or i == len(eps) - 1:
+                    raise
+        assert last is not None
+        raise last
+
+    def _attempts(self, ep: Endpoint, method: str, url: str, *, scope: str,
+                  headers: Mapping[str, str], body: _BodyFactory | None, ok: frozenset[int],
+                  deadline: _Deadline, stream: bool, retry: bool, what: str) -> httpx.Response:
+        attempt = 0
+        while True:
+            try:
+                resp = self._send(ep, method, url, scope=scope, headers=headers, body=body,
+                                  deadline=deadline, stream=stream)
+            except httpx.TimeoutException as exc:
+                if deadline.remaining() <= 0.01 or not retry or attempt >= self.retries:
+                    raise DeadlineExceeded(
+                        f"{what}: {ep.host} did not answer within "
+                        f"{deadline.seconds:g} s") from exc
+                cause: BaseException = exc
+            except httpx.TransportError as exc:
+                if not retry or attempt >= self.retries:
+                    raise Unavailable(f"{what}: cannot reach {ep.host}: {exc}") from exc
+                cause = exc
+            else:
+                if resp.status_code in ok:
+                    return resp
+                if resp.status_code in _RETRY_STATUS and retry and attempt < self.retries:
+                    resp.close()
+                    cause = Unavailable(f"{what}: {ep.host} answered {resp.status_code}")
+                else:
+                    self._raise_for(resp, what, ep)
+            if not self._sleep_backoff(attempt, deadline):
+                if isinstance(cause, Unavailable):
+                    raise cause
+                raise DeadlineExceeded(f"{what}: gave up on {ep.host} within "
+                                       f"{deadline.seconds:g} s ({cause})") from cause
+            attempt += 1
+
+    def _raise_for(self, resp: httpx.Response, what: str, ep: Endpoint) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            resp.read()
+        resp.close()
+        code = resp.status_code
+        msg = _registry_message(resp)
+        detail = f"{what}: {ep.host} answered {code}" + (f" ({msg})" if msg else "")
+        if code == 404:
+            raise NotFound(detail)
+        if code in (401, 403):
+            raise AuthError(detail)
+        if code == 416:
+            raise InvalidArgument(detail)
+        if code >= 500 or code in _RETRY_STATUS:
+            raise Unavailable(detail)
+        if code == 400 and "DIGEST_INVALID" in msg:
+            raise IntegrityError(detail)
+        raise InvalidArgument(detail)
+
+    # -- manifests -------------------------------------------------------------------------
+
+    def get_manifest(self, ref: Reference, accept: Sequence[str] = ALL_MANIFEST_TYPES, *,
+                     timeout: float | None = None) -> tuple[bytes, str, str]:
+        """Fetch a manifest or index: ``(body, media_type, digest)``; verified when pinned."""
+        capability = "pull" if ref.digest else "resolve"
+        resp = self._request(ref, "GET", f"/manifests/{ref.reference}", capability=capability,
+                             headers={"Accept": ", ".join(accept)}, timeout=timeout,
+                             what=f"get manifest {ref}")
+        body = resp.content
+        if len(body) > MAX_MANIFEST_BYTES:
+            raise InvalidArgument(f"manifest {ref} is larger than {MAX_MANIFEST_BYTES} bytes")
+        digest = digest_of(body)
+        if ref.digest and ref.digest != digest and not ref.digest.startswith("sha512:"):
+            raise IntegrityError(f"manifest {ref}: registry sent {digest}")
+        header = resp.headers.get("Docker-Content-Digest")
+        if not ref.digest and header and header.startswith("sha256:") and header != digest:
+            raise IntegrityError(f"manifest {ref}: body is {digest}, registry says {header}")
+        media = resp.headers.get("Content-Type", "").split(";")[0].strip()
+        return body, media, ref.digest or digest
+
+    def head_manifest(self, ref: Reference, accept: Sequence[str] = ALL_MANIFEST_TYPES, *,
+                      timeout: float | None = None) -> Descriptor:
+        """HEAD a manifest: its descriptor (media type, digest, size) without the body."""
+        resp = self._request(ref, "HEAD", f"/manifests/{ref.reference}",
+                             capability="pull" if ref.digest else "resolve",
+                             headers={"Accept": ", ".join(accept)}, timeout=timeout,
+                             what=f"head manifest {ref}")
+        digest = resp.headers.get("Docker-Content-Digest") or ref.digest
+        if not digest:
+            body, media, digest = self.get_manifest(ref, accept, timeout=timeout)
+            return Descriptor(media_type=media, digest=digest, size=len(body))
+        return Descriptor(media_type=resp.headers.get("Content-Type", "").split(";")[0],
+                          digest=validate_digest(digest),
+                          size=int(resp.headers.get("Content-Length", "0")))
+
+    def resolve(self, ref: Reference, platform: Platform | None = None, *,
+                timeout: float | None = None) -> Resolved:
+        """Resolve ``ref`` to one image manifest (choosing ``platform`` from an index)."""
+        body, media, digest = self.get_manifest(ref, timeout=timeout)
+        index: Index | None = None
+        index_digest: str | None = None
+        if is_index(media) or (not media and b'"manifests"' in body):
+            index, index_digest = parse_index(body, media or None), digest
+            desc = select_platform(index, platform)
+            pinned = ref.with_digest(desc.digest)
+            body, media, digest = self.get_manifest(pinned, timeout=timeout)
+        manifest = parse_manifest(body, media or None)
+        return Resolved(ref=ref.with_digest(digest), manifest=manifest, manifest_bytes=body,
+                        media_type=manifest.media_type, digest=digest, index=index,
+                        index_digest=index_digest)
+
+    def push_manifest(self, ref: Reference, body: bytes, media_type: str, *,
+                      timeout: float | None = None) -> str:
+        """PUT a manifest or index under ``ref``'s tag (or digest); return its digest."""
+        digest = digest_of(body)
+        target = ref.tag if ref.tag and not ref.digest else digest
+        if ref.digest and ref.digest != digest:
+            raise InvalidArgument(f"push_manifest: body is {digest}, reference says {ref.digest}")
+        resp = self._request(ref, "PUT", f"/manifests/{target}", capability="push",
+                             scope=f"repository:{ref.repository}:pull,push",
+                             headers={"Content-Type": media_type}, body=lambda: body,
+                             ok=(200, 201, 202), timeout=timeout,
+                             what=f"push manifest {ref}")
+        echoed = resp.headers.get("Docker-Content-Digest")
+        if echoed and echoed != digest:
+            raise IntegrityError(f"push manifest {ref}: registry stored {echoed}, sent {digest}")
+        return digest
+
+    # -- blobs: reading --------------------------------------------------------------------
+
+    def blob_exists(self, ref: Reference, digest: str, *, timeout: float | None = None) -> bool:
+        """Whether the repository holds blob ``digest``."""
+        try:
+            self.blob_size(ref, digest, timeout=timeout)
+        except NotFound:
+            return False
+        return True
+
+    def blob_size(self, ref: Reference, digest: str, *, timeout: float | None = None) -> int:
+        """The size of blob ``digest`` (HEAD)."""
+        validate_digest(digest)
+        resp = self._request(ref, "HEAD", f"/blobs/{digest}", capability="pull",
+                             timeout=timeout, what=f"head blob {digest[:19]} in {ref.name}")
+        length = resp.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            raise Unavailable(f"head blob {digest}: no Content-Length from registry")
+        return int(length)
+
+    def get_blob(self, ref: Reference, digest: str, *, max_size: int = 64 << 20,
+                 timeout: float | None = None) -> bytes:
+        """A whole (small) blob in memory, verified against ``digest``: configs, TOCs."""
+        buf = io.BytesIO()
+        self.download_blob(ref, digest, buf, max_size=max_size, timeout=timeout)
+        return buf.getvalue()
+
+    def download_blob(self, ref: Reference, digest: str, dst: IO[bytes], *,
+                      size: int | None = None, max_size: int | None = None,
+                      timeout: float | None = None,
+                      progress: Callable[[int], None] | None = None) -> int:
+        """Stream blob ``digest`` into ``dst``, verifying it; resume with ranges after errors.
+
+        Returns the byte count. ``dst`` holds unverified bytes if this raises: write into a
+        temporary file and move it into place after success.
+        """
+        validate_digest(digest)
+        algo = digest.split(":", 1)[0]
+        hasher = hashlib.new(algo)
+        what = f"get blob {digest[:19]} from {ref.name}"
+        deadline = _Deadline(timeout if timeout is not None else self.blob_timeout, what)
+        written = 0
+        attempt = 0
+        while True:
+            headers = {"Range": f"bytes={written}-"} if written else {}
+            resp = self._request(ref, "GET", f"/blobs/{digest}", capability="pull",
+                                 headers=headers, ok=(200, 206), stream=True, what=what,
+                                 deadline=deadline)
+            skip = written if (written and resp.status_code == 200) else 0
+            try:
+                for chunk in resp.iter_bytes(_CHUNK):
+                    if skip:
+                        if len(chunk) <= skip:
+                            skip -= len(chunk)
+                            continue
+                        chunk, skip = chunk[skip:], 0
+                    written += len(chunk)
+                    if (max_size is not None and written > max_size) or \
+                            (size is not None and written > size):
+                        raise IntegrityError(f"{what}: larger than expected "
+                                             f"({max_size if size is None else size} bytes)")
+                    hasher.update(chunk)
+                    dst.write(chunk)
+                    if progress is not None:
+                        progress(len(chunk))
+                    if deadline.remaining() <= 0:
+                        raise DeadlineExceeded(f"{what}: not done within {deadline.seconds:g} s")
+                break
+            except (httpx.TransportError, httpx.StreamError) as exc:
+                if attempt >= self.retries or not self._sleep_backoff(attempt, deadline):
+                    if isinstance(exc, httpx.TimeoutException):
+                        raise DeadlineExceeded(f"{what}: stalled: {exc}") from exc
+                    raise Unavailable(f"{what}: connection lost: {exc}") from exc
+                attempt += 1
+            finally:
+                resp.close()
+        got = f"{algo}:{hasher.hexdigest()}"
+        if got != digest:
+            raise IntegrityError(f"{what}: content is {got}")
+        if size is not None and written != size:
+            raise IntegrityError(f"{what}: {written} bytes, descriptor says {size}")
+        return written
+
+    def read_blob_range(self, ref: Reference, digest: str, offset: int, length: int, *,
+                        timeout: float | None = None) -> bytes:
+        """Bytes ``[offset, offset+length)`` of a blob via an HTTP range request.
+
+        Shorter only if the blob ends first. A registry that ignores ``Range`` and sends the whole
+        blob (200) still yields exactly the requested bytes (the rest is not kept in memory).
+        """
+        if offset < 0 or length < 0:
+            raise InvalidArgument(f"bad range offset={offset} length={length}")
+        if length == 0:
+            return b""
+        what = f"read {digest[:19]}[{offset}:+{length}] from {ref.name}"
+        deadline = _Deadline(timeout if timeout is not None else self.timeout, what)
+        attempt = 0
+        while True:
+            resp = self._request(ref, "GET", f"/blobs/{digest}", capability="pull",
+                                 headers={"Range": f"bytes={offset}-{offset + length - 1}"},
+                                 ok=(200, 206), stream=True, what=what, deadline=deadline)
+            try:
+                return self._range_body(resp, offset, length, deadline, what)
+            except (httpx.TransportError, httpx.StreamError) as exc:
+                if attempt >= self.retries or not self._sleep_backoff(attempt, deadline):
+                    if isinstance(exc, httpx.TimeoutException):
+                        raise DeadlineExceeded(f"{what}: stalled: {exc}") from exc
+                    raise Unavailable(f"{what}: connection lost: {exc}") from exc
+                attempt += 1
+            finally:
+                resp.close()
+
+    @staticmethod
+    def _range_body(resp: httpx.Response, offset: int, length: int, deadline: _Deadline,
+                    what: str) -> bytes:
+        skip = 0
+        if resp.status_code == 206:
+            cr = resp.headers.get("Content-Range", "")
+            m = re.match(r"bytes (\d+)-(\d+)/(\d+|\*)", cr)
+            if m is None or int(m.group(1)) != offset:
+                raise Unavailable(f"{what}: bad Content-Range {cr!r}")
+        else:
+            skip = offset
+        out = bytearray()
+        for chunk in resp.iter_bytes(_CHUNK):
+            if skip:
+                if len(chunk) <= skip:
+                    skip -= len(chunk)
+                    continue
+                chunk, skip = chunk[skip:], 0
+            out += chunk[: length - len(out)]
+            if len(out) >= length:
+                break
+            if deadline.remaining() <= 0:
+                raise DeadlineExceeded(f"{what}: not done within {deadline.seconds:g} s")
+        return bytes(out)
+
+    def open_blob(self, ref: Reference, digest: str, size: int | None = None) -> RegistryBlob:
+        """A :class:`coldstart.remote.RegistryBlob` reading this blob with range requests."""
+        from coldstart.remote.registry_blob import RegistryBlob
+
+        return RegistryBlob(self, ref, digest, size)
+
+    # -- blobs: writing --------------------------------------------------------------------
+
+    def _start_upload(self, ref: Reference, *, params: Sequence[tuple[str, str]] = (),
+                      scope: str | None = None, deadline: _Deadline) -> httpx.Response:
+        return self._request(ref, "POST", "/blobs/uploads/", capability="push",
+                             scope=scope or f"repository:{ref.repository}:pull,push",
+                             params=params, ok=(201, 202), deadline=deadline,
+                             headers={"Content-Length": "0"},
+                             what=f"start upload to {ref.name}")
+
+    def _upload_url(self, ref: Reference, resp: httpx.Response) -> str:
+        location = resp.headers.get("Location")
+        if not location:
+            raise Unavailable(f"upload to {ref.name}: registry gave no Location")
+        return urljoin(str(resp.request.url), location)
+
+    def _raw(self, ref: Reference, method: str, url: str, *, headers: Mapping[str, str],
+             body: _BodyFactory | None, ok: Iterable[int], deadline: _Deadline,
+             what: str, extra: Sequence[tuple[str, str]] = ()) -> httpx.Response:
+        """A request to an absolute URL given by the registry (upload sessions); no retries,
+        since PATCH/PUT on a session are not idempotent: the caller restarts the upload."""
+        if extra:
+            url += ("&" if "?" in url else "?") + urlencode(extra)
+        ep = self._endpoint_for_url(ref, url)
+        return self._attempts(ep, method, url,
+                              scope=f"repository:{ref.repository}:pull,push",
+                              headers=headers, body=body, ok=frozenset(ok), deadline=deadline,
+                              stream=False, retry=False, what=what)
+
+    def _endpoint_for_url(self, ref: Reference, url: str) -> Endpoint:
+        netloc = urlsplit(url).netloc
+        for ep in self.hosts.endpoints(ref.registry, "push"):
+            if ep.host == netloc:
+                return ep
+        return self.hosts.endpoints(ref.registry, "push")[-1]
+
+    def push_blob(self, ref: Reference, data: bytes | Path | BinaryIO, digest: str | None = None,
+                  *, chunk_size: int | None = None, timeout: float | None = None) -> str:
+        """Upload a blob (bytes, a file path or a seekable file); return its digest.
+
+        Skips the upload if the blob exists. ``chunk_size`` switches to a chunked upload
+        (``POST``, ``PATCH``…, ``PUT ?digest=``); otherwise one monolithic ``PUT``. A failed
+        attempt restarts the whole upload session, within the call's deadline.
+        """
+        src = _Source.of(data)
+        try:
+            if digest is None:
+                digest = src.digest()
+            validate_digest(digest)
+            if self.blob_exists(ref, digest, timeout=timeout):
+                return digest
+            what = f"push blob {digest[:19]} to {ref.name}"
+            deadline = _Deadline(timeout if timeout is not None else self.blob_timeout, what)
+            attempt = 0
+            while True:
+                try:
+                    self._upload_once(ref, src, digest, chunk_size, deadline, what)
+                    return digest
+                except Unavailable as exc:
+                    if isinstance(exc, DeadlineExceeded) or attempt >= self.retries \
+                            or not self._sleep_backoff(attempt, deadline):
+                        raise
+                    attempt += 1
+        finally:
+            src.close()
+
+    def _upload_once(self, ref: Reference, src: _Source, digest: str, chunk_size: int | None,
+                     deadline: _Deadline, what: str) -> None:
+        start = self._start_upload(ref, deadline=deadline)
+        url = self._upload_url(ref, start)
+        size = src.size()
+        octet = {"Content-Type": "application/octet-stream"}
+        if chunk_size is None or size <= chunk_size:
+            resp = self._raw(ref, "PUT", url, headers={**octet, "Content-Length": str(size)},
+                             body=lambda: src.iter_range(0, size), ok=(201, 204),
+                             deadline=deadline, what=what, extra=[("digest", digest)])
+        else:
+            pos = 0
+            while pos < size:
+                n = min(chunk_size, size - pos)
+                start_at = pos
+                resp = self._raw(ref, "PATCH", url, headers={
+                    **octet, "Content-Length": str(n),
+                    "Content-Range": f"{start_at}-{start_at + n - 1}"},
+                    body=lambda s=start_at, k=n: src.iter_range(s, k),  # type: ignore[misc]
+                    ok=(202, 204), deadline=deadline, what=what)
+                url = self._upload_url(ref, resp)
+                pos += n
+            resp = self._raw(ref, "PUT", url, headers={"Content-Length": "0"}, body=None,
+                             ok=(201, 204), deadline=deadline, what=what,
+                             extra=[("digest", digest)])
+        echoed = resp.headers.get("Docker-Content-Digest")
+        if echoed and echoed != digest:
+            raise IntegrityError(f"{what}: registry stored {echoed}")
+
+    def mount_blob(self, ref: Reference, digest: str, from_repository: str, *,
+                   timeout: float | None = None) -> bool:
+        """Cross-repository mount of ``digest`` from ``from_repository`` (same registry).
+
+        Returns ``True`` if mounted, ``False`` if the registry declined (then upload instead).
+        """
+        validate_digest(digest)
+        what = f"mount blob {digest[:19]} from {from_repository} into {ref.name}"
+        deadline = _Deadline(timeout if timeout is not None else self.timeout, what)
+        scope = (f"repository:{ref.repository}:pull,push "
+                 f"repository:{from_repository}:pull")
+        resp = self._start_upload(ref, params=[("mount", digest), ("from", from_repository)],
+                                  scope=scope, deadline=deadline)
+        if resp.status_code == 201:
+            return True
+        # 202: the registry opened an ordinary upload session instead; do not leave it dangling
+        with contextlib.suppress(ColdstartError):
+            self._raw(ref, "DELETE", self._upload_url(ref, resp), headers={}, body=None,
+                      ok=(200, 202, 204, 404), deadline=deadline, what=what)
+        return False
+
+    def delete_manifest(self, ref: Reference, *, timeout: float | None = None) -> None:
+        """Delete a manifest by digest (registries refuse deletes by tag)."""
+        if not ref.digest:
+            raise InvalidArgument("delete_manifest needs a reference pinned to a digest")
+        self._request(ref, "DELETE", f"/manifests/{ref.digest}", capability="push",
+                      scope=f"repository:{ref.repository}:pull,push,delete",
+                      ok=(200, 202), timeout=timeout, what=f"delete manifest {ref}")
+
+
+class _Source:
+    """A re-readable upload source: bytes in memory, or a seekable file read with pread."""
+
+    def __init__(self, data: bytes | None, fd: int | None, owned: bool, size: int) -> None:
+        self._data = data
+        self._fd = fd
+        self._owned = owned
+        self._size = size
+
+    @classmethod
+    def of(cls, data: bytes | Path | BinaryIO) -> _Source:
+        if isinstance(data, bytes | bytearray | memoryview):
+            b = bytes(data)
+            return cls(b, None, False, len(b))
+        if isinstance(data, Path | str):
+            fd = os.open(data, os.O_RDONLY)
+            return cls(None, fd, True, os.fstat(fd).st_size)
+        try:
+            fd = data.fileno()
+        except (AttributeError, OSError, io.UnsupportedOperation):
+            data.seek(0)
+            b = data.read()
+            return cls(b, None, False, len(b))
+        return cls(None, fd, False, os.fstat(fd).st_size)
+
+    def size(self) -> int:
+        return self._size
+
+    def iter_range(self, offset: int, length: int) -> Iterator[bytes]:
+        if self._data is not None:
+            yield self._data[offset: offset + length]
+            return
+        assert self._fd is not None
+        end = offset + length
+        while offset < end:
+            chunk = os.pread(self._fd, min(_CHUNK, end - offset), offset)
+            if not chunk:
+                raise IntegrityError("upload source shrank while uploading")
+            offset += len(chunk)
+            yield chunk
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for chunk in self.iter_range(0, self._size):
+            h.update(chunk)
+        return "sha256:" + h.hexdigest()
+
+    def close(self) -> None:
+        if self._owned and self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -1,0 +1,272 @@
+"""Find the files of a checkpoint: one ``.safetensors`` file, a sharded checkpoint's
+``model.safetensors.index.json``, or a folder (local directory, S3 prefix, URL base) holding either.
+
+One :class:`Opener` per load shares one S3 client / one HTTP connection pool across every file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from coldstart.errors import FormatError, InvalidArgument, NotFound
+from coldstart.weights.header import Header, parse_header, parse_length
+from coldstart.weights.sources import (
+    HttpSource,
+    LocalSource,
+    RegistrySource,
+    S3Source,
+    Source,
+    map_s3_error,
+    s3_client,
+    split_s3_url,
+)
+
+__all__ = ["INDEX_NAME", "Checkpoint", "Opener", "ShardFile", "read_header"]
+
+INDEX_NAME = "model.safetensors.index.json"
+_SINGLE_NAME = "model.safetensors"
+# First read of a file: most headers fit, so one request usually gets all of it.
+_HEAD_GUESS = 1 << 20
+
+
+@dataclass
+class ShardFile:
+    """One file of a checkpoint, open, with its validated header."""
+
+    source: Source
+    header: Header
+
+
+@dataclass
+class Checkpoint:
+    """All files of a checkpoint; ``metadata`` is the index's metadata for sharded ones."""
+
+    location: str
+    files: list[ShardFile]
+    metadata: dict[str, Any]
+
+    def close(self) -> None:
+        for f in self.files:
+            f.source.close()
+
+
+def read_header(source: Source) -> Header:
+    """Read and validate the header of the file behind ``source`` (one request when it is small).
+
+    >>> from coldstart.weights.sources import LocalSource
+    >>> read_header(LocalSource("model.safetensors")).tensors  # doctest: +SKIP
+    """
+    size = source.size()
+    first = bytearray(min(size, _HEAD_GUESS))
+    if first:
+        source.read_into(0, [memoryview(first)])
+    n = parse_length(bytes(first[:8]), size, source.name)
+    if 8 + n > len(first):
+        rest = bytearray(8 + n - len(first))
+        source.read_into(len(first), [memoryview(rest)])
+        first += rest
+    return parse_header(bytes(first[: 8 + n]), size, source.name)
+
+
+class Opener:
+    """Opens sources of one scheme family with shared clients (S3 client, HTTP pool).
+
+    >>> with Opener(concurrency=8) as opener:  # doctest: +SKIP
+    ...     ckpt = opener.checkpoint("s3://models/llama/3/")
+    """
+
+    def __init__(self, *, concurrency: int = 16, timeout: float = 30.0,
+                 direct: bool = False) -> None:
+        self.concurrency = concurrency
+        self.timeout = timeout
+        self.direct = direct
+        self._s3: Any = None
+        self._http: Any = None
+
+    def __enter__(self) -> Opener:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+
+    def _scheme(self, location: str) -> str:
+        return urlsplit(location).scheme if "://" in location else ""
+
+    def s3(self) -> Any:
+        if self._s3 is None:
+            self._s3 = s3_client(concurrency=self.concurrency, timeout=self.timeout)
+        return self._s3
+
+    def http(self) -> Any:
+        if self._http is None:
+            import httpx
+
+            self._http = httpx.Client(
+                timeout=httpx.Timeout(self.timeout, connect=min(self.timeout, 10.0)),
+                limits=httpx.Limits(max_connections=self.concurrency,
+                                    max_keepalive_connections=self.concurrency),
+                follow_redirects=True,
+            )
+        return self._http
+
+    def open(self, location: str) -> Source:
+        """Open one file."""
+        scheme = self._scheme(location)
+        if scheme == "s3":
+            return S3Source(location, client=self.s3())
+        if scheme in ("http", "https"):
+            return HttpSource(location, client=self.http(), timeout=self.timeout)
+        if scheme == "oci":
+            return RegistrySource(location)
+        if scheme == "file":
+            return LocalSource(location[len("file://"):], direct=self.direct)
+        if scheme == "":
+            return LocalSource(location, direct=self.direct)
+        raise InvalidArgument(f"{location}: unsupported source scheme {scheme!r} "
+                              "(use a path, s3://, http(s):// or oci://)")
+
+    def read_small(self, location: str) -> bytes:
+        """Read a small whole file (an index)."""
+        src = self.open(location)
+        try:
+            size = src.size()
+            if size > 64 << 20:
+                raise FormatError(f"{location}: {size} bytes is too big for an index file")
+            buf = bytearray(size)
+            src.read_into(0, [memoryview(buf)])
+            return bytes(buf)
+        finally:
+            src.close()
+
+    def exists(self, location: str) -> bool:
+        try:
+            src = self.open(location)
+        except NotFound:
+            return False
+        try:
+            src.size()
+            return True
+        except NotFound:
+            return False
+        finally:
+            src.close()
+
+    def _join(self, base: str, name: str) -> str:
+        scheme = self._scheme(base)
+        if scheme == "":
+            return os.path.join(base, name)
+        parts = urlsplit(base)
+        path = parts.path if parts.path.endswith("/") else posixpath.dirname(parts.path) + "/"
+        return urlunsplit(parts._replace(path=posixpath.normpath(path + name)))
+
+    def _folder_files(self, location: str) -> list[str]:
+        """The checkpoint files in a folder: its index's files, else every ``*.safetensors``."""
+        scheme = self._scheme(location)
+        base = location if location.endswith("/") or scheme == "" else location + "/"
+        index = self._join(base, INDEX_NAME)
+        if scheme == "" and os.path.isfile(index):
+            return [index]
+        if scheme == "":
+            names = sorted(n for n in os.listdir(location) if n.endswith(".safetensors"))
+            return [os.path.join(location, n) for n in names]
+        if scheme == "s3":
+            bucket, prefix = split_s3_url(base)
+            keys: list[str] = []
+            try:
+                pages = self.s3().get_paginator("list_objects_v2").paginate(
+                    Bucket=bucket, Prefix=prefix, Delimiter="/")
+                for page in pages:
+                    keys += [o["Key"] for o in page.get("Contents", [])]
+            except Exception as exc:
+                raise map_s3_error(exc, base) from exc
+            if prefix + INDEX_NAME in keys:
+                return [f"s3://{bucket}/{prefix}{INDEX_NAME}"]
+            return [f"s3://{bucket}/{k}" for k in sorted(keys) if k.endswith(".safetensors")]
+        # HTTP cannot list: try the index, then the conventional single-file name.
+        for candidate in (index, self._join(base, _SINGLE_NAME)):
+            if self.exists(candidate):
+                return [candidate]
+        return []
+
+    def checkpoint(self, location: str | os.PathLike[str]) -> Checkpoint:
+        """Open every file of the checkpoint at ``location`` and validate every header."""
+        text = os.fspath(location)
+        scheme = self._scheme(text)
+        if text.endswith(".json"):
+            targets = [text]
+        elif text.endswith(".safetensors") or scheme == "oci":
+            targets = [text]
+        elif scheme == "" and not os.path.isdir(text):
+            targets = [text]
+        else:
+            targets = self._folder_files(text)
+            if not targets:
+                raise NotFound(f"{text}: no {INDEX_NAME} and no *.safetensors files there")
+        if len(targets) == 1 and targets[0].endswith(".json"):
+            return self._sharded(targets[0])
+        files: list[ShardFile] = []
+        try:
+            for t in targets:
+                src = self.open(t)
+                files.append(ShardFile(src, read_header(src)))
+        except BaseException:
+            for f in files:
+                f.source.close()
+            raise
+        _check_unique(text, files)
+        return Checkpoint(location=text, files=files, metadata={})
+
+    def _sharded(self, index_location: str) -> Checkpoint:
+        raw = self.read_small(index_location)
+        try:
+            doc = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FormatError(f"{index_location}: not valid JSON: {exc}") from exc
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise FormatError(f"{index_location}: weight_map must map tensor names to files")
+        metadata = doc.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise FormatError(f"{index_location}: metadata must be an object")
+        files: list[ShardFile] = []
+        try:
+            for name in sorted(set(weight_map.values())):
+                if name.startswith("/") or ".." in name.split("/"):
+                    raise FormatError(f"{index_location}: shard file name {name!r} leaves the "
+                                      "checkpoint's folder")
+                src = self.open(self._join(index_location, name))
+                files.append(ShardFile(src, read_header(src)))
+            by_file = {posixpath.basename(f.source.name): f for f in files}
+            for tensor, fname in weight_map.items():
+                shard = by_file[posixpath.basename(fname)]
+                if tensor not in shard.header.tensors:
+                    raise FormatError(f"{index_location}: tensor {tensor!r} is mapped to "
+                                      f"{fname} but that file does not hold it")
+            _check_unique(index_location, files)
+        except BaseException:
+            for f in files:
+                f.source.close()
+            raise
+        return Checkpoint(location=index_location, files=files, metadata=metadata)
+
+
+def _check_unique(location: str, files: list[ShardFile]) -> None:
+    seen: dict[str, str] = {}
+    for f in files:
+        for name in f.header.tensors:
+            if name in seen:
+                raise FormatError(f"{location}: tensor {name!r} is in both {seen[name]} and "
+                                  f"{f.source.name}")
+            seen[name] = f.source.name

@@ -1,0 +1,428 @@
+"""Where safetensors bytes come from: local files, S3 objects, HTTP(S) URLs, registry blobs.
+
+Every source answers one small protocol, :class:`Source`: its ``size()`` and
+``read_into(offset, buffers)``, which fills the given buffers back to back with the bytes starting
+at ``offset``. Buffers are the destination tensors' own memory (or pinned staging memory), so the
+local source reads with ``os.preadv`` straight into them; network sources copy socket chunks in.
+Every method is safe to call from many threads at once, and blocking calls release the GIL.
+Third-party errors are mapped here, once, to :mod:`coldstart.errors`.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+from urllib.parse import urlsplit
+
+from coldstart.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
+
+__all__ = [
+    "HttpSource",
+    "LocalSource",
+    "RegistrySource",
+    "S3Source",
+    "Source",
+    "open_source",
+]
+
+# Linux IOV_MAX: preadv takes at most this many buffers per call.
+_IOV_MAX = 1024
+_NET_PIECE = 1 << 20
+_ALIGN = 4096
+
+
+@runtime_checkable
+class Source(Protocol):
+    """A byte source that many threads may read at once."""
+
+    name: str
+
+    def size(self) -> int:
+        """Total size in bytes."""
+        ...
+
+    def read_into(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Fill ``buffers`` in order with the bytes at ``offset``; short data is an error."""
+        ...
+
+    def close(self) -> None:
+        """Release connections and file descriptors."""
+        ...
+
+
+def _fill_from_chunks(name: str, offset: int, buffers: Sequence[memoryview],
+                      chunks: Any) -> None:
+    """Copy an iterator of byte chunks into ``buffers``; complain if it ends early or runs long."""
+    idx, pos = 0, 0
+    for chunk in chunks:
+        view = memoryview(chunk)
+        while view.nbytes:
+            while idx < len(buffers) and pos == buffers[idx].nbytes:
+                idx, pos = idx + 1, 0
+            if idx == len(buffers):
+                raise Unavailable(f"{name}: server sent more bytes than asked at offset {offset}")
+            take = min(view.nbytes, buffers[idx].nbytes - pos)
+            buffers[idx][pos : pos + take] = view[:take]
+            pos += take
+            view = view[take:]
+    while idx < len(buffers) and pos == buffers[idx].nbytes:
+        idx, pos = idx + 1, 0
+    if idx != len(buffers):
+        raise Unavailable(f"{name}: short read at offset {offset} (connection closed early)")
+
+
+def _bytes_view(buf: memoryview) -> memoryview:
+    return buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
+
+
+class LocalSource:
+    """A local file read with ``os.preadv`` straight into the caller's buffers.
+
+    ``direct=True`` opens the file with ``O_DIRECT`` (no page cache: what a cold load of a big
+    model wants) and reads page-aligned spans into an aligned bounce buffer, falling back to
+    buffered reads where the filesystem refuses ``O_DIRECT`` (tmpfs, overlayfs).
+
+    >>> src = LocalSource("/etc/hostname")
+    >>> buf = bytearray(1); src.read_into(0, [memoryview(buf)]); src.close()
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, direct: bool = False) -> None:
+        self.name = os.fspath(path)
+        try:
+            self._fd = os.open(self.name, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError as exc:
+            raise NotFound(f"{self.name}: no such file") from exc
+        except IsADirectoryError as exc:
+            raise InvalidArgument(f"{self.name}: is a directory, not a safetensors file") from exc
+        except OSError as exc:
+            raise Unavailable(f"{self.name}: cannot open: {exc.strerror}") from exc
+        self._size = os.fstat(self._fd).st_size
+        self._direct_fd: int | None = None
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self._direct_fd = os.open(self.name, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+            except OSError:
+                self._direct_fd = None  # filesystem without O_DIRECT: buffered reads
+        try:
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except OSError:
+            pass
+
+    @property
+    def direct(self) -> bool:
+        """True when reads bypass the page cache."""
+        return self._direct_fd is not None
+
+    def size(self) -> int:
+        return self._size
+
+    def read_into(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        if self._direct_fd is not None:
+            self._read_direct(offset, buffers)
+            return
+        pending = [_bytes_view(b) for b in buffers if b.nbytes]
+        pos = offset
+        while pending:
+            batch = pending[:_IOV_MAX]
+            try:
+                got = os.preadv(self._fd, batch, pos)
+            except OSError as exc:
+                raise Unavailable(f"{self.name}: read at {pos} failed: {exc.strerror}") from exc
+            if got == 0:
+                raise Unavailable(f"{self.name}: file ended at {pos} (truncated while loading?)")
+            pos += got
+            # Drop the buffers that were filled; trim the one filled partly.
+            while got and pending:
+                first = pending[0]
+                if got >= first.nbytes:
+                    got -= first.nbytes
+                    pending.pop(0)
+                else:
+                    pending[0] = first[got:]
+                    got = 0
+
+    def _read_direct(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        assert self._direct_fd is not None
+        total = sum(b.nbytes for b in buffers)
+        start = offset - offset % _ALIGN
+        stop = offset + total
+        span = -(-(stop - start) // _ALIGN) * _ALIGN
+        # Anonymous mmap memory is page aligned, which O_DIRECT requires of the buffer.
+        bounce = mmap.mmap(-1, span)
+        try:
+            view = memoryview(bounce)
+            got = 0
+            while got < stop - start:
+                n = os.preadv(self._direct_fd, [view[got:]], start + got)
+                if n == 0:
+                    break
+                got += n
+            if got < stop - start:
+                raise Unavailable(f"{self.name}: file ended at {start + got}")
+            _fill_from_chunks(self.name, offset, buffers, [view[offset - start : stop - start]])
+            view.release()
+        except OSError as exc:
+            raise Unavailable(f"{self.name}: O_DIRECT read at {start} failed: {exc}") from exc
+        finally:
+            bounce.close()
+
+    def close(self) -> None:
+        for fd in (self._fd, self._direct_fd):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._direct_fd = None
+
+
+class HttpSource:
+    """An ``http(s)://`` URL read with parallel ``Range`` GETs over one pooled httpx client.
+
+    >>> src = HttpSource("https://example.com/model.safetensors", timeout=30.0)  # doctest: +SKIP
+    """
+
+    def __init__(self, url: str, *, timeout: float = 30.0, concurrency: int = 16,
+                 client: Any = None) -> None:
+        import httpx
+
+        self.name = url
+        self._httpx = httpx
+        self._own = client is None
+        self._client: httpx.Client = client or httpx.Client(
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+            limits=httpx.Limits(max_connections=concurrency,
+                                max_keepalive_connections=concurrency),
+            follow_redirects=True,
+        )
+        self._size: int | None = None
+        self._lock = threading.Lock()
+
+    def _map(self, exc: Exception, what: str) -> Exception:
+        if isinstance(exc, self._httpx.TimeoutException):
+            return DeadlineExceeded(f"{self.name}: {what} timed out")
+        return Unavailable(f"{self.name}: {what} failed: {exc}")
+
+    def _check(self, status: int, what: str) -> None:
+        if status == 404:
+            raise NotFound(f"{self.name}: not found (HTTP 404)")
+        if status >= 400:
+            raise Unavailable(f"{self.name}: {what} answered HTTP {status}")
+
+    def size(self) -> int:
+        with self._lock:
+            if self._size is None:
+                try:
+                    resp = self._client.head(self.name)
+                except self._httpx.HTTPError as exc:
+                    raise self._map(exc, "HEAD") from exc
+                self._check(resp.status_code, "HEAD")
+                length = resp.headers.get("content-length")
+                if length is None:
+                    raise Unavailable(f"{self.name}: server gave no Content-Length")
+                self._size = int(length)
+            return self._size
+
+    def read_into(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        total = sum(b.nbytes for b in buffers)
+        if total == 0:
+            return
+        headers = {"Range": f"bytes={offset}-{offset + total - 1}",
+                   "Accept-Encoding": "identity"}
+        try:
+            with self._client.stream("GET", self.name, headers=headers) as resp:
+                self._check(resp.status_code, "range GET")
+                if resp.status_code != 206:
+                    raise Unavailable(f"{self.name}: server ignored Range "
+                                      f"(HTTP {resp.status_code}, expected 206)")
+                _fill_from_chunks(self.name, offset, [_bytes_view(b) for b in buffers],
+                                  resp.iter_raw(_NET_PIECE))
+        except self._httpx.HTTPError as exc:
+            raise self._map(exc, f"range GET at {offset}") from exc
+
+    def close(self) -> None:
+        if self._own:
+            self._client.close()
+
+
+def s3_client(*, concurrency: int = 16, timeout: float = 30.0,
+              endpoint_url: str | None = None) -> Any:
+    """A boto3 S3 client for parallel ranged GETs: pool sized to ``concurrency``, deadlines set.
+
+    Credentials come from the standard chain; ``AWS_ENDPOINT_URL`` (or ``endpoint_url``) points it
+    at an S3-compatible store.
+
+    >>> client = s3_client(concurrency=8)  # doctest: +SKIP
+    """
+    import boto3
+    from botocore.config import Config
+
+    config = Config(
+        max_pool_connections=max(concurrency, 10),
+        connect_timeout=min(timeout, 10.0),
+        read_timeout=timeout,
+        retries={"max_attempts": 4, "mode": "standard"},
+        tcp_keepalive=True,
+    )
+    endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
+        "AWS_ENDPOINT_URL")
+    return boto3.session.Session().client("s3", endpoint_url=endpoint or None, config=config)
+
+
+def map_s3_error(exc: Exception, what: str) -> Exception:
+    """Translate a botocore error to the coldstart tree (the one place that knows botocore)."""
+    from botocore.exceptions import (
+        ClientError,
+        ConnectTimeoutError,
+        NoCredentialsError,
+        ReadTimeoutError,
+    )
+
+    if isinstance(exc, ClientError):
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        if code in ("NoSuchKey", "404", "NoSuchBucket", "NotFound"):
+            return NotFound(f"{what}: not found ({code})")
+        return Unavailable(f"{what}: S3 error {code}: {exc}")
+    if isinstance(exc, ConnectTimeoutError | ReadTimeoutError):
+        return DeadlineExceeded(f"{what}: S3 request timed out")
+    if isinstance(exc, NoCredentialsError):
+        return InvalidArgument(f"{what}: no AWS credentials found in the standard chain")
+    return Unavailable(f"{what}: S3 request failed: {exc}")
+
+
+def split_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/key`` -> ``("bucket", "key")``.
+
+    >>> split_s3_url("s3://models/llama/1/model.safetensors")
+    ('models', 'llama/1/model.safetensors')
+    """
+    parts = urlsplit(url)
+    if parts.scheme != "s3" or not parts.netloc:
+        raise InvalidArgument(f"{url}: not an s3://bucket/key URL")
+    return parts.netloc, parts.path.lstrip("/")
+
+
+class S3Source:
+    """An S3 object read with parallel ranged GETs.
+
+    >>> src = S3Source("s3://models/llama/model.safetensors")  # doctest: +SKIP
+    """
+
+    def __init__(self, url: str, *, client: Any = None, concurrency: int = 16,
+                 timeout: float = 30.0) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        self.name = url
+        self.bucket, self.key = split_s3_url(url)
+        self._errors = (BotoCoreError, ClientError)
+        self._client = client or s3_client(concurrency=concurrency, timeout=timeout)
+        self._size: int | None = None
+        self._lock = threading.Lock()
+
+    def size(self) -> int:
+        with self._lock:
+            if self._size is None:
+                try:
+                    head = self._client.head_object(Bucket=self.bucket, Key=self.key)
+                except self._errors as exc:
+                    raise map_s3_error(exc, self.name) from exc
+                self._size = int(head["ContentLength"])
+            return self._size
+
+    def read_into(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        total = sum(b.nbytes for b in buffers)
+        if total == 0:
+            return
+        try:
+            resp = self._client.get_object(Bucket=self.bucket, Key=self.key,
+                                           Range=f"bytes={offset}-{offset + total - 1}")
+            body = resp["Body"]
+            try:
+                _fill_from_chunks(self.name, offset, [_bytes_view(b) for b in buffers],
+                                  iter(lambda: body.read(_NET_PIECE), b""))
+            finally:
+                body.close()
+        except self._errors as exc:
+            raise map_s3_error(exc, f"{self.name} at {offset}") from exc
+
+    def close(self) -> None:
+        pass
+
+
+class RegistrySource:
+    """A blob in an OCI registry, ``oci://registry/repo@sha256:...``, read with range GETs.
+
+    Goes through :class:`coldstart.oci.registry.RegistryClient` (auth, mirrors, deadlines).
+
+    >>> src = RegistrySource("oci://127.0.0.1:5000/models/llama@sha256:" + "0" * 64)  # doctest: +SKIP
+    """
+
+    def __init__(self, url: str, *, client: Any = None) -> None:
+        self.name = url
+        if not url.startswith("oci://"):
+            raise InvalidArgument(f"{url}: not an oci://registry/repo@sha256:... URL")
+        try:
+            from coldstart.oci.reference import Reference
+        except ImportError as exc:  # pragma: no cover - the oci package is part of coldstart
+            raise Unavailable("coldstart.oci is not available") from exc
+        self.ref = Reference.parse(url[len("oci://"):])
+        if not self.ref.digest:
+            raise InvalidArgument(f"{url}: a registry source needs a blob digest (@sha256:...)")
+        self.digest: str = self.ref.digest
+        if client is None:
+            try:
+                from coldstart.oci.registry import RegistryClient
+            except ImportError as exc:
+                raise Unavailable("coldstart.oci.registry.RegistryClient is not available "
+                                  "in this build") from exc
+            client = RegistryClient()
+        self._client = client
+        self._size: int | None = None
+
+    def size(self) -> int:
+        if self._size is None:
+            self._size = int(self._client.blob_size(self.ref, self.digest))
+        return self._size
+
+    def read_into(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        total = sum(b.nbytes for b in buffers)
+        if total == 0:
+            return
+        data = self._client.read_blob_range(self.ref, self.digest, offset, total)
+        if len(data) != total:
+            raise Unavailable(f"{self.name}: registry sent {len(data)} of {total} bytes "
+                              f"at offset {offset}")
+        _fill_from_chunks(self.name, offset, [_bytes_view(b) for b in buffers], [data])
+
+    def close(self) -> None:
+        close = getattr(self._client, "close", None)
+        if callable(close):
+            close()
+
+
+def open_source(location: str | os.PathLike[str], *, concurrency: int = 16,
+                timeout: float = 30.0, direct: bool = False) -> Source:
+    """Open one file by location: a local path, ``s3://``, ``http(s)://`` or ``oci://``.
+
+    >>> src = open_source("/tmp/model.safetensors")  # doctest: +SKIP
+    """
+    text = os.fspath(location)
+    scheme = urlsplit(text).scheme if "://" in text else ""
+    if scheme == "s3":
+        return S3Source(text, concurrency=concurrency, timeout=timeout)
+    if scheme in ("http", "https"):
+        return HttpSource(text, timeout=timeout, concurrency=concurrency)
+    if scheme == "oci":
+        return RegistrySource(text)
+    if scheme in ("", "file"):
+        return LocalSource(text[len("file://"):] if scheme == "file" else text, direct=direct)
+    raise InvalidArgument(f"{text}: unsupported source scheme {scheme!r} "
+                          "(use a path, s3://, http(s):// or oci://)")
