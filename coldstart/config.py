@@ -83,6 +83,12 @@ class FuseConfig:
     attr_timeout: float = 86400.0
     # read-ahead set on each FUSE mount's backing device, KiB
     read_ahead_kb: int = 1024
+    # the snapshotter starts `coldstart fuse-server` (detached) when nothing answers on `socket`
+    spawn: bool = True
+    # seconds the snapshotter waits for a spawned FUSE server to answer on `socket`
+    start_timeout: float = 30.0
+    # deadline of one control request to the FUSE server (a mount fetches and verifies the TOC)
+    request_timeout: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,10 @@ class Config:
     # host:port for Prometheus metrics; "" disables
     metrics_address: str = ""
     log_level: str = "info"
+    # worker threads serving the snapshotter's gRPC requests
+    grpc_workers: int = 8
+    # seconds in-flight RPCs may finish in after SIGTERM before the server stops
+    shutdown_grace: float = 10.0
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     fetch: FetchConfig = field(default_factory=FetchConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -89,6 +89,10 @@ def parse_toc(data: bytes, *, format: str, data_end: int, exact_frames: bool = F
     entries: list[Entry] = []
     raw_chunks: dict[str, list[_RawChunk]] = {}
     last_reg: Entry | None = None
+    # The eStargz writer omits userName/groupName when they repeat the previous name seen
+    # for the same uid/gid; carry them forward the same way.
+    unames: dict[int, str] = {}
+    gnames: dict[int, str] = {}
     for i, raw in enumerate(raw_entries):
         if not isinstance(raw, dict):
             raise FormatError(f"TOC entry #{i} is not an object")
@@ -121,15 +125,21 @@ def parse_toc(data: bytes, *, format: str, data_end: int, exact_frames: bool = F
         digest = raw.get("digest")
         if digest is not None:
             digest = _digest(_field(raw, "digest", str, "", name), name, "digest")
+        uid = _field(raw, "uid", int, 0, name)
+        gid = _field(raw, "gid", int, 0, name)
+        uname = _field(raw, "userName", str, "", name) or unames.get(uid, "")
+        gname = _field(raw, "groupName", str, "", name) or gnames.get(gid, "")
+        unames[uid] = uname
+        gnames[gid] = gname
         entry = Entry(
             name=name,
             type=etype,
             size=size if etype == "reg" else 0,
             mode=_field(raw, "mode", int, 0, name) & MODE_PERM_MASK,
-            uid=_field(raw, "uid", int, 0, name),
-            gid=_field(raw, "gid", int, 0, name),
-            uname=_field(raw, "userName", str, "", name),
-            gname=_field(raw, "groupName", str, "", name),
+            uid=uid,
+            gid=gid,
+            uname=uname,
+            gname=gname,
             mtime_ns=parse_rfc3339(modtime, what=f"entry {name!r}: modtime"),
             link_name=link,
             dev_major=_field(raw, "devMajor", int, 0, name),
@@ -191,10 +201,15 @@ def _check_links(toc: TOC) -> None:
 
 def _resolve_chunks(toc: TOC, raw_chunks: dict[str, list[_RawChunk]], data_end: int,
                     exact_frames: bool) -> None:
+    for name, raws in raw_chunks.items():
+        for i, rc in enumerate(raws):
+            if not rc.zeros and rc.offset >= data_end:
+                raise FormatError(f"entry {name!r}: chunk #{i} at compressed offset "
+                                  f"{rc.offset} is outside the data area (ends {data_end})")
     # eStargz has no endOffset: a member ends where the next distinct member starts.
     starts = sorted({c.offset for cs in raw_chunks.values() for c in cs if not c.zeros})
     next_start: dict[int, int] = {}
-    for a, b in zip(starts, [*starts[1:], data_end], strict=True):
+    for a, b in zip(starts, [*starts[1:], data_end], strict=False):
         next_start[a] = b
     for name, raws in raw_chunks.items():
         entry = toc.entries[name]

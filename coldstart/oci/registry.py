@@ -134,7 +134,7 @@ def _registry_message(resp: httpx.Response) -> str:
         if errs:
             return "; ".join(f"{e.get('code', '')}: {e.get('message', '')}".strip(": ")
                              for e in errs if isinstance(e, dict))
-    except Exception:  # noqa: S110 - the body is only a hint for the message
+    except Exception:  # the body is only a hint for the message
         pass
     return resp.reason_phrase or ""
 
@@ -204,7 +204,8 @@ class RegistryClient:
                 client = httpx.Client(
                     verify=ep.ssl_verify() if ep is not None else True,
                     limits=self._limits, follow_redirects=False, trust_env=False,
-                    headers={"User-Agent": self._user_agent})
+                    # byte ranges and digests are of the stored bytes: no transfer encoding
+                    headers={"User-Agent": self._user_agent, "Accept-Encoding": "identity"})
                 self._clients[key] = client
             return client
 
@@ -347,6 +348,9 @@ class RegistryClient:
                 authed_once = True
                 if self._authenticate(ep, challenge, scope, deadline):
                     continue
+                creds = self._creds_for(ep)
+                if creds is not None:
+                    raise AuthError(f"{ep.host}: credentials for {creds.username!r} refused")
                 raise AuthError(f"{ep.host}: authentication required and no credentials "
                                 f"found (docker config {self.creds.path})")
             break
@@ -406,7 +410,8 @@ class RegistryClient:
                 return self._attempts(ep, method, url, scope=scope, headers=headers or {},
                                       body=body, ok=ok_set, deadline=deadline, stream=stream,
                                       retry=retry, what=what)
-            except (NotFound, Unavailable) as exc:
+            except (NotFound, Unavailable, AuthError) as exc:
+                # a mirror that lacks the content, fails or refuses us: try the next host
                 last = exc
                 if isinstance(exc, DeadlineExceeded) or i == len(eps) - 1:
                     raise
@@ -422,10 +427,14 @@ class RegistryClient:
                 resp = self._send(ep, method, url, scope=scope, headers=headers, body=body,
                                   deadline=deadline, stream=stream)
             except httpx.TimeoutException as exc:
-                if deadline.remaining() <= 0.01 or not retry or attempt >= self.retries:
+                if deadline.remaining() <= 0.01 or (retry and attempt >= self.retries):
                     raise DeadlineExceeded(
                         f"{what}: {ep.host} did not answer within "
                         f"{deadline.seconds:g} s") from exc
+                if not retry:
+                    # one attempt timed out, the call's deadline has not: the caller may
+                    # start over (a new upload session)
+                    raise Unavailable(f"{what}: {ep.host} timed out: {exc}") from exc
                 cause: BaseException = exc
             except httpx.TransportError as exc:
                 if not retry or attempt >= self.retries:
@@ -584,7 +593,7 @@ class RegistryClient:
                                  deadline=deadline)
             skip = written if (written and resp.status_code == 200) else 0
             try:
-                for chunk in resp.iter_bytes(_CHUNK):
+                for chunk in resp.iter_bytes():
                     if skip:
                         if len(chunk) <= skip:
                             skip -= len(chunk)
@@ -658,7 +667,7 @@ class RegistryClient:
         else:
             skip = offset
         out = bytearray()
-        for chunk in resp.iter_bytes(_CHUNK):
+        for chunk in resp.iter_bytes():
             if skip:
                 if len(chunk) <= skip:
                     skip -= len(chunk)
@@ -691,7 +700,7 @@ class RegistryClient:
         location = resp.headers.get("Location")
         if not location:
             raise Unavailable(f"upload to {ref.name}: registry gave no Location")
-        return urljoin(str(resp.request.url), location)
+        return str(urljoin(str(resp.request.url), location))
 
     def _raw(self, ref: Reference, method: str, url: str, *, headers: Mapping[str, str],
              body: _BodyFactory | None, ok: Iterable[int], deadline: _Deadline,
@@ -847,7 +856,7 @@ class _Source:
         h = hashlib.sha256()
         for chunk in self.iter_range(0, self._size):
             h.update(chunk)
-        return "sha256:" + h.hexdigest()
+        return f"sha256:{h.hexdigest()}"
 
     def close(self) -> None:
         if self._owned and self._fd is not None:

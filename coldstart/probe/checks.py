@@ -1,7 +1,7 @@
 """Checks: one try each, with a deadline, answering a :class:`CheckResult`.
 
 * :class:`HttpCheck` — GET over one kept-alive connection (raw asyncio streams: a try costs one
-  write and one read, not a client object). 200–399 is ready, as for Knative and kubelet. A JSON
+  write and one read, not a client object). 200-399 is ready, as for Knative and kubelet. A JSON
   body ``{"phase": "loading", "progress": 0.42}`` is passed on whatever the status.
 * :class:`TcpCheck` — a connection opens.
 * :class:`GrpcHealthCheck` — ``grpc.health.v1.Health``: ``Watch`` when the server offers it (the
@@ -20,7 +20,7 @@ import shlex
 import time
 import urllib.parse
 from collections.abc import AsyncIterator
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from coldstart.errors import InvalidArgument
 from coldstart.probe.states import CheckResult
@@ -275,19 +275,26 @@ class GrpcHealthCheck:
     """
 
     def __init__(self, address: str, service: str = "") -> None:
+        self.address, self.service = address, service
+        self.watch_unsupported = False
+        self._channel: Any = None
+        self._check: Any = None
+        self._watch: Any = None
+
+    def _connect(self) -> None:
+        # grpc.aio binds a channel to the running loop, so it is made on first use
         import grpc.aio  # only a gRPC target pays for importing grpc
 
-        self.address, self.service = address, service
-        self._channel = grpc.aio.insecure_channel(address)
-        self._check = self._channel.unary_unary(
-            "/grpc.health.v1.Health/Check",
-            request_serializer=_encode_request, response_deserializer=_decode_response,
-        )
-        self._watch = self._channel.unary_stream(
-            "/grpc.health.v1.Health/Watch",
-            request_serializer=_encode_request, response_deserializer=_decode_response,
-        )
-        self.watch_unsupported = False
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.address)
+            self._check = self._channel.unary_unary(
+                "/grpc.health.v1.Health/Check",
+                request_serializer=_encode_request, response_deserializer=_decode_response,
+            )
+            self._watch = self._channel.unary_stream(
+                "/grpc.health.v1.Health/Watch",
+                request_serializer=_encode_request, response_deserializer=_decode_response,
+            )
 
     @staticmethod
     def _result(status: int, latency: float) -> CheckResult:
@@ -297,6 +304,7 @@ class GrpcHealthCheck:
     async def run(self, timeout: float) -> CheckResult:
         import grpc
 
+        self._connect()
         start = time.monotonic()
         try:
             status = await self._check(self.service, timeout=timeout)
@@ -312,6 +320,7 @@ class GrpcHealthCheck:
 
         if self.watch_unsupported:
             return
+        self._connect()
         call = self._watch(self.service)
         try:
             async for status in call:
@@ -325,7 +334,9 @@ class GrpcHealthCheck:
             call.cancel()
 
     async def close(self) -> None:
-        await self._channel.close()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
 
 
 def parse_target(target: str, headers: dict[str, str] | None = None) -> Check:

@@ -317,7 +317,7 @@ class Router:
     def quarantine(self, target: str, base: float = 1.0, limit: float = 60.0) -> float:
         """Keep ``target`` out of picks after a connection failure; returns the backoff (s).
 
-        The backoff doubles with each consecutive strike (``base``, 2×``base``, … up to
+        The backoff doubles with each consecutive strike (``base``, 2 * ``base``, … up to
         ``limit``); a successful :meth:`release` or the target turning READY again clears it.
         """
         if base <= 0 or limit < base:

@@ -1,1 +1,53 @@
-"""coldstart.weights."""
+"""coldstart.weights: stream safetensors checkpoints into CPU or GPU memory at source speed.
+
+>>> from coldstart.weights import load
+>>> tensors = load("s3://models/llama/3/", device="cuda")  # doctest: +SKIP
+
+Also: header parsing and validation (:func:`parse_header`), byte sources behind one protocol
+(:class:`Source`), and a versioned model repository with hot swap (:mod:`.repository`,
+:mod:`.hotswap`).
+"""
+
+from coldstart.weights.checkpoint import INDEX_NAME, Checkpoint, Opener, read_header
+from coldstart.weights.header import Header, TensorInfo, parse_header
+from coldstart.weights.hotswap import ModelWatcher, Served
+from coldstart.weights.loader import LoadStats, Slice, iter_load, load, tensor_parallel
+from coldstart.weights.repository import ModelRepository, VersionInfo
+from coldstart.weights.sources import (
+    HttpSource,
+    LocalSource,
+    RegistrySource,
+    S3Source,
+    Source,
+    open_source,
+)
+from coldstart.weights.stores import LocalStore, S3Store, Store, open_store
+
+__all__ = [
+    "INDEX_NAME",
+    "Checkpoint",
+    "Header",
+    "HttpSource",
+    "LoadStats",
+    "LocalSource",
+    "LocalStore",
+    "ModelRepository",
+    "ModelWatcher",
+    "Opener",
+    "RegistrySource",
+    "S3Source",
+    "S3Store",
+    "Served",
+    "Slice",
+    "Source",
+    "Store",
+    "TensorInfo",
+    "VersionInfo",
+    "iter_load",
+    "load",
+    "open_source",
+    "open_store",
+    "parse_header",
+    "read_header",
+    "tensor_parallel",
+]

@@ -164,7 +164,7 @@ class Opener:
     def _join(self, base: str, name: str) -> str:
         scheme = self._scheme(base)
         if scheme == "":
-            return os.path.join(base, name)
+            return os.path.join(base if base.endswith("/") else os.path.dirname(base), name)
         parts = urlsplit(base)
         path = parts.path if parts.path.endswith("/") else posixpath.dirname(parts.path) + "/"
         return urlunsplit(parts._replace(path=posixpath.normpath(path + name)))
@@ -172,7 +172,7 @@ class Opener:
     def _folder_files(self, location: str) -> list[str]:
         """The checkpoint files in a folder: its index's files, else every ``*.safetensors``."""
         scheme = self._scheme(location)
-        base = location if location.endswith("/") or scheme == "" else location + "/"
+        base = location if location.endswith("/") else location + "/"
         index = self._join(base, INDEX_NAME)
         if scheme == "" and os.path.isfile(index):
             return [index]
@@ -202,11 +202,8 @@ class Opener:
         """Open every file of the checkpoint at ``location`` and validate every header."""
         text = os.fspath(location)
         scheme = self._scheme(text)
-        if text.endswith(".json"):
-            targets = [text]
-        elif text.endswith(".safetensors") or scheme == "oci":
-            targets = [text]
-        elif scheme == "" and not os.path.isdir(text):
+        is_folder = text.endswith("/") or (scheme == "" and os.path.isdir(text))
+        if text.endswith((".json", ".safetensors")) or scheme == "oci" or not is_folder:
             targets = [text]
         else:
             targets = self._folder_files(text)

@@ -362,7 +362,8 @@ class RegistrySource:
 
     Goes through :class:`coldstart.oci.registry.RegistryClient` (auth, mirrors, deadlines).
 
-    >>> src = RegistrySource("oci://127.0.0.1:5000/models/llama@sha256:" + "0" * 64)  # doctest: +SKIP
+    >>> url = "oci://127.0.0.1:5000/models/llama@sha256:" + "0" * 64
+    >>> src = RegistrySource(url)  # doctest: +SKIP
     """
 
     def __init__(self, url: str, *, client: Any = None) -> None:

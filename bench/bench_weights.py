@@ -1,0 +1,359 @@
+"""Benchmark: coldstart.weights.load against its peers, on the same file, in the same run.
+
+Peers: ``safetensors.torch.load_file`` (+ touching every page, since it maps lazily), Run:ai Model
+Streamer (``SafetensorsStreamer``), and the floor, a raw read of the same bytes (``dd bs=16M``).
+S3: coldstart ``load("s3://...")`` against raw parallel ranged boto3 GETs, both on a moto_server
+started here (moto is slow and memory hungry, so that object is smaller).
+
+Each loader runs in its own subprocess (peak RSS = its ``ru_maxrss``); rounds interleave the
+loaders; medians of ``--runs``. Cold runs drop the page cache (``/proc/sys/vm/drop_caches``,
+falling back to ``posix_fadvise(DONTNEED)``) before every run.
+
+    python bench/bench_weights.py --size-gb 2.2 --runs 3 --s3-mb 384
+    python bench/bench_weights.py --only warm --runs 1 --size-gb 0.2   # quick smoke
+
+Results: bench/results/weights-<time>.json and .md. The big file is deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MiB = 1 << 20
+
+
+# ---------------------------------------------------------------------------------------------
+# child side: one loader, one run, one JSON line
+
+
+def _rss_now() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _child(args: argparse.Namespace) -> None:
+    import torch  # before the baseline RSS, so every loader pays it alike
+
+    name, path = args.child, args.file
+    concurrency, chunk = args.concurrency, args.chunk_mb * MiB
+    nbytes = 0
+    if name.startswith("runai"):
+        from runai_model_streamer import SafetensorsStreamer
+    if name.startswith("safetensors"):
+        from safetensors.torch import load_file
+    if name.startswith(("coldstart", "s3")):
+        import coldstart.weights  # noqa: F401
+    before = _rss_now()
+    start = time.perf_counter()
+    if name in ("coldstart", "coldstart_direct", "s3_coldstart"):
+        from coldstart.weights import load
+
+        local = None if args.local_concurrency == 0 else args.local_concurrency
+        out = load(path, concurrency=concurrency if name.startswith("s3") else local,
+                   chunk_bytes=chunk, direct=name == "coldstart_direct")
+        nbytes = sum(t.numel() * t.element_size() for t in out.values())
+    elif name == "safetensors":
+        import torch
+        from safetensors.torch import load_file
+
+        out = load_file(path)
+        # load_file maps the file lazily: read one byte of every page so the data is really in.
+        for t in out.values():
+            flat = t.reshape(-1).view(torch.uint8)
+            if flat.numel():
+                int(flat[::4096].sum())
+            nbytes += flat.numel()
+    elif name == "runai":
+        from runai_model_streamer import SafetensorsStreamer
+
+        out = {}
+        with SafetensorsStreamer() as streamer:
+            streamer.stream_file(path)
+            for tname, t in streamer.get_tensors():
+                out[tname] = t
+                nbytes += t.numel() * t.element_size()
+    elif name == "s3_raw":
+        nbytes = _s3_raw(path, concurrency, chunk)
+    else:
+        raise SystemExit(f"unknown loader {name}")
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"loader": name, "seconds": seconds, "bytes": nbytes,
+                      "rss_before": before, "rss_peak": peak}))
+
+
+def _s3_raw(url: str, concurrency: int, chunk: int) -> int:
+    """The S3 floor: parallel ranged GETs of the whole object into one preallocated buffer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import boto3
+    from botocore.config import Config
+
+    bucket, key = url[len("s3://"):].split("/", 1)
+    client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"],
+                          config=Config(max_pool_connections=concurrency))
+    size = int(client.head_object(Bucket=bucket, Key=key)["ContentLength"])
+    buf = bytearray(size)
+    view = memoryview(buf)
+
+    def get(off: int) -> None:
+        end = min(off + chunk, size)
+        body = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={off}-{end - 1}")["Body"]
+        pos = off
+        while piece := body.read(MiB):
+            view[pos : pos + len(piece)] = piece
+            pos += len(piece)
+        assert pos == end
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(get, range(0, size, chunk)))
+    return size
+
+
+# ---------------------------------------------------------------------------------------------
+# parent side
+
+
+def write_model(path: Path, total_bytes: int) -> int:
+    """A bf16 checkpoint of 4096x4096 matrices plus small norms, written tensor by tensor."""
+    import torch
+
+    big = 4096 * 4096 * 2
+    count = max(1, -(-total_bytes // big))
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    names = []
+    for i in range(count):
+        for kind, shape in (("weight", [4096, 4096]), ("norm", [4096])):
+            n = shape[0] * (shape[1] if len(shape) > 1 else 1) * 2
+            name = f"layers.{i}.{kind}"
+            header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + n]}
+            names.append((name, shape))
+            offset += n
+    body = json.dumps(header).encode()
+    body += b" " * (-len(body) % 8)
+    gen = torch.Generator().manual_seed(0)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(body)) + body)
+        for _, shape in names:
+            t = torch.randn(shape, generator=gen).to(torch.bfloat16)
+            f.write(t.view(torch.uint8).numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    return path.stat().st_size
+
+
+def drop_cache(path: Path) -> str:
+    """Evict ``path`` from the page cache; say how."""
+    how = "posix_fadvise(DONTNEED)"
+    try:
+        subprocess.run(["sync"], check=True, timeout=120)
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        how = "drop_caches"
+    except OSError:
+        pass
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return how
+
+
+def resident_bytes(path: Path) -> int | None:
+    """Bytes of ``path`` in the page cache (``fincore``), or None if it cannot tell."""
+    if shutil.which("fincore") is None:
+        return None
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    try:
+        return int(out.stdout.split()[0])
+    except (IndexError, ValueError):
+        return None
+
+
+def run_child(name: str, target: str, args: argparse.Namespace,
+              env: dict[str, str] | None = None) -> dict[str, Any]:
+    if name == "dd":
+        start = time.perf_counter()
+        subprocess.run(["dd", f"if={target}", "of=/dev/null", "bs=16M", "status=none"],
+                       check=True, timeout=600)
+        seconds = time.perf_counter() - start
+        return {"loader": "dd", "seconds": seconds, "bytes": os.path.getsize(target),
+                "rss_before": 0, "rss_peak": 0}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--file", target,
+           "--concurrency", str(args.concurrency), "--chunk-mb", str(args.chunk_mb),
+           "--local-concurrency", str(args.local_concurrency)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
+                         env={**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)})
+    if out.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{out.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def measure(mode: str, loaders: list[str], target: str, file_bytes: int,
+            args: argparse.Namespace, env: dict[str, str] | None = None,
+            cold_path: Path | None = None) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in loaders}
+    evictions: list[dict[str, Any]] = []
+    for r in range(args.runs):
+        for name in loaders:
+            if cold_path is not None:
+                how = drop_cache(cold_path)
+                evictions.append({"how": how, "resident_after": resident_bytes(cold_path)})
+            elif mode == "warm":
+                subprocess.run(["cat", target], stdout=subprocess.DEVNULL, check=True)
+            res = run_child(name, target, args, env)
+            res["gb_per_s"] = file_bytes / res["seconds"] / 1e9
+            runs[name].append(res)
+            print(f"  [{mode}] round {r + 1} {name:17s} {res['gb_per_s']:6.2f} GB/s  "
+                  f"peak RSS {res['rss_peak'] / 1e9:5.2f} GB", flush=True)
+    summary: dict[str, Any] = {}
+    for name, rs in runs.items():
+        summary[name] = {
+            "median_gb_per_s": statistics.median(x["gb_per_s"] for x in rs),
+            "median_seconds": statistics.median(x["seconds"] for x in rs),
+            "peak_rss_bytes": max(x["rss_peak"] for x in rs),
+            "rss_before_bytes": max(x["rss_before"] for x in rs),
+            "runs_gb_per_s": [x["gb_per_s"] for x in rs],
+        }
+    return {"file_bytes": file_bytes, "loaders": summary, "evictions": evictions}
+
+
+@contextlib.contextmanager
+def moto(tmp: Path) -> Iterator[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = str(Path(sys.executable).with_name("moto_server"))
+    with open(tmp / "moto.log", "wb") as log:
+        proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+
+
+def ratio(summary: dict[str, Any], a: str, b: str) -> float:
+    loaders = summary["loaders"]
+    return float(loaders[a]["median_gb_per_s"] / loaders[b]["median_gb_per_s"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--child")
+    p.add_argument("--file")
+    p.add_argument("--dir", default="/var/tmp/coldstart-bench-weights")
+    p.add_argument("--size-gb", type=float, default=2.2)
+    p.add_argument("--s3-mb", type=int, default=384)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=16, help="S3 requests in flight")
+    p.add_argument("--local-concurrency", type=int, default=0,
+                   help="coldstart threads for local files (0: its default, 2 per core)")
+    p.add_argument("--chunk-mb", type=int, default=16)
+    p.add_argument("--only", default="cold,warm,s3", help="comma list of cold, warm, s3")
+    p.add_argument("--keep", action="store_true", help="keep the generated files")
+    args = p.parse_args()
+    if args.child:
+        _child(args)
+        return
+
+    modes = set(args.only.split(","))
+    work = Path(args.dir)
+    work.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                               "host_cpus": os.cpu_count(), "runs": args.runs,
+                               "concurrency": args.concurrency, "chunk_mb": args.chunk_mb}
+    model = work / "model.safetensors"
+    try:
+        if modes & {"cold", "warm"}:
+            size = write_model(model, int(args.size_gb * 1e9))
+            print(f"model: {model} {size / 1e9:.2f} GB", flush=True)
+            peers = ["coldstart", "safetensors", "runai", "dd"]
+            if "cold" in modes:
+                results["cold"] = measure("cold", [*peers, "coldstart_direct"], str(model), size,
+                                          args, cold_path=model)
+                results["cold"]["ratio_coldstart_vs_dd"] = ratio(results["cold"], "coldstart",
+                                                                 "dd")
+            if "warm" in modes:
+                results["warm"] = measure("warm", peers, str(model), size, args)
+                results["warm"]["ratio_coldstart_vs_dd"] = ratio(results["warm"], "coldstart",
+                                                                 "dd")
+            model.unlink()
+        if "s3" in modes:
+            s3_file = work / "s3.safetensors"
+            size = write_model(s3_file, args.s3_mb * MiB)
+            with moto(work) as endpoint:
+                import boto3
+
+                env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench",
+                       "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+                os.environ.update(env)
+                client = boto3.client("s3", endpoint_url=endpoint)
+                client.create_bucket(Bucket="bench")
+                client.upload_file(str(s3_file), "bench", "model.safetensors")
+                s3_file.unlink()
+                saved, args.chunk_mb = args.chunk_mb, 8  # both sides: 8 MiB ranges
+                results["s3"] = measure("s3", ["s3_coldstart", "s3_raw"],
+                                        "s3://bench/model.safetensors", size, args, env)
+                args.chunk_mb = saved
+                results["s3"]["ratio_coldstart_vs_raw"] = ratio(results["s3"], "s3_coldstart",
+                                                                "s3_raw")
+    finally:
+        if not args.keep:
+            for f in work.glob("*.safetensors"):
+                f.unlink()
+    out_dir = HERE / "results"
+    out_dir.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    (out_dir / f"weights-{stamp}.json").write_text(json.dumps(results, indent=2))
+    table = [f"# weights benchmark {results['date']} (medians of {args.runs})", "",
+             "| mode | loader | GB/s | peak RSS GB | RSS before load GB |", "|---|---|---|---|---|"]
+    for mode in ("cold", "warm", "s3"):
+        if mode not in results:
+            continue
+        for name, s in results[mode]["loaders"].items():
+            table.append(f"| {mode} | {name} | {s['median_gb_per_s']:.2f} | "
+                         f"{s['peak_rss_bytes'] / 1e9:.2f} | {s['rss_before_bytes'] / 1e9:.2f} |")
+        for key, value in results[mode].items():
+            if key.startswith("ratio"):
+                table.append(f"| {mode} | **{key}** | **{value:.2f}** | | |")
+    text = "\n".join(table) + "\n"
+    (out_dir / f"weights-{stamp}.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

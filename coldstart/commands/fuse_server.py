@@ -1,0 +1,34 @@
+"""``coldstart fuse-server``: run the FUSE server (see :mod:`coldstart.snapshotter.fuse_server`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import click
+
+from coldstart.config import load
+
+
+@click.command("fuse-server")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="TOML config file (default: built-in defaults).")
+@click.option("--root", default=None, help="State root (overrides config `root`).")
+@click.option("--socket", "socket_path", default=None,
+              help="Control socket (overrides config `fuse.socket`).")
+@click.option("--metrics-address", default=None,
+              help="host:port for Prometheus metrics of this process (default: none; use a "
+                   "port other than the snapshotter's).")
+def fuse_server(config_path: str | None, root: str | None, socket_path: str | None,
+                metrics_address: str | None) -> None:
+    """Serve lazily pulled layers over FUSE; restore persisted mounts at start."""
+    cfg = load(config_path)
+    if root:
+        cfg = dataclasses.replace(cfg, root=root)
+    logging.basicConfig(
+        level=getattr(logging, cfg.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from coldstart.snapshotter.fuse_server import FuseServer
+
+    FuseServer(cfg, root=root, socket_path=socket_path,
+               metrics_address=metrics_address if metrics_address is not None else "").run()

@@ -1,0 +1,177 @@
+"""``coldstart weights``: load a safetensors checkpoint at source speed, or benchmark loading it."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import click
+
+from coldstart.errors import InvalidArgument
+
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
+
+
+def _source_help() -> str:
+    return ("SOURCE is a .safetensors file, a model.safetensors.index.json, or a folder holding "
+            "either: a local path, s3://BUCKET/KEY (standard AWS credentials, AWS_ENDPOINT_URL "
+            "for S3-compatible stores; folders end with /), http(s)://URL (Range GETs) or "
+            "oci://REGISTRY/REPO@sha256:DIGEST (a registry blob).")
+
+
+def _options(f: Any) -> Any:
+    f = click.option("--device", default="cpu", show_default=True, metavar="cpu|cuda[:N]",
+                     help="Where the tensors go. cuda streams through pinned staging buffers "
+                          "with async host-to-device copies.")(f)
+    f = click.option("--dtype", type=click.Choice(sorted(_DTYPES)),
+                     help="Convert floating-point tensors to this dtype (on the device).")(f)
+    f = click.option("--concurrency", type=click.IntRange(1, 256), default=16, show_default=True,
+                     help="Parallel reads (threads; each read is one preadv or ranged GET).")(f)
+    f = click.option("--chunk-mb", type=click.FloatRange(0.01), default=16.0, show_default=True,
+                     help="Largest single read, MiB.")(f)
+    f = click.option("--max-host-mb", type=click.FloatRange(1), default=512.0,
+                     show_default=True,
+                     help="Cap on pinned staging memory for --device cuda, MiB.")(f)
+    f = click.option("--direct", is_flag=True,
+                     help="Local files: read with O_DIRECT (bypass the page cache).")(f)
+    f = click.option("--only", "only", multiple=True, metavar="NAME",
+                     help="Load only this tensor (repeat for several).")(f)
+    f = click.option("--timeout", type=click.FloatRange(0.1), default=30.0, show_default=True,
+                     help="Deadline of each network request, seconds.")(f)
+    return f
+
+
+def _kwargs(device: str, dtype: str | None, concurrency: int, chunk_mb: float,
+            max_host_mb: float, direct: bool, only: tuple[str, ...], timeout: float,
+            ) -> dict[str, Any]:
+    import torch
+
+    return {
+        "device": device,
+        "dtype": getattr(torch, _DTYPES[dtype]) if dtype else None,
+        "concurrency": concurrency,
+        "chunk_bytes": max(4096, int(chunk_mb * (1 << 20))),
+        "max_host_bytes": int(max_host_mb * (1 << 20)),
+        "direct": direct,
+        "select": list(only) or None,
+        "timeout": timeout,
+    }
+
+
+def _load_once(source: str, kwargs: dict[str, Any], show_progress: bool) -> Any:
+    from coldstart.weights import LoadStats, load
+
+    stats = LoadStats()
+    bar: Any = None
+
+    def progress(n: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = click.progressbar(length=stats.total_bytes, label="loading", file=sys.stderr,
+                                    show_pos=False, show_percent=True, show_eta=True)
+            bar.__enter__()
+        bar.update(n)
+
+    try:
+        tensors = load(source, progress=progress if show_progress else None, stats=stats,
+                       **kwargs)
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
+    return tensors, stats
+
+
+@click.group()
+def weights() -> None:
+    """Stream safetensors weights into CPU or GPU memory at the speed of the source."""
+
+
+@weights.command("load", epilog=_source_help())
+@click.argument("source")
+@_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@click.option("--list", "list_tensors", is_flag=True, help="Also print each tensor's name, "
+              "dtype and shape.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def load_cmd(source: str, device: str, dtype: str | None, concurrency: int, chunk_mb: float,
+             max_host_mb: float, direct: bool, only: tuple[str, ...], timeout: float,
+             as_json: bool, list_tensors: bool, quiet: bool) -> None:
+    """Load SOURCE once and report tensors, bytes, time and GB/s.
+
+    Example: coldstart weights load s3://models/llama/3/ --device cuda
+    """
+    kwargs = _kwargs(device, dtype, concurrency, chunk_mb, max_host_mb, direct, only, timeout)
+    tensors, stats = _load_once(source, kwargs, show_progress=not quiet and not as_json)
+    report = {"source": source, "path": stats.path, "files": stats.files,
+              "tensors": stats.tensors, "bytes": stats.bytes, "seconds": round(stats.seconds, 4),
+              "gb_per_s": round(stats.gb_per_s, 3)}
+    if as_json:
+        if list_tensors:
+            report["shapes"] = {n: [str(t.dtype).removeprefix("torch."), list(t.shape)]
+                                for n, t in tensors.items()}
+        click.echo(json.dumps(report))
+        return
+    if list_tensors:
+        for name in sorted(tensors):
+            t = tensors[name]
+            click.echo(f"{name}\t{str(t.dtype).removeprefix('torch.')}\t{list(t.shape)}")
+    click.echo(f"{stats.tensors} tensors from {stats.files} file(s), {stats.bytes / 1e9:.3f} GB "
+               f"in {stats.seconds:.3f} s = {stats.gb_per_s:.2f} GB/s  [{stats.path}]")
+
+
+@weights.command("bench", epilog=_source_help())
+@click.argument("source")
+@_options
+@click.option("--runs", type=click.IntRange(1, 100), default=3, show_default=True,
+              help="How many loads; the median is reported.")
+@click.option("--evict", is_flag=True,
+              help="Local files: drop them from the page cache before each run "
+                   "(posix_fadvise DONTNEED) to measure cold reads.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def bench_cmd(source: str, device: str, dtype: str | None, concurrency: int, chunk_mb: float,
+              max_host_mb: float, direct: bool, only: tuple[str, ...], timeout: float, runs: int,
+              evict: bool, as_json: bool) -> None:
+    """Load SOURCE --runs times; report each run's GB/s and the median.
+
+    Example: coldstart weights bench ./model.safetensors --runs 5 --evict
+    """
+    kwargs = _kwargs(device, dtype, concurrency, chunk_mb, max_host_mb, direct, only, timeout)
+    if evict and "://" in source:
+        raise InvalidArgument("--evict works on local files only")
+    rates: list[float] = []
+    path = ""
+    for i in range(runs):
+        if evict:
+            _evict(source)
+        started = time.perf_counter()
+        tensors, stats = _load_once(source, kwargs, show_progress=False)
+        del tensors
+        rates.append(stats.bytes / (time.perf_counter() - started) / 1e9)
+        path = stats.path
+        if not as_json:
+            click.echo(f"run {i + 1}: {stats.bytes / 1e9:.3f} GB at {rates[-1]:.2f} GB/s",
+                       err=True)
+    median = statistics.median(rates)
+    if as_json:
+        click.echo(json.dumps({"source": source, "path": path, "runs": rates,
+                               "median_gb_per_s": median}))
+    else:
+        click.echo(f"median of {runs}: {median:.2f} GB/s  [{path}]")
+
+
+def _evict(source: str) -> None:
+    files = [source]
+    if os.path.isdir(source):
+        files = [os.path.join(source, n) for n in os.listdir(source)
+                 if n.endswith(".safetensors")]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

@@ -1,0 +1,246 @@
+"""The built-in demo: build a small image, serve it from a local registry, convert it to a
+seekable format, and show what a lazy start-up fetches compared with a full pull.
+
+Everything runs on this machine in a temporary directory: Debian's ``docker-registry`` on
+127.0.0.1, the image built from Python-written tar layers (``/bin/busybox`` from Debian's
+``busybox-static`` plus a synthetic application: a large shared library, weights and a few
+thousand small modules), converted with :func:`coldstart.convert.convert_image`. The
+"start-up" reads what a Python server typically touches: the shell, its start script, a tenth
+of the modules and the first MiB of the big library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import hashlib
+import io
+import json
+import random
+import shutil
+import socket
+import subprocess
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from coldstart.convert import convert_image
+from coldstart.errors import FailedPrecondition, Unavailable
+from coldstart.format.layer import open_layer
+from coldstart.format.readat import CountingReadAt
+from coldstart.oci.layout import OciLayout
+from coldstart.oci.manifest import OCI_CONFIG, OCI_LAYER_GZIP, OCI_MANIFEST, build_manifest
+from coldstart.oci.reference import Reference
+from coldstart.oci.registry import RegistryClient
+
+Echo = Callable[[str], None]
+MiB = 1 << 20
+BUSYBOX = Path("/bin/busybox")
+REGISTRY_BIN = "docker-registry"
+
+
+@dataclass(frozen=True)
+class DemoFile:
+    name: str
+    data: bytes
+    mode: int = 0o644
+
+
+def _semi_random(rng: random.Random, size: int) -> bytes:
+    """Bytes that compress about 2:1, like machine code and weights in real images."""
+    out = bytearray()
+    while len(out) < size:
+        out += rng.randbytes(4096)
+        out += bytes(4096)
+    return bytes(out[:size])
+
+
+def demo_files(scale: float = 1.0) -> tuple[list[DemoFile], list[DemoFile]]:
+    """(base layer, application layer) files of the demo image."""
+    rng = random.Random(20261130)
+    if not BUSYBOX.exists():
+        raise FailedPrecondition(f"{BUSYBOX} is missing (apt-get install busybox-static)")
+    base = [DemoFile("bin/busybox", BUSYBOX.read_bytes(), 0o755),
+            DemoFile("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n"),
+            DemoFile("etc/group", b"root:x:0:\n")]
+    app = [DemoFile("app/start.sh", b"#!/bin/sh\necho ready\n", 0o755),
+           DemoFile("app/lib/libbig.so", _semi_random(rng, int(48 * MiB * scale)), 0o755),
+           DemoFile("app/model/weights.bin", rng.randbytes(int(24 * MiB * scale)))]
+    for i in range(int(2000 * scale)):
+        body = (f"# module {i}\n" + "def f(x):\n    return x * %d\n" % i * 20).encode()
+        app.append(DemoFile(f"app/site-packages/pkg{i // 100}/mod_{i}.py", body))
+    return base, app
+
+
+def startup_reads(app: list[DemoFile]) -> list[tuple[str, int, int]]:
+    """What the demo 'start-up' reads: (file, offset, length or -1 for all of it)."""
+    reads = [("bin/busybox", 0, -1), ("app/start.sh", 0, -1), ("app/lib/libbig.so", 0, MiB)]
+    modules = [f.name for f in app if f.name.endswith(".py")]
+    reads += [(m, 0, -1) for m in modules[::10]]
+    return reads
+
+
+def _tar_gz(files: list[DemoFile]) -> tuple[bytes, str]:
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        dirs: set[str] = set()
+        for f in files:
+            parts = f.name.split("/")[:-1]
+            for i in range(1, len(parts) + 1):
+                d = "/".join(parts[:i])
+                if d not in dirs:
+                    dirs.add(d)
+                    info = tarfile.TarInfo(d)
+                    info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, 1_700_000_000
+                    tar.addfile(info)
+            info = tarfile.TarInfo(f.name)
+            info.size, info.mode, info.mtime = len(f.data), f.mode, 1_700_000_000
+            tar.addfile(info, io.BytesIO(f.data))
+        if any(f.name == "bin/busybox" for f in files):
+            for tool in ("sh", "cat", "ls", "echo"):
+                info = tarfile.TarInfo(f"bin/{tool}")
+                info.type, info.linkname, info.mtime = tarfile.SYMTYPE, "busybox", 1_700_000_000
+                tar.addfile(info)
+    tar_bytes = raw.getvalue()
+    diff_id = "sha256:" + hashlib.sha256(tar_bytes).hexdigest()
+    return gzip.compress(tar_bytes, compresslevel=6, mtime=0), diff_id
+
+
+def build_image(layout_dir: Path, layers: list[list[DemoFile]]) -> OciLayout:
+    """Write the demo image as an OCI layout (gzip layers, like any ordinary build)."""
+    layout = OciLayout.create(layout_dir)
+    descs, diff_ids = [], []
+    for files in layers:
+        blob, diff_id = _tar_gz(files)
+        descs.append(layout.put_blob(blob, OCI_LAYER_GZIP))
+        diff_ids.append(diff_id)
+    config = {"architecture": "amd64", "os": "linux",
+              "config": {"Cmd": ["/app/start.sh"], "Env": ["PATH=/bin"]},
+              "rootfs": {"type": "layers", "diff_ids": diff_ids}}
+    cdesc = layout.put_blob(json.dumps(config).encode(), OCI_CONFIG)
+    manifest = build_manifest(cdesc, descs, media_type=OCI_MANIFEST)
+    mdesc = layout.put_blob(manifest.to_bytes(), OCI_MANIFEST)
+    layout.add_manifest(mdesc, "latest")
+    return layout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def local_registry(workdir: Path) -> Iterator[str]:
+    """Run Debian's docker-registry on 127.0.0.1 until the block ends; yields ``host:port``."""
+    exe = shutil.which(REGISTRY_BIN)
+    if exe is None:
+        raise FailedPrecondition("docker-registry is not installed (apt-get install docker-registry)")
+    port = _free_port()
+    config = workdir / "registry.yml"
+    config.write_text(
+        "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\n"
+        f"storage:\n  filesystem:\n    rootdirectory: {workdir / 'registry'}\n"
+        f"http:\n  addr: 127.0.0.1:{port}\n")
+    with open(workdir / "registry.log", "wb") as log:
+        proc = subprocess.Popen([exe, "serve", str(config)], stdout=log, stderr=log,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            if proc.poll() is not None:
+                raise Unavailable(f"docker-registry exited with {proc.returncode}; "
+                                  f"see {workdir / 'registry.log'}")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise Unavailable("docker-registry did not start within 20 s") from None
+                time.sleep(0.05)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:8.1f} MB"
+
+
+def run_demo(echo: Echo, *, workdir: Path | None = None, scale: float = 1.0) -> dict[str, object]:
+    """Run the demo, narrating with ``echo``; returns the figures it printed."""
+    with contextlib.ExitStack() as stack:
+        if workdir is None:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="coldstart-demo-")))
+        workdir.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        base, app = demo_files(scale)
+        layout_dir = workdir / "image"
+        build_image(layout_dir, [base, app])
+        raw_size = sum(len(f.data) for f in base + app)
+        echo(f"1. built a {raw_size / 1e6:.0f} MB image (2 gzip layers, {len(base + app)} files) "
+             f"in {time.monotonic() - t0:.1f} s: {layout_dir}")
+        host = stack.enter_context(local_registry(workdir))
+        echo(f"2. started a local registry at {host}")
+        client = stack.enter_context(RegistryClient(insecure_hosts=[host]))
+        src = f"{host}/demo/app:gzip"
+        _push_layout(layout_dir, src, client)
+        echo(f"3. pushed it as {src}")
+        results: dict[str, object] = {"uncompressed_bytes": raw_size}
+        reads = startup_reads(app)
+        for fmt in ("zstd:chunked", "estargz"):
+            dst = f"{host}/demo/app:{fmt.replace(':', '-')}"
+            t1 = time.monotonic()
+            summary = convert_image(src, dst, format=fmt, client=client)
+            secs = time.monotonic() - t1
+            echo(f"4. converted to {fmt} in {secs:.1f} s "
+                 f"({raw_size / 1e6 / max(secs, 1e-9):.0f} MB/s): {dst}")
+            image = summary.images[0]
+            fetched = 0
+            for layer in image.layers:
+                echo(f"     layer {layer.source.digest[:19]}  gzip {_mb(layer.size_before)}"
+                     f"  -> {fmt} {_mb(layer.size_after)}")
+                fetched += _lazy_startup_bytes(client, Reference.parse(dst), layer.output, reads)
+            full = image.size_after
+            echo(f"5. a lazy start-up that reads {len(reads)} files fetches {_mb(fetched).strip()}"
+                 f" of {_mb(full).strip()} ({100 * fetched / full:.1f}% of the image; a full pull"
+                 f" downloads and unpacks all of it)")
+            results[fmt] = {"convert_seconds": secs, "size_before": image.size_before,
+                            "size_after": full, "startup_fetched_bytes": fetched}
+        echo(f"done in {time.monotonic() - t0:.1f} s")
+        return results
+
+
+def _push_layout(layout_dir: Path, dst: str, client: RegistryClient) -> None:
+    """Copy the gzip image unchanged into the registry (what ``docker push`` would do)."""
+    layout = OciLayout(layout_dir)
+    ref = Reference.parse(dst)
+    mdesc = layout.resolve("latest")
+    body = layout.read_blob(mdesc.digest)
+    manifest = json.loads(body)
+    for d in [manifest["config"], *manifest["layers"]]:
+        client.push_blob(ref, layout.blob_path(d["digest"]), d["digest"])
+    client.push_manifest(ref, body, mdesc.media_type)
+
+
+def _lazy_startup_bytes(client: RegistryClient, ref: Reference, desc: object,
+                        reads: list[tuple[str, int, int]]) -> int:
+    """Bytes fetched from the registry to open one layer and read what the start-up reads."""
+    from coldstart.oci.manifest import Descriptor
+
+    assert isinstance(desc, Descriptor)
+    blob = CountingReadAt(client.open_blob(ref, desc.digest, desc.size))
+    layer = open_layer(blob, annotations=desc.annotations)
+    for name, offset, length in reads:
+        if name in layer.toc.entries:
+            layer.read_file(name, offset, None if length < 0 else length)
+    return blob.bytes_read

@@ -1,0 +1,65 @@
+"""Decompression with a hard output cap: a lying size can never make us allocate more.
+
+zlib and zstandard release the GIL while they work, so callers may decode chunks from many
+threads at once. Each call makes its own (de)compression context: contexts are not thread-safe.
+"""
+
+from __future__ import annotations
+
+import io
+import zlib
+
+import zstandard
+
+from coldstart.errors import FormatError
+
+__all__ = ["gunzip_member", "unzstd_frame"]
+
+_STEP = 1 << 20
+
+
+def gunzip_member(data: bytes, limit: int, *, what: str) -> tuple[bytes, bool]:
+    """Inflate the gzip member at the start of ``data``, producing at most ``limit`` bytes.
+
+    Returns ``(output, more)`` where ``more`` says the member holds bytes past ``limit``.
+    A truncated or corrupt member raises FormatError naming ``what``.
+    """
+    d = zlib.decompressobj(wbits=31)
+    out = bytearray()
+    buf = data
+    try:
+        while len(out) < limit:
+            piece = d.decompress(buf, min(_STEP, limit - len(out)))
+            out += piece
+            buf = d.unconsumed_tail
+            if d.eof:
+                return bytes(out), False
+            if not piece and not buf:
+                raise FormatError(f"{what}: gzip member is truncated "
+                                  f"({len(out)} of at least {limit} bytes)")
+        more = bool(d.decompress(buf, 1)) if not d.eof else False
+    except zlib.error as exc:
+        raise FormatError(f"{what}: corrupt gzip data: {exc}") from None
+    return bytes(out), more
+
+
+def unzstd_frame(data: bytes, limit: int, *, what: str) -> tuple[bytes, bool]:
+    """Decompress the zstd frame at the start of ``data``, producing at most ``limit`` bytes.
+
+    Returns ``(output, more)`` like :func:`gunzip_member`. Never reads past the first frame.
+    """
+    dctx = zstandard.ZstdDecompressor()
+    try:
+        with dctx.stream_reader(io.BytesIO(data), read_across_frames=False) as reader:
+            parts: list[bytes] = []
+            got = 0
+            while got < limit:
+                piece = reader.read(min(_STEP, limit - got))
+                if not piece:
+                    break
+                parts.append(piece)
+                got += len(piece)
+            more = bool(reader.read(1)) if got >= limit else False
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"{what}: corrupt zstd data: {exc}") from None
+    return b"".join(parts), more

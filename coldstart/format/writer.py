@@ -1,0 +1,572 @@
+"""Convert a tar layer (plain, gzip or zstd) into a seekable zstd:chunked or eStargz layer.
+
+The output stays a valid OCI layer: ``zstd -d | tar x`` (zstd:chunked: the TOC, tar-split and
+footer are skippable frames) or ``gunzip | tar x`` (eStargz: the TOC is the last tar entry,
+``stargz.index.json``, and the footer an empty gzip member).
+
+Layout: tar headers and padding go into their own frames (gzip members for eStargz); each chunk
+of a regular file (``chunk_size`` bytes, the last one shorter) is one frame holding exactly that
+chunk, so a reader can fetch and verify any chunk alone. Compression runs in a bounded thread
+pool (zlib and zstandard release the GIL), output is written strictly in order.
+
+Entry handling:
+
+* names are normalized (``./a/`` -> ``a``); absolute names, ``..`` and duplicates are refused
+  with FormatError naming the entry (tar semantics would let the last duplicate win silently);
+* GNU/PAX sparse files are expanded into regular files;
+* SCHILY.xattr.* PAX records become TOC xattrs (and stay in the tar);
+* whiteouts (``.wh.*``, ``.wh..wh..opq``) are ordinary entries, kept as they are;
+* non-UTF-8 names are kept byte for byte in the tar (PAX ``hdrcharset=BINARY``) and appear in
+  the TOC surrogate-escaped (see :mod:`coldstart.format.tocjson`).
+"""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import hashlib
+import io
+import os
+import shutil
+import tarfile
+import tempfile
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import IO, Any, BinaryIO, Literal, cast
+
+import zstandard
+
+from coldstart.errors import FormatError, InvalidArgument
+from coldstart.format.footer import (
+    estargz_footer,
+    skippable_frame,
+    zstd_chunked_footer,
+    zstd_chunked_legacy_footer,
+)
+from coldstart.format.layer import (
+    ESTARGZ_TOC_DIGEST,
+    ESTARGZ_UNCOMPRESSED_SIZE,
+    MEDIA_TYPE_GZIP,
+    MEDIA_TYPE_ZSTD,
+    ZSTD_CHUNKED_LEGACY_CHECKSUM,
+    ZSTD_CHUNKED_LEGACY_POSITION,
+    ZSTD_CHUNKED_MANIFEST_CHECKSUM,
+    ZSTD_CHUNKED_MANIFEST_POSITION,
+    ZSTD_CHUNKED_TARSPLIT_POSITION,
+)
+from coldstart.format.tarsplit import TarSplitWriter
+from coldstart.format.toc import (
+    MODE_PERM_MASK,
+    NO_PREFETCH_LANDMARK,
+    PREFETCH_LANDMARK,
+    Entry,
+    normalize_name,
+)
+from coldstart.format.tocjson import encode_toc, entry_json
+
+__all__ = ["DEFAULT_CHUNK_SIZE", "FORMATS", "LayerResult", "convert_layer"]
+
+DEFAULT_CHUNK_SIZE = 4 << 20
+FORMATS = ("zstd:chunked", "estargz")
+_TYPES = {
+    tarfile.REGTYPE: "reg", tarfile.AREGTYPE: "reg", tarfile.CONTTYPE: "reg",
+    tarfile.GNUTYPE_SPARSE: "reg", tarfile.DIRTYPE: "dir", tarfile.SYMTYPE: "symlink",
+    tarfile.LNKTYPE: "hardlink", tarfile.CHRTYPE: "char", tarfile.BLKTYPE: "block",
+    tarfile.FIFOTYPE: "fifo",
+}
+_XATTR = "SCHILY.xattr."
+_BLOCK = 512
+
+
+@dataclass(frozen=True)
+class LayerResult:
+    """What a converted layer is: the values its manifest descriptor and config need."""
+
+    digest: str
+    size: int
+    diff_id: str
+    toc_digest: str
+    media_type: str
+    annotations: dict[str, str]
+
+
+class _Prefixed(io.RawIOBase):
+    """A stream with some already-read bytes put back in front (for magic sniffing)."""
+
+    def __init__(self, head: bytes, rest: IO[bytes]) -> None:
+        self._head = head
+        self._rest = rest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        if self._head:
+            n = min(len(view), len(self._head))
+            view[:n] = self._head[:n]
+            self._head = self._head[n:]
+            return n
+        data = self._rest.read(len(view))
+        view[: len(data)] = data
+        return len(data)
+
+
+class _ZstdFrames(io.RawIOBase):
+    """Decompress concatenated zstd frames; a stream that stops inside a frame is an error.
+
+    (zstandard's stream_reader returns a clean EOF for a truncated frame, which would let a
+    cut-off layer convert into a shorter, valid-looking one.)
+    """
+
+    def __init__(self, src: IO[bytes]) -> None:
+        self._src = src
+        self._dctx = zstandard.ZstdDecompressor()
+        self._obj = self._dctx.decompressobj()
+        self._in_frame = False
+        self._buf = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        while not self._buf:
+            data = self._src.read(1 << 20)
+            if not data:
+                if self._in_frame:
+                    raise FormatError("input is truncated: zstd stream ends inside a frame")
+                return 0
+            while data:
+                self._in_frame = True
+                try:
+                    self._buf += self._obj.decompress(data)
+                except zstandard.ZstdError as exc:
+                    raise FormatError(f"input is corrupt: {exc}") from None
+                if not self._obj.eof:
+                    break
+                data = self._obj.unused_data
+                self._obj = self._dctx.decompressobj()
+                self._in_frame = False
+        n = min(len(view), len(self._buf))
+        view[:n] = self._buf[:n]
+        self._buf = self._buf[n:]
+        return n
+
+
+class _Counted(io.RawIOBase):
+    """Counts the bytes read through it (to tell a finished tar from a truncated one)."""
+
+    def __init__(self, inner: IO[bytes]) -> None:
+        self._inner = inner
+        self.count = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        data = self._inner.read(len(view))
+        view[: len(data)] = data
+        self.count += len(data)
+        return len(data)
+
+
+def _open_tar_stream(src: IO[bytes]) -> IO[bytes]:
+    head = src.read(4)
+    raw = io.BufferedReader(_Prefixed(head, src), 1 << 20)
+    if head[:2] == b"\x1f\x8b":
+        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
+    if head == b"\x28\xb5\x2f\xfd":
+        return io.BufferedReader(_ZstdFrames(raw), 1 << 20)
+    return raw
+
+
+class _Sink:
+    """The output: counts and hashes what is written."""
+
+    def __init__(self, dst: IO[bytes]) -> None:
+        self.dst = dst
+        self.pos = 0
+        self.hash = hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        start = self.pos
+        self.dst.write(data)
+        self.hash.update(data)
+        self.pos += len(data)
+        return start
+
+
+@dataclass
+class _Pending:
+    future: Future[tuple[bytes, str]]
+    chunk: dict[str, Any] | None  # TOC record to fill with offsets once written
+
+
+class _Writer:
+    def __init__(self, dst: IO[bytes], fmt: str, chunk_size: int, level: int | None,
+                 threads: int) -> None:
+        self.sink = _Sink(dst)
+        self.fmt = fmt
+        self.gzip = fmt == "estargz"
+        self.chunk_size = chunk_size
+        self.level = level if level is not None else (6 if self.gzip else 3)
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="convert")
+        self.max_inflight = threads * 2
+        self.pending: collections.deque[_Pending] = collections.deque()
+        self.meta = bytearray()
+        self.diff = hashlib.sha256()
+        self.usize = 0
+        self.toc: list[dict[str, Any]] = []
+        self.tarsplit = TarSplitWriter()
+        self._zero_digests: dict[int, str] = {}
+
+    # compression jobs run in the pool ------------------------------------------------------
+
+    def _compress(self, data: bytes, want_digest: bool) -> tuple[bytes, str]:
+        digest = ""
+        if want_digest:
+            digest = self._zero_digests.get(len(data), "") if data.count(0) == len(data) else ""
+            if not digest:
+                digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        if self.gzip:
+            c = zlib.compressobj(self.level, zlib.DEFLATED, 31)
+            return c.compress(data) + c.flush(), digest
+        return zstandard.ZstdCompressor(level=self.level).compress(data), digest
+
+    def _submit(self, data: bytes, chunk: dict[str, Any] | None) -> None:
+        if chunk is not None and data.count(0) == len(data) and len(data) not in self._zero_digests:
+            self._zero_digests[len(data)] = "sha256:" + hashlib.sha256(data).hexdigest()
+        fut = self.pool.submit(self._compress, data, chunk is not None)
+        self.pending.append(_Pending(fut, chunk))
+        while len(self.pending) > self.max_inflight:
+            self._drain_one()
+
+    def _drain_one(self) -> None:
+        p = self.pending.popleft()
+        compressed, digest = p.future.result()
+        start = self.sink.write(compressed)
+        if p.chunk is not None:
+            p.chunk["offset"] = start
+            if not self.gzip:
+                p.chunk["endOffset"] = self.sink.pos
+            p.chunk["chunkDigest"] = digest
+
+    def drain(self) -> None:
+        while self.pending:
+            self._drain_one()
+
+    # the uncompressed tar stream -----------------------------------------------------------
+
+    def add_meta(self, raw: bytes) -> None:
+        self.meta += raw
+        self.diff.update(raw)
+        self.usize += len(raw)
+        self.tarsplit.segment(raw)
+
+    def flush_meta(self) -> None:
+        if self.meta:
+            self._submit(bytes(self.meta), None)
+            self.meta = bytearray()
+
+    def add_entry(self, info: tarfile.TarInfo, entry: Entry,
+                  read: Callable[[int], bytes] | None) -> None:
+        header = info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+        self.add_meta(header)
+        self.tarsplit.file(info.name, entry.size)
+        rec = entry_json(entry)
+        self.toc.append(rec)
+        if entry.type != "reg" or entry.size == 0:
+            if entry.type == "reg":
+                rec["digest"] = "sha256:" + hashlib.sha256(b"").hexdigest()
+            return
+        assert read is not None
+        self.flush_meta()
+        fhash = hashlib.sha256()
+        done = 0
+        first = True
+        while done < entry.size:
+            n = min(self.chunk_size, entry.size - done)
+            data = read(n)
+            if len(data) != n:
+                raise FormatError(f"entry {entry.name!r}: tar data ends after {done + len(data)}"
+                                  f" of {entry.size} bytes")
+            fhash.update(data)
+            self.diff.update(data)
+            self.usize += n
+            if first:
+                chunk = rec
+                first = False
+            else:
+                chunk = {"name": entry.name, "type": "chunk"}
+                self.toc.append(chunk)
+            chunk["chunkOffset"] = done
+            chunk["chunkSize"] = n
+            self._submit(data, chunk)
+            done += n
+        rec["digest"] = "sha256:" + fhash.hexdigest()
+        self.add_meta(bytes(-entry.size % _BLOCK))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def _entry_from(info: tarfile.TarInfo, name: str) -> Entry:
+    etype = _TYPES.get(info.type)
+    if etype is None:
+        raise FormatError(f"entry {info.name!r}: unsupported tar entry type {info.type!r}")
+    xattrs = {k[len(_XATTR):]: v.encode("utf-8", "surrogateescape")
+              for k, v in info.pax_headers.items() if k.startswith(_XATTR)}
+    link = info.linkname
+    if etype == "hardlink":
+        link = normalize_name(link, what=f"hardlink {name!r} target")
+    return Entry(
+        name=name, type=etype, size=info.size if etype == "reg" else 0,
+        mode=info.mode & MODE_PERM_MASK, uid=info.uid, gid=info.gid, uname=info.uname,
+        gname=info.gname,
+        mtime_ns=_mtime_ns(info),
+        link_name=link, dev_major=info.devmajor if etype in ("char", "block") else 0,
+        dev_minor=info.devminor if etype in ("char", "block") else 0, xattrs=xattrs,
+    )
+
+
+def _mtime_ns(info: tarfile.TarInfo) -> int:
+    # The PAX record is exact; going through tarfile's float would round nanoseconds.
+    text = info.pax_headers.get("mtime")
+    if text is None:
+        return int(info.mtime) * 1_000_000_000
+    neg = text.startswith("-")
+    whole, _, frac = text.lstrip("-+").partition(".")
+    if not whole.isdigit() or (frac and not frac.isdigit()):
+        raise FormatError(f"entry {info.name!r}: PAX mtime {text!r:.40} is not a number")
+    ns = int(whole) * 1_000_000_000 + int(frac[:9].ljust(9, "0") or "0")
+    return -ns if neg else ns
+
+
+def _out_info(info: tarfile.TarInfo, entry: Entry) -> tarfile.TarInfo:
+    """The header we write: normalized name, sparse files expanded, only xattr PAX records."""
+    out = tarfile.TarInfo("./" if entry.name == "" else
+                          entry.name + ("/" if entry.type == "dir" else ""))
+    out.type = tarfile.REGTYPE if entry.type == "reg" else info.type
+    out.size = entry.size
+    out.mode = entry.mode
+    out.uid, out.gid, out.uname, out.gname = info.uid, info.gid, info.uname, info.gname
+    out.mtime = info.mtime
+    out.linkname = entry.link_name if entry.type == "hardlink" else info.linkname
+    out.devmajor, out.devminor = entry.dev_major, entry.dev_minor
+    out.pax_headers = {k: v for k, v in info.pax_headers.items()
+                       if k.startswith(_XATTR) or k == "mtime"}
+    return out
+
+
+def _landmark(name: str) -> tuple[tarfile.TarInfo, Entry]:
+    info = tarfile.TarInfo(name)
+    info.size = 1
+    info.mode = 0o644
+    return info, Entry(name=name, type="reg", size=1, mode=0o644)
+
+
+def _members(tf: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
+    try:
+        yield from tf
+    except tarfile.TarError as exc:
+        raise FormatError(f"input is not a valid tar stream: {exc}") from None
+    except (EOFError, zlib.error, zstandard.ZstdError, gzip.BadGzipFile) as exc:
+        raise FormatError(f"input is truncated or corrupt: {exc}") from None
+
+
+def _reader(tf: tarfile.TarFile, info: tarfile.TarInfo) -> Callable[[int], bytes]:
+    f = tf.extractfile(info)
+    if f is None:
+        raise FormatError(f"entry {info.name!r}: no data")
+
+    def read(n: int) -> bytes:
+        try:
+            return f.read(n)
+        except (tarfile.TarError, EOFError, zlib.error, zstandard.ZstdError,
+                gzip.BadGzipFile, OSError) as exc:
+            raise FormatError(f"entry {info.name!r}: cannot read data: {exc}") from None
+    return read
+
+
+def convert_layer(src: BinaryIO, dst: BinaryIO, *, format: str = "zstd:chunked",
+                  chunk_size: int = DEFAULT_CHUNK_SIZE, prefetch: Sequence[str] | None = None,
+                  level: int | None = None, threads: int | None = None,
+                  legacy_footer: bool = False) -> LayerResult:
+    """Convert the tar stream ``src`` into a seekable layer written sequentially to ``dst``.
+
+    ``src`` may be plain, gzip or zstd (sniffed from its first bytes). ``prefetch`` names files
+    to place first, followed by ``.prefetch.landmark``; ``[]`` writes ``.no.prefetch.landmark``;
+    ``None`` writes no landmark for zstd:chunked and ``.no.prefetch.landmark`` for eStargz (as
+    ctr-remote does). ``legacy_footer`` (zstd:chunked only) writes stargz-snapshotter's 40-byte
+    footer and annotations, without tar-split, for readers that predate containers/storage's
+    64-byte footer (stargz-snapshotter 0.12, Debian's ``ctr-remote``). Memory stays bounded
+    (about ``2 * threads`` chunks in flight); with a
+    prefetch list the uncompressed input is spooled to a temporary file to reorder it.
+
+    >>> with open("layer.tar", "rb") as s, open("out", "wb") as d:  # doctest: +SKIP
+    ...     result = convert_layer(s, d, format="estargz")
+    """
+    if format not in FORMATS:
+        raise InvalidArgument(f"unknown layer format {format!r} (want one of {FORMATS})")
+    if not 4096 <= chunk_size <= 1 << 30:
+        raise InvalidArgument(f"chunk size {chunk_size} is outside 4 KiB..1 GiB")
+    if prefetch is None and format == "estargz":
+        prefetch = []
+    nthreads = threads or min(8, os.cpu_count() or 1)
+    w = _Writer(dst, format, chunk_size, level, nthreads)
+    try:
+        counted = _Counted(_open_tar_stream(src))
+        stream = cast(IO[bytes], counted)
+        if prefetch:
+            with tempfile.TemporaryFile() as spool:
+                try:
+                    shutil.copyfileobj(stream, spool, 1 << 20)
+                except (EOFError, zlib.error, zstandard.ZstdError, gzip.BadGzipFile) as exc:
+                    raise FormatError(f"input is truncated or corrupt: {exc}") from None
+                spool.seek(0)
+                end = _convert_entries(w, spool, "r:", list(prefetch))
+                total = spool.seek(0, os.SEEK_END)
+        else:
+            end = _convert_entries(w, stream, "r|", None if prefetch is None else [])
+            total = counted.count
+        # tarfile accepts a stream that stops at a header boundary; a layer must not.
+        if total < end + _BLOCK:
+            raise FormatError("input tar ends without its end-of-archive marker (truncated?)")
+        return _finish(w, legacy_footer)
+    finally:
+        w.close()
+
+
+def _convert_entries(w: _Writer, stream: IO[bytes], mode: Literal["r:", "r|"],
+                     prefetch: list[str] | None) -> int:
+    """Emit every entry; return the input offset where the tar's end marker should be."""
+    try:
+        tf = tarfile.open(  # noqa: SIM115 (closed by the with below)
+            None, mode, fileobj=stream, encoding="utf-8", errors="surrogateescape")
+    except tarfile.TarError as exc:
+        raise FormatError(f"input is not a valid tar stream: {exc}") from None
+    except (EOFError, zlib.error, zstandard.ZstdError, gzip.BadGzipFile) as exc:
+        raise FormatError(f"input is truncated or corrupt: {exc}") from None
+    seen: set[str] = set()
+
+    def emit(info: tarfile.TarInfo) -> None:
+        name = normalize_name(info.name, what="tar entry")
+        if name in seen:
+            raise FormatError(f"entry {name!r} appears twice in the tar stream")
+        if name in (PREFETCH_LANDMARK, NO_PREFETCH_LANDMARK) and prefetch is not None:
+            raise FormatError(f"entry {name!r} is reserved for the prefetch landmark")
+        seen.add(name)
+        entry = _entry_from(info, name)
+        read = _reader(tf, info) if entry.type == "reg" and entry.size else None
+        w.add_entry(_out_info(info, entry), entry, read)
+
+    def landmark(name: str) -> None:
+        info, entry = _landmark(name)
+        seen.add(name)
+        w.add_entry(info, entry, io.BytesIO(b"\x0f").read)
+
+    with tf:
+        if not prefetch:
+            if prefetch is not None:
+                landmark(NO_PREFETCH_LANDMARK)
+            for info in _members(tf):
+                emit(info)
+            return tf.offset
+        members = list(_members(tf))
+        by_name: dict[str, tarfile.TarInfo] = {}
+        for info in members:
+            by_name.setdefault(normalize_name(info.name, what="tar entry"), info)
+        first: list[tarfile.TarInfo] = []
+        placed: set[int] = set()
+
+        def place(name: str) -> None:
+            info = by_name.get(name)
+            if info is None or id(info) in placed:
+                return
+            parent = name.rpartition("/")[0]
+            if name:
+                place(parent)
+            if info.type == tarfile.LNKTYPE:
+                place(normalize_name(info.linkname, what=f"hardlink {name!r} target"))
+            placed.add(id(info))
+            first.append(info)
+
+        for raw in prefetch:
+            name = normalize_name(raw, what="prefetch")
+            if name not in by_name:
+                raise InvalidArgument(f"prefetch file {raw!r} is not in the layer")
+            place(name)
+        for info in first:
+            emit(info)
+        landmark(PREFETCH_LANDMARK)
+        for info in members:
+            if id(info) not in placed:
+                emit(info)
+        return tf.offset
+
+
+def _finish(w: _Writer, legacy_footer: bool) -> LayerResult:
+    if w.gzip:
+        w.flush_meta()
+        w.drain()
+        toc_offset = w.sink.pos
+        toc_json = encode_toc(w.toc)
+        ti = tarfile.TarInfo("stargz.index.json")
+        ti.size = len(toc_json)
+        ti.mode = 0o644
+        tar_tail = (ti.tobuf(tarfile.USTAR_FORMAT, "utf-8", "strict") + toc_json
+                    + bytes(-len(toc_json) % _BLOCK) + bytes(2 * _BLOCK))
+        w.diff.update(tar_tail)
+        w.usize += len(tar_tail)
+        c = zlib.compressobj(w.level, zlib.DEFLATED, 31)
+        w.sink.write(c.compress(tar_tail) + c.flush())
+        w.sink.write(estargz_footer(toc_offset))
+        toc_digest = "sha256:" + hashlib.sha256(toc_json).hexdigest()
+        annotations = {ESTARGZ_TOC_DIGEST: toc_digest, ESTARGZ_UNCOMPRESSED_SIZE: str(w.usize)}
+        media_type = MEDIA_TYPE_GZIP
+    else:
+        w.add_meta(bytes(2 * _BLOCK))
+        w.flush_meta()
+        w.drain()
+        cctx = zstandard.ZstdCompressor(level=w.level)
+        if legacy_footer:
+            toc_json = encode_toc(w.toc)
+            toc_comp = cctx.compress(toc_json)
+            toc_offset = w.sink.write(skippable_frame(toc_comp)) + 8
+            w.sink.write(zstd_chunked_legacy_footer(toc_offset, len(toc_comp), len(toc_json)))
+            toc_digest = "sha256:" + hashlib.sha256(toc_json).hexdigest()
+            # The eStargz key plus the github-less zstd keys: what stargz-snapshotter writes.
+            annotations = {
+                ESTARGZ_TOC_DIGEST: toc_digest,
+                ESTARGZ_UNCOMPRESSED_SIZE: str(w.usize),
+                ZSTD_CHUNKED_LEGACY_CHECKSUM: "sha256:" + hashlib.sha256(toc_comp).hexdigest(),
+                ZSTD_CHUNKED_LEGACY_POSITION: f"{toc_offset}:{len(toc_comp)}:{len(toc_json)}:1",
+            }
+            return LayerResult(
+                digest="sha256:" + w.sink.hash.hexdigest(), size=w.sink.pos,
+                diff_id="sha256:" + w.diff.hexdigest(), toc_digest=toc_digest,
+                media_type=MEDIA_TYPE_ZSTD, annotations=annotations)
+        ts_raw = w.tarsplit.getvalue()
+        ts_comp = cctx.compress(ts_raw)
+        toc_json = encode_toc(w.toc, tarSplitDigest="sha256:" + hashlib.sha256(ts_comp).hexdigest())
+        toc_comp = cctx.compress(toc_json)
+        toc_offset = w.sink.write(skippable_frame(toc_comp)) + 8
+        ts_offset = w.sink.write(skippable_frame(ts_comp)) + 8
+        w.sink.write(zstd_chunked_footer(toc_offset, len(toc_comp), len(toc_json),
+                                         ts_offset, len(ts_comp), len(ts_raw)))
+        toc_digest = "sha256:" + hashlib.sha256(toc_comp).hexdigest()
+        annotations = {
+            ZSTD_CHUNKED_MANIFEST_CHECKSUM: toc_digest,
+            ZSTD_CHUNKED_MANIFEST_POSITION: f"{toc_offset}:{len(toc_comp)}:{len(toc_json)}:1",
+            ZSTD_CHUNKED_TARSPLIT_POSITION: f"{ts_offset}:{len(ts_comp)}:{len(ts_raw)}",
+        }
+        media_type = MEDIA_TYPE_ZSTD
+    return LayerResult(
+        digest="sha256:" + w.sink.hash.hexdigest(), size=w.sink.pos,
+        diff_id="sha256:" + w.diff.hexdigest(), toc_digest=toc_digest, media_type=media_type,
+        annotations=annotations,
+    )

@@ -1,0 +1,420 @@
+"""The prober: one asyncio loop that watches one app and pushes each state change to the sinks.
+
+Two ways to run it:
+
+* **sidecar** — probe a target the pod runs anyway (``--target http://127.0.0.1:8000/health``);
+* **wrapper** — start the app itself with ``$NOTIFY_SOCKET`` set, forward signals to it and exit
+  with its code (``coldstart probe … -- python server.py``).
+
+While starting, the check runs every ``startup_interval`` (5 ms) with a per-try deadline; once
+READY it runs every ``interval``. An sd_notify datagram or a gRPC Watch message is a push and
+applies at once. On SIGTERM the state goes DRAINING and every sink is told *before* the app gets
+its SIGTERM and grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from coldstart.errors import InvalidArgument
+from coldstart.probe.checks import Check, GrpcHealthCheck
+from coldstart.probe.endpoint import ReadyEndpoint
+from coldstart.probe.notify import NotifyListener
+from coldstart.probe.sinks import Sink
+from coldstart.probe.states import CheckResult, Notice, State, StateMachine, Status, Thresholds
+
+__all__ = ["ProbeConfig", "Prober"]
+
+log = logging.getLogger("coldstart.probe")
+
+FORWARDED_SIGNALS = (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """Every knob of the prober, in seconds. Defaults suit a GPU model server.
+
+    >>> ProbeConfig(service="llama", target="10.0.0.5:8000").startup_interval
+    0.005
+    """
+
+    service: str = "default"
+    target: str = "127.0.0.1"          # the address routers send requests to
+    startup_interval: float = 0.005    # between tries while STARTING/LOADING
+    startup_try_timeout: float = 0.1   # deadline of one try while starting (Knative: 100 ms)
+    interval: float = 0.1              # between tries once READY or DEGRADED
+    try_timeout: float = 1.0           # deadline of one try once READY
+    heartbeat: float = 1.0             # sinks' keep-alive period
+    ttl: float = 3.0                   # a router stops picking a target this long after its
+    #                                    last heartbeat
+    progress_every: float = 0.1        # progress-only updates are pushed at most this often
+    drain_delay: float = 0.0           # after routers know we drain, before the app's SIGTERM
+    grace: float = 30.0                # the app's grace period after its SIGTERM
+    flush_timeout: float = 2.0         # how long to wait for sinks to take a change when draining
+    thresholds: Thresholds = field(default_factory=Thresholds)
+
+    def __post_init__(self) -> None:
+        for name in ("startup_interval", "startup_try_timeout", "interval", "try_timeout",
+                     "heartbeat", "ttl", "flush_timeout"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgument(f"{name} must be a positive number of seconds")
+        for name in ("progress_every", "drain_delay", "grace"):
+            if getattr(self, name) < 0:
+                raise InvalidArgument(f"{name} must not be negative")
+        if self.ttl <= self.heartbeat:
+            raise InvalidArgument("ttl must be longer than the heartbeat period")
+
+
+class _SinkWorker:
+    """Sends changes to one sink in order; a slow or broken sink never holds up the others."""
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+        self.pending: collections.deque[Status] = collections.deque()
+        self.wake = asyncio.Event()
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.errors = 0
+
+    def push(self, status: Status) -> None:
+        self.pending.append(status)
+        self.idle.clear()
+        self.wake.set()
+
+    async def run(self) -> None:
+        attempt = 0
+        while True:
+            if not self.pending:
+                self.idle.set()
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            status = self.pending[0]
+            try:
+                await self.sink.publish(status)
+            except Exception as exc:  # a sink's failure is logged, never fatal to the prober
+                self.errors += 1
+                if len(self.pending) > 1:
+                    self.pending.popleft()  # a newer change supersedes this one
+                    continue
+                log.warning("sink %s: %s (retrying)", self.sink.name, exc)
+                attempt += 1
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(2.0, 0.05 * 2**attempt)):
+                        self.wake.clear()
+                        await self.wake.wait()
+                continue
+            attempt = 0
+            self.pending.popleft()
+
+
+class Prober:
+    """Probe one app and push its state to ``sinks``.
+
+    >>> # prober = Prober(ProbeConfig(service="llama", target="10.0.0.5:8000"),
+    >>> #                 HttpCheck("http://127.0.0.1:8000/health"), [RedisSink(...)])
+    >>> # exit_code = await prober.run()                   # sidecar, until SIGTERM
+    >>> # exit_code = await prober.run(["python", "server.py"])   # wrapper
+    """
+
+    def __init__(
+        self, config: ProbeConfig, check: Check | None, sinks: Sequence[Sink] = (), *,
+        notify_path: str | None = None, listen: tuple[str, int] | None = None,
+        on_change: Callable[[Status], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.check = check
+        self.sinks = list(sinks)
+        self.notify_path = notify_path
+        self.listen = listen
+        self.on_change = on_change
+        self._machine = StateMachine(config.thresholds, started=time.monotonic())
+        self._epoch = 0
+        self._last_push = 0.0
+        self._workers: list[_SinkWorker] = []
+        self._app_speaks = False
+        self._watching = False
+        self._drain_requested = asyncio.Event()
+        self._signalled = False
+        self._check_lock = asyncio.Lock()
+        self._stop = asyncio.Event()
+        self.endpoint: ReadyEndpoint | None = None
+        self.history: list[Status] = []
+
+    @property
+    def status(self) -> Status:
+        return self._machine.status
+
+    # state changes ---------------------------------------------------------------------------
+
+    def _apply(self, new: Status | None) -> None:
+        if new is None:
+            return
+        previous = self.history[-1] if self.history else None
+        now = time.monotonic()
+        if (previous is not None and previous.state is new.state
+                and now - self._last_push < self.config.progress_every):
+            return  # a progress-only update, rate-limited; the next change carries the latest
+        # µs of wall time, never going back: a restarted prober outranks its predecessor
+        self._epoch = max(self._epoch + 1, time.time_ns() // 1000)
+        since = time.time() if previous is None or previous.state is not new.state else (
+            previous.since)
+        status = replace(new, epoch=self._epoch, since=since)
+        self._machine.status = status
+        self._last_push = now
+        self.history.append(status)
+        log.info("%s %s %s", self.config.target, status.state.value, status.detail)
+        for worker in self._workers:
+            worker.push(status)
+        if self.on_change is not None:
+            self.on_change(status)
+
+    def feed(self, result: CheckResult) -> None:
+        """Apply one check result (from polling or a push such as gRPC Watch)."""
+        self._apply(self._machine.on_check(result, time.monotonic()))
+
+    def notice(self, notice: Notice) -> None:
+        """Apply one sd_notify message."""
+        self._app_speaks = True
+        self._apply(self._machine.on_notice(notice, time.monotonic()))
+        if self.status.state is State.DRAINING:
+            self._drain_requested.set()
+
+    def request_drain(self) -> None:
+        """What SIGTERM does: go DRAINING (sinks first), then stop the app within its grace."""
+        self._signalled = True
+        self._drain_requested.set()
+
+    async def flush(self, timeout: float) -> bool:
+        """Wait until every sink took every change so far; False if time ran out."""
+        try:
+            async with asyncio.timeout(timeout):
+                for worker in self._workers:
+                    await worker.idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    # loops -----------------------------------------------------------------------------------
+
+    async def _poll_loop(self) -> None:
+        cfg = self.config
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            state = self.status.state
+            if state.terminal:
+                return
+            starting = state.starting_up
+            interval = cfg.startup_interval if starting else cfg.interval
+            self._apply(self._machine.on_tick(time.monotonic()))
+            # the app's own word (sd_notify) or a Watch stream governs; polling waits meanwhile
+            pushing = self._watching or (self._app_speaks and starting)
+            if self.check is not None and not pushing and state is not State.DRAINING:
+                timeout = cfg.startup_try_timeout if starting else cfg.try_timeout
+                async with self._check_lock:
+                    result = await self.check.run(timeout)
+                self.feed(result)
+            else:
+                # nothing to poll: only the start-up deadline needs the clock
+                interval = max(interval, 0.05 if pushing else 0.5)
+            next_at = max(next_at + interval, time.monotonic())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(next_at - time.monotonic()):
+                    await self._stop.wait()
+
+    def pushed(self, result: CheckResult) -> None:
+        """Apply a result the app's server pushed (gRPC Watch): its word counts at once, with
+        no hysteresis, since a push is sent once per change, not repeated like a poll."""
+        state = self.status.state
+        if result.ok:
+            notice = Notice(ready=True, status=result.detail)
+        elif state is State.READY:
+            notice = Notice(reloading=True, status=result.detail)
+        else:
+            return
+        self._apply(self._machine.on_notice(notice, time.monotonic()))
+
+    async def _watch_loop(self, check: GrpcHealthCheck) -> None:
+        while not self._stop.is_set() and not check.watch_unsupported:
+            async for result in check.watch():
+                self._watching = True
+                self.pushed(result)
+            self._watching = False
+            await asyncio.sleep(self.config.interval)
+
+    async def _heartbeat_loop(self) -> None:
+        while not self._stop.is_set():
+            await asyncio.sleep(self.config.heartbeat)
+            for sink in self.sinks:
+                try:
+                    async with asyncio.timeout(self.config.heartbeat):
+                        await sink.heartbeat()
+                except Exception as exc:  # the next heartbeat tries again
+                    log.warning("heartbeat to %s: %s", sink.name, exc)
+
+    # running ---------------------------------------------------------------------------------
+
+    async def run(self, app: Sequence[str] | None = None, *, signals: bool = True) -> int:
+        """Run until drained (SIGTERM) or, in wrapper mode, until the app exits.
+
+        Returns the exit code: the app's in wrapper mode (128+N if a signal N killed it).
+        """
+        loop = asyncio.get_running_loop()
+        tasks: list[asyncio.Task[None]] = []
+        listener: NotifyListener | None = None
+        tmpdir: tempfile.TemporaryDirectory[str] | None = None
+        proc: asyncio.subprocess.Process | None = None
+        installed: list[signal.Signals] = []
+        try:
+            for sink in self.sinks:
+                await sink.start()
+            self._workers = [_SinkWorker(s) for s in self.sinks]
+            tasks += [asyncio.create_task(w.run()) for w in self._workers]
+            if self.listen is not None:
+                self.endpoint = ReadyEndpoint(
+                    lambda: self.status, self.listen[0], self.listen[1],
+                    self.config.service, self.config.target,
+                )
+                await self.endpoint.start()
+            notify_path = self.notify_path
+            if app is not None and notify_path is None:
+                tmpdir = tempfile.TemporaryDirectory(prefix="coldstart-notify-")
+                notify_path = os.path.join(tmpdir.name, "notify.sock")
+            if notify_path is not None:
+                listener = NotifyListener(notify_path, self.notice)
+                await listener.start()
+            self._apply(self._machine.status)  # publish STARTING
+            if signals:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.add_signal_handler(sig, self.request_drain)
+                    installed.append(sig)
+            if app is not None:
+                env = dict(os.environ)
+                if notify_path is not None:
+                    env["NOTIFY_SOCKET"] = notify_path
+                try:
+                    proc = await asyncio.create_subprocess_exec(
+                        *app, env=env, process_group=0,
+                    )
+                except OSError as exc:
+                    raise InvalidArgument(f"cannot start {app[0]}: {exc}") from exc
+                if signals:
+                    for sig in FORWARDED_SIGNALS:
+                        loop.add_signal_handler(sig, _forward(proc, sig))
+                        installed.append(sig)
+            tasks.append(asyncio.create_task(self._poll_loop()))
+            tasks.append(asyncio.create_task(self._heartbeat_loop()))
+            if isinstance(self.check, GrpcHealthCheck):
+                tasks.append(asyncio.create_task(self._watch_loop(self.check)))
+            return await (self._supervise(proc) if proc is not None else self._sidecar())
+        finally:
+            self._stop.set()
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+            if proc is not None and proc.returncode is None:
+                await _terminate(proc, self.config.grace)
+            await self.flush(self.config.flush_timeout)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if listener is not None:
+                listener.close()
+            if tmpdir is not None:
+                tmpdir.cleanup()
+            if self.endpoint is not None:
+                await self.endpoint.close()
+            if self.check is not None:
+                await self.check.close()
+            for sink in self.sinks:
+                with contextlib.suppress(Exception):
+                    await sink.close()
+
+    async def _announce_drain(self, why: str) -> None:
+        self._apply(self._machine.on_drain(time.monotonic(), why))
+        if not await self.flush(self.config.flush_timeout):
+            log.warning("not every sink took DRAINING within %s s", self.config.flush_timeout)
+        if self.config.drain_delay:
+            await asyncio.sleep(self.config.drain_delay)
+
+    async def _sidecar(self) -> int:
+        drain = asyncio.create_task(self._drain_requested.wait())
+        try:
+            while not drain.done():
+                await asyncio.wait([drain], timeout=1.0)
+        finally:
+            drain.cancel()
+        await self._announce_drain("SIGTERM")
+        # the app got its own SIGTERM from the kubelet; STOPPED once it no longer answers
+        deadline = time.monotonic() + self.config.grace
+        while self.check is not None and time.monotonic() < deadline:
+            async with self._check_lock:  # the poll loop may be mid-try on the same connection
+                result = await self.check.run(self.config.try_timeout)
+            if not result.ok:
+                break
+            await asyncio.sleep(self.config.interval)
+        self._apply(self._machine.on_stopped(time.monotonic(), "drained"))
+        return 0
+
+    async def _supervise(self, proc: asyncio.subprocess.Process) -> int:
+        exited = asyncio.create_task(proc.wait())
+        drain = asyncio.create_task(self._drain_requested.wait())
+        timed_out = False
+        try:
+            while True:
+                done, _ = await asyncio.wait(
+                    [exited, drain], timeout=0.5, return_when=asyncio.FIRST_COMPLETED
+                )
+                if exited in done:
+                    break
+                if drain in done:
+                    if self._signalled:
+                        await self._announce_drain("SIGTERM")
+                        await _terminate(proc, self.config.grace)
+                    else:  # the app said STOPPING=1 itself: routers are told, it stops alone
+                        await self.flush(self.config.flush_timeout)
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(self.config.grace):
+                                await asyncio.shield(exited)
+                        await _terminate(proc, self.config.grace)
+                    break
+                if self.status.state is State.FAILED:
+                    timed_out = True  # start-up took too long: stop the app, as systemd would
+                    await _terminate(proc, self.config.grace)
+                    break
+        finally:
+            drain.cancel()
+        code = await exited
+        self._apply(self._machine.on_exit(code, time.monotonic()))
+        if code < 0:
+            return 128 - code
+        return code or (1 if timed_out else 0)
+
+
+def _forward(proc: asyncio.subprocess.Process, sig: int) -> Callable[[], None]:
+    def send() -> None:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+    return send
+
+
+async def _terminate(proc: asyncio.subprocess.Process, grace: float) -> None:
+    """SIGTERM the app, SIGKILL it if it outlives its grace period."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        async with asyncio.timeout(grace):
+            await proc.wait()
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()

@@ -1,0 +1,161 @@
+"""The ``coldstart snapshotter`` process: wiring, the FUSE server beside it, signals.
+
+Two processes (DESIGN "FUSE survives us"): this gRPC process owns the metadata and answers
+containerd; the FUSE server (``coldstart fuse-server``) serves the lazily mounted layers. This
+process connects to the FUSE server's control socket (``config.fuse.socket``) and, when nothing
+answers, starts one detached (its own session, log ``<root>/fuse-server.log``, pid in
+``<root>/fuse-server.pid``, effective config in ``<root>/fuse-server.toml``), so that killing or
+restarting this process never touches mounts. On restart it reopens the same SQLite store;
+containerd's proxy client reconnects by itself. SIGTERM/SIGINT stop serving gracefully (in-flight
+RPCs get ``shutdown_grace`` seconds; every write is a committed transaction or none).
+
+:func:`make_mounter` is the one place that picks the :class:`LayerMounter` implementation.
+
+Example::
+
+    run(config.load("/etc/coldstart/config.toml"))   # blocks until SIGTERM
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+from coldstart.config import Config, dump
+from coldstart.errors import FailedPrecondition
+from coldstart.snapshotter.mounter import LayerMounter
+from coldstart.snapshotter.server import socket_answers, start_server
+from coldstart.snapshotter.service import SnapshotService
+from coldstart.snapshotter.service_metrics import ServiceMetrics, serve_metrics
+from coldstart.snapshotter.snapshotter import Snapshotter
+from coldstart.snapshotter.store import Store
+
+__all__ = ["ensure_fuse_server", "make_mounter", "root_lock", "run", "spawn_fuse_server"]
+
+log = logging.getLogger("coldstart.snapshotter.daemon")
+
+METADATA_DB = "metadata.db"
+LOCK_FILE = "snapshotter.lock"
+FUSE_LOG = "fuse-server.log"
+FUSE_PID = "fuse-server.pid"
+FUSE_CONFIG = "fuse-server.toml"
+
+
+@contextlib.contextmanager
+def root_lock(root: str) -> Iterator[IO[str]]:
+    """Exclusive for one snapshotter process per root; the kernel drops it if we are killed."""
+    f = open(os.path.join(root, LOCK_FILE), "a+")  # noqa: SIM115 - held for the process
+    try:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FailedPrecondition(f"another coldstart snapshotter uses root {root}") from None
+        yield f
+    finally:
+        f.close()
+
+
+def spawn_fuse_server(cfg: Config) -> subprocess.Popen[bytes]:
+    """Start ``coldstart fuse-server`` detached from us (its own session)."""
+    root = Path(cfg.root)
+    conf = root / FUSE_CONFIG
+    tmp = conf.with_suffix(".tmp")
+    tmp.write_text(dump(cfg))
+    os.replace(tmp, conf)
+    with open(root / FUSE_LOG, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "coldstart.cli", "fuse-server", "--config", str(conf)],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True, close_fds=True, cwd="/")
+    (root / FUSE_PID).write_text(f"{proc.pid}\n")
+    log.info("started fuse-server (pid %d, log %s)", proc.pid, root / FUSE_LOG)
+    return proc
+
+
+def ensure_fuse_server(cfg: Config) -> bool:
+    """True when a FUSE server answers on ``cfg.fuse.socket`` (spawning one if allowed)."""
+    if socket_answers(cfg.fuse.socket):
+        log.info("fuse-server answers on %s", cfg.fuse.socket)
+        return True
+    if not cfg.fuse.spawn:
+        log.warning("no fuse-server on %s and fuse.spawn is off: layers are pulled normally "
+                    "until one starts", cfg.fuse.socket)
+        return False
+    proc = spawn_fuse_server(cfg)
+    deadline = time.monotonic() + cfg.fuse.start_timeout
+    while time.monotonic() < deadline:
+        if socket_answers(cfg.fuse.socket):
+            return True
+        if proc.poll() is not None:
+            log.warning("fuse-server exited with status %s (see %s): layers are pulled "
+                        "normally", proc.returncode, Path(cfg.root) / FUSE_LOG)
+            return False
+        time.sleep(0.05)
+    log.warning("fuse-server did not answer on %s within %.0f s (see %s): layers are pulled "
+                "normally until it does", cfg.fuse.socket, cfg.fuse.start_timeout,
+                Path(cfg.root) / FUSE_LOG)
+    return False
+
+
+def make_mounter(cfg: Config) -> LayerMounter | None:
+    """The one wiring place of the LayerMounter: the FUSE server's client."""
+    try:
+        from coldstart.snapshotter.fuse_client import FuseServerClient
+    except ImportError as exc:
+        log.warning("lazy pulling disabled: FUSE client unavailable (%s)", exc)
+        return None
+    ensure_fuse_server(cfg)
+    mounter: LayerMounter = FuseServerClient(cfg.fuse.socket, cfg.fuse.request_timeout)
+    return mounter
+
+
+def run(cfg: Config, *, ready: threading.Event | None = None,
+        stop: threading.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (or ``stop`` is set when given)."""
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    root = str(Path(cfg.root).resolve())
+    os.makedirs(root, exist_ok=True)
+    stop = stop or threading.Event()
+    with root_lock(root):
+        store = Store(os.path.join(root, METADATA_DB))
+        try:
+            _serve(cfg, root, store, ready, stop)
+        finally:
+            store.close()
+    log.info("stopped")
+
+
+def _serve(cfg: Config, root: str, store: Store, ready: threading.Event | None,
+           stop: threading.Event) -> None:
+    def counts() -> dict[str, int]:
+        with store.transaction() as tx:
+            return {k.word: n for k, n in tx.counts().items()}
+
+    metrics = ServiceMetrics(counts)
+    snapshotter = Snapshotter(root, store, make_mounter(cfg), on_remote=metrics.remote_layer)
+    if cfg.metrics_address:
+        serve_metrics(cfg.metrics_address, metrics)
+        log.info("metrics on http://%s/metrics", cfg.metrics_address)
+    server = start_server(SnapshotService(snapshotter, metrics), cfg.socket,
+                          workers=cfg.grpc_workers)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    log.info("serving containerd snapshots on unix:%s (root %s)", cfg.socket, root)
+    if ready is not None:
+        ready.set()
+    while not stop.wait(0.5):  # a timed wait lets the signal handler run promptly
+        pass
+    log.info("stopping: in-flight requests get %.0f s", cfg.shutdown_grace)
+    server.stop(cfg.shutdown_grace).wait()

@@ -1,0 +1,332 @@
+"""Fetching chunks of lazily mounted layers: range sources, coalescing, single-flight, a pool.
+
+A :class:`ChunkFetcher` is shared by every layer the FUSE server mounts. Asked for some chunks,
+it merges adjacent ones into one range request (up to ``max_coalesce_bytes``), makes sure each
+chunk is fetched by one request at a time however many readers want it (keyed by the chunk's
+content digest, so identical chunks of two layers are fetched once), runs the requests in a
+bounded thread pool, decodes and verifies each chunk (``SeekableLayer.decode_chunk``), stores the
+good ones in the chunk cache, and resolves one :class:`~concurrent.futures.Future` per chunk.
+A chunk that fails verification resolves with :class:`IntegrityError` and is never cached.
+
+Background work (prefetch) runs in its own small pool and waits while on-demand fetches are in
+flight, so it never delays a read that a process is blocked on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from coldstart.cache.chunks import ChunkCache
+from coldstart.errors import ColdstartError, DeadlineExceeded, FormatError, Unavailable
+from coldstart.format.layer import SeekableLayer
+from coldstart.format.readat import ReadAt
+from coldstart.format.toc import Chunk
+from coldstart.oci.reference import Reference
+from coldstart.oci.registry import RegistryClient
+
+__all__ = [
+    "ChunkFetcher",
+    "FetchTelemetry",
+    "LayerStats",
+    "RangeSource",
+    "ReadAtSource",
+    "RegistryRangeSource",
+    "coalesce",
+]
+
+log = logging.getLogger(__name__)
+
+
+class RangeSource(Protocol):
+    """Where a layer's compressed bytes come from: a ReadAt whose reads take a timeout."""
+
+    def read_at(self, offset: int, length: int) -> bytes: ...
+
+    def size(self) -> int: ...
+
+    def read_range(self, offset: int, length: int, timeout: float) -> bytes: ...
+
+
+class ReadAtSource:
+    """A local :class:`ReadAt` (file, bytes) as a RangeSource; the timeout does not apply."""
+
+    def __init__(self, inner: ReadAt) -> None:
+        self.inner = inner
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        return self.inner.read_at(offset, length)
+
+    def size(self) -> int:
+        return self.inner.size()
+
+    def read_range(self, offset: int, length: int, timeout: float) -> bytes:
+        return self.inner.read_at(offset, length)
+
+
+class RegistryRangeSource:
+    """A registry blob read with HTTP range requests, each with its own deadline."""
+
+    def __init__(self, client: RegistryClient, ref: Reference, digest: str, size: int,
+                 *, timeout: float) -> None:
+        self.client = client
+        self.ref = ref
+        self.digest = digest
+        self._size = size if size >= 0 else client.blob_size(ref, digest, timeout=timeout)
+        self.timeout = timeout
+
+    def size(self) -> int:
+        return self._size
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        return self.read_range(offset, length, self.timeout)
+
+    def read_range(self, offset: int, length: int, timeout: float) -> bytes:
+        if offset < 0 or length < 0 or offset + length > self._size:
+            raise FormatError(f"range {offset}+{length} is outside blob {self.digest} "
+                              f"({self._size} bytes)")
+        data = self.client.read_blob_range(self.ref, self.digest, offset, length,
+                                           timeout=timeout)
+        if len(data) != length:
+            raise Unavailable(f"blob {self.digest}: asked {length} bytes at {offset}, "
+                              f"registry sent {len(data)}")
+        return data
+
+
+class FetchTelemetry(Protocol):
+    """Hooks the fetcher and reader report through (metrics live outside the data path)."""
+
+    def fetched(self, layer: str, nbytes: int) -> None: ...
+
+    def cache_hit(self, nbytes: int) -> None: ...
+
+    def cache_miss(self, nbytes: int) -> None: ...
+
+    def error(self, kind: str) -> None: ...
+
+    def read_done(self, seconds: float) -> None: ...
+
+
+@dataclass
+class LayerStats:
+    """Per-layer counters shown by the FUSE server's status (CONVENTIONS §12)."""
+
+    fetched_bytes: int = 0
+    requests: int = 0
+    chunks_fetched: int = 0
+    errors: int = 0
+    last_error: str = ""
+    last_error_at: float = 0.0
+    prefetch_done: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record_error(self, message: str) -> None:
+        with self._lock:
+            self.errors += 1
+            self.last_error = message
+            self.last_error_at = time.time()
+
+    def as_dict(self) -> dict[str, object]:
+        with self._lock:
+            return {
+                "fetched_bytes": self.fetched_bytes,
+                "requests": self.requests,
+                "chunks_fetched": self.chunks_fetched,
+                "errors": self.errors,
+                "last_error": self.last_error,
+                "last_error_at": self.last_error_at,
+                "prefetch_done": self.prefetch_done,
+            }
+
+
+@dataclass
+class FetchTarget:
+    """One layer as the fetcher sees it."""
+
+    digest: str
+    layer: SeekableLayer
+    source: RangeSource
+    stats: LayerStats
+
+
+def coalesce(chunks: Iterable[Chunk], max_bytes: int) -> list[list[Chunk]]:
+    """Group chunks (non-hole) into runs whose compressed ranges touch, each ≤ ``max_bytes``.
+
+    Chunks sharing one gzip member (eStargz small files) share its range.
+
+    >>> a = Chunk(0, 10, 0, 5, "d1"); b = Chunk(10, 20, 0, 5, "d2"); c = Chunk(30, 40, 0, 5, "d3")
+    >>> [[x.offset for x in g] for g in coalesce([c, a, b], 100)]
+    [[0, 10], [30]]
+    """
+    groups: list[list[Chunk]] = []
+    start = end = -1
+    for c in sorted(chunks, key=lambda c: (c.offset, c.inner_offset)):
+        if groups and c.offset <= end and max(end, c.end_offset) - start <= max_bytes:
+            groups[-1].append(c)
+            end = max(end, c.end_offset)
+        else:
+            groups.append([c])
+            start, end = c.offset, c.end_offset
+    return groups
+
+
+def _key(target: FetchTarget, c: Chunk) -> str:
+    if c.digest:
+        return c.digest
+    return f"{target.digest}@{c.offset}+{c.inner_offset}"
+
+
+class ChunkFetcher:
+    """Node-wide single-flight chunk fetching with a bounded pool; see the module docstring."""
+
+    def __init__(self, cache: ChunkCache | None, *, concurrency: int = 8,
+                 max_coalesce_bytes: int = 16 << 20, request_timeout: float = 10.0,
+                 telemetry: FetchTelemetry | None = None) -> None:
+        self.cache = cache
+        self.max_coalesce_bytes = max(1, max_coalesce_bytes)
+        self.request_timeout = request_timeout
+        self.telemetry = telemetry
+        self._pool = ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="fetch")
+        self._bg_pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._inflight: dict[str, Future[bytes]] = {}
+        self._foreground = 0
+        self._closed = False
+
+    def close(self) -> None:
+        """Stop taking work; running requests finish (bounded by their timeouts)."""
+        with self._lock:
+            self._closed = True
+            self._idle.notify_all()
+        self._bg_pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def inflight(self) -> int:
+        with self._lock:
+            return len(self._inflight)
+
+    def request(self, target: FetchTarget, chunks: Iterable[Chunk], *,
+                background: bool = False) -> dict[Chunk, Future[bytes]]:
+        """Start fetching ``chunks`` (those not already in flight); a future for each."""
+        out: dict[Chunk, Future[bytes]] = {}
+        new: list[Chunk] = []
+        with self._lock:
+            if self._closed:
+                raise Unavailable("the FUSE server is shutting down")
+            for c in chunks:
+                if c.zeros or c in out:
+                    continue
+                k = _key(target, c)
+                fut = self._inflight.get(k)
+                if fut is None:
+                    fut = Future()
+                    self._inflight[k] = fut
+                    new.append(c)
+                out[c] = fut
+            groups = coalesce(new, self.max_coalesce_bytes)
+            if not background:
+                self._foreground += len(groups)
+        for g in groups:
+            run: Callable[[], None]
+            if background:
+                def run(g: list[Chunk] = g) -> None:
+                    self._wait_foreground_idle()
+                    self._fetch_group(target, g, False)
+                pool = self._bg_pool
+            else:
+                def run(g: list[Chunk] = g) -> None:
+                    self._fetch_group(target, g, True)
+                pool = self._pool
+            try:
+                pool.submit(run)
+            except RuntimeError as exc:  # pool shut down under us
+                self._fail(target, g, Unavailable(f"fetch not started: {exc}"), not background)
+        return out
+
+    def _wait_foreground_idle(self) -> None:
+        with self._lock:
+            while self._foreground > 0 and not self._closed:
+                self._idle.wait(0.5)
+
+    def _fail(self, target: FetchTarget, group: list[Chunk], exc: BaseException,
+              foreground: bool) -> None:
+        with self._lock:
+            futs = [self._inflight.pop(_key(target, c), None) for c in group]
+            if foreground:
+                self._foreground -= 1
+                self._idle.notify_all()
+        for f in futs:
+            if f is not None and not f.done():
+                f.set_exception(exc)
+
+    def _fetch_group(self, target: FetchTarget, group: list[Chunk], foreground: bool) -> None:
+        start = group[0].offset
+        end = max(c.end_offset for c in group)
+        try:
+            raw = target.source.read_range(start, end - start, self.request_timeout)
+        except BaseException as exc:
+            kind = type(exc).__name__
+            msg = (f"layer {target.digest}: fetching bytes {start}..{end} "
+                   f"({len(group)} chunks) failed: {kind}: {exc}")
+            log.error("%s", msg)
+            target.stats.record_error(msg)
+            if self.telemetry is not None:
+                self.telemetry.error(kind)
+            err = exc if isinstance(exc, ColdstartError) else Unavailable(msg)
+            self._fail(target, group, err, foreground)
+            return
+        with target.stats._lock:
+            target.stats.fetched_bytes += len(raw)
+            target.stats.requests += 1
+            target.stats.chunks_fetched += len(group)
+        if self.telemetry is not None:
+            self.telemetry.fetched(target.digest, len(raw))
+        results: list[tuple[Chunk, bytes | BaseException]] = []
+        for c in group:
+            try:
+                data = target.layer.decode_chunk(c, raw[c.offset - start : c.end_offset - start])
+            except BaseException as exc:
+                kind = type(exc).__name__
+                msg = (f"layer {target.digest}: {kind}: {exc} (chunk {c.digest or '-'} "
+                       f"at blob offset {c.offset}); not cached")
+                log.error("%s", msg)
+                target.stats.record_error(msg)
+                if self.telemetry is not None:
+                    self.telemetry.error(kind)
+                results.append((c, exc if isinstance(exc, ColdstartError)
+                                else Unavailable(msg)))
+                continue
+            if c.digest and self.cache is not None:
+                try:
+                    self.cache.put(c.digest, data, verified=True)
+                except (OSError, ColdstartError) as exc:
+                    log.warning("layer %s: caching chunk %s failed: %s", target.digest,
+                                c.digest, exc)
+            results.append((c, data))
+        with self._lock:
+            futs = [self._inflight.pop(_key(target, c), None) for c, _ in results]
+            if foreground:
+                self._foreground -= 1
+                self._idle.notify_all()
+        for f, (_, res) in zip(futs, results, strict=True):
+            if f is None or f.done():
+                continue
+            if isinstance(res, BaseException):
+                f.set_exception(res)
+            else:
+                f.set_result(res)
+
+
+def wait_for(fut: Future[bytes], deadline: float, what: str) -> bytes:
+    """The future's result by monotonic ``deadline``, else DeadlineExceeded."""
+    remaining = deadline - time.monotonic()
+    try:
+        return fut.result(timeout=max(0.0, remaining))
+    except TimeoutError:
+        raise DeadlineExceeded(f"{what}: not served within the read deadline") from None

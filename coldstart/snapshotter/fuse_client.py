@@ -1,0 +1,89 @@
+"""Talk to the FUSE server over its control socket: the snapshotter's ``LayerMounter``.
+
+>>> client = FuseServerClient("/run/coldstart/fuse.sock")          # doctest: +SKIP
+>>> client.mount("/var/lib/coldstart/snapshots/7/fs", spec)        # doctest: +SKIP
+
+Failures come back as the ColdstartError kind the server raised (IntegrityError for a TOC that
+does not match its digest, FailedPrecondition for a layer without one, NotFound, …), so the
+snapshotter can fall back to a normal pull; an unreachable server is Unavailable.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Any
+
+from coldstart import errors
+from coldstart.errors import ColdstartError, DeadlineExceeded, Unavailable
+from coldstart.snapshotter.layerspec import LayerSpec
+
+__all__ = ["FuseServerClient"]
+
+
+class FuseServerClient:
+    """One request per connection; every call has a deadline (``timeout`` seconds)."""
+
+    def __init__(self, socket_path: str, timeout: float = 60.0) -> None:
+        self.socket_path = socket_path
+        self.timeout = timeout
+
+    def _call(self, request: dict[str, Any], timeout: float | None = None) -> Any:
+        t = self.timeout if timeout is None else timeout
+        what = f"FUSE server at {self.socket_path}"
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(t)
+                s.connect(self.socket_path)
+                s.sendall(json.dumps(request).encode() + b"\n")
+                buf = b""
+                while b"\n" not in buf:
+                    data = s.recv(65536)
+                    if not data:
+                        raise Unavailable(f"{what} closed the connection")
+                    buf += data
+        except TimeoutError as exc:
+            raise DeadlineExceeded(f"{what}: no answer to {request.get('op')} "
+                                   f"within {t:g} s") from exc
+        except OSError as exc:
+            raise Unavailable(f"{what} is not reachable: {exc}") from exc
+        try:
+            reply = json.loads(buf.split(b"\n", 1)[0])
+        except ValueError as exc:
+            raise Unavailable(f"{what} sent a bad reply: {exc}") from exc
+        if reply.get("ok"):
+            return reply.get("result")
+        raise _error(reply.get("error") or {})
+
+    def ping(self) -> dict[str, Any]:
+        """The server's pid; Unavailable if it does not answer."""
+        result: dict[str, Any] = self._call({"op": "ping"}, timeout=min(self.timeout, 10.0))
+        return result
+
+    def mount(self, mountpoint: str, spec: LayerSpec) -> None:
+        """Serve ``spec``'s layer at ``mountpoint`` (an existing empty directory)."""
+        self._call({"op": "mount", "mountpoint": mountpoint,
+                    "spec": json.loads(spec.to_json())})
+
+    def check(self, mountpoint: str) -> None:
+        """Raise unless ``mountpoint`` is mounted and served."""
+        self._call({"op": "check", "mountpoint": mountpoint})
+
+    def unmount(self, mountpoint: str) -> None:
+        """Unmount ``mountpoint`` (NotFound if nothing is mounted there)."""
+        self._call({"op": "unmount", "mountpoint": mountpoint})
+
+    def status(self) -> list[dict[str, Any]]:
+        """Per mountpoint: layer digest, reference, fetched bytes, requests, last error."""
+        result: list[dict[str, Any]] = self._call({"op": "status"})
+        return result
+
+
+def _error(payload: dict[str, Any]) -> ColdstartError:
+    message = str(payload.get("message", "FUSE server error"))
+    kinds = payload.get("kinds") or [payload.get("kind", "ColdstartError")]
+    for kind in kinds:
+        cls = getattr(errors, str(kind), None)
+        if isinstance(cls, type) and issubclass(cls, ColdstartError):
+            return cls(message)
+    return ColdstartError(message)

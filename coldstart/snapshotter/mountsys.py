@@ -1,0 +1,74 @@
+"""mount(2)/umount2(2) for the FUSE server: bind a layer directory onto a mountpoint.
+
+Called from worker threads only: binding ``<root>/fuse/<key>`` makes the kernel look the path up
+in our own FUSE file system, which the server's trio loop must be free to answer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+
+from coldstart.errors import ColdstartError, FailedPrecondition, InvalidArgument, NotFound
+
+__all__ = ["bind_mount", "is_mountpoint", "lazy_unmount", "mounted_paths"]
+
+MS_RDONLY = 1
+MS_REMOUNT = 32
+MS_BIND = 4096
+MNT_DETACH = 2
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
+                        ctypes.c_void_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+
+
+def _error(what: str, err: int) -> ColdstartError:
+    msg = f"{what}: {os.strerror(err)}"
+    if err == errno.ENOENT:
+        return NotFound(msg)
+    if err in (errno.EINVAL, errno.ENOTDIR):
+        return InvalidArgument(msg)
+    return FailedPrecondition(msg)
+
+
+def bind_mount(source: str, target: str) -> None:
+    """``mount --bind source target`` (the FUSE mount is read-only, so is the bind)."""
+    if _libc.mount(os.fsencode(source), os.fsencode(target), None, MS_BIND, None) != 0:
+        raise _error(f"bind mount {source} on {target}", ctypes.get_errno())
+
+
+def lazy_unmount(target: str) -> bool:
+    """``umount -l target``; False if nothing was mounted there."""
+    if _libc.umount2(os.fsencode(target), MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        if err in (errno.EINVAL, errno.ENOENT):
+            return False
+        raise _error(f"unmount {target}", err)
+    return True
+
+
+def mounted_paths() -> list[tuple[str, str]]:
+    """``(mount point, fs type)`` of every mount this process sees."""
+    out: list[tuple[str, str]] = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            parts = left.split(" ")
+            if len(parts) > 4:
+                out.append((_unescape(parts[4]), right.split(" ", 1)[0]))
+    return out
+
+
+def is_mountpoint(path: str) -> bool:
+    """Whether ``path`` is a mount point (read from mountinfo; the path is not touched)."""
+    target = os.path.realpath(path)
+    return any(p == target for p, _ in mounted_paths())
+
+
+def _unescape(path: str) -> str:
+    return (path.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n")
+            .replace("\\134", "\\"))

@@ -1,0 +1,227 @@
+"""Reading files of a lazily mounted layer: (entry, offset, length) → bytes.
+
+For each chunk the read touches: a hole is zeros, a cached chunk is one ``pread`` of the cache
+file, a missing one is fetched through the shared :class:`ChunkFetcher` (coalesced, single
+flight, verified, cached). The whole read has a deadline (``fetch.read_deadline``): past it the
+read raises :class:`DeadlineExceeded` (the FUSE layer answers ``EIO``) instead of hanging.
+
+Round trips are what cost on a cold start, so:
+
+- a file whose chunks are small in total is fetched whole on its first read (one request);
+- a file read sequentially gets its next chunks fetched ahead, in the background;
+- :meth:`LayerReader.prefetch` fetches the TOC's prefetch list in bulk after mounting.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+
+from coldstart.cache.chunks import ChunkCache
+from coldstart.errors import ColdstartError, FormatError
+from coldstart.format.layer import SeekableLayer
+from coldstart.format.toc import Chunk, Entry
+from coldstart.snapshotter.fetcher import (
+    ChunkFetcher,
+    FetchTarget,
+    LayerStats,
+    RangeSource,
+    wait_for,
+)
+
+__all__ = ["LayerReader"]
+
+log = logging.getLogger(__name__)
+
+#: Files whose chunks add up to at most this many compressed bytes are fetched whole.
+SMALL_FILE_BYTES = 4 << 20
+#: Compressed bytes fetched ahead of a sequential reader.
+READAHEAD_BYTES = 8 << 20
+#: Bytes per background prefetch batch.
+PREFETCH_BATCH = 32 << 20
+
+
+class LayerReader:
+    """Reads files of one mounted layer through the node's chunk cache and fetcher.
+
+    >>> reader = LayerReader("sha256:…", layer, source, fetcher)   # doctest: +SKIP
+    >>> reader.read(layer.resolve("etc/os-release"), 0, 4096)      # doctest: +SKIP
+    """
+
+    def __init__(self, digest: str, layer: SeekableLayer, source: RangeSource,
+                 fetcher: ChunkFetcher, *, read_deadline: float = 30.0,
+                 small_file_bytes: int = SMALL_FILE_BYTES,
+                 readahead_bytes: int = READAHEAD_BYTES) -> None:
+        self.digest = digest
+        self.layer = layer
+        self.fetcher = fetcher
+        self.cache: ChunkCache | None = fetcher.cache
+        self.read_deadline = read_deadline
+        self.small_file_bytes = small_file_bytes
+        self.readahead_bytes = readahead_bytes
+        self.stats = LayerStats()
+        self.target = FetchTarget(digest, layer, source, self.stats)
+        self._last_end: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def close(self) -> None:
+        """Stop prefetching."""
+        self._stop.set()
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def _cached(self, c: Chunk, lo: int, hi: int) -> bytes | None:
+        if c.zeros:
+            return bytes(hi - lo)
+        if not c.digest or self.cache is None:
+            return None
+        data = self.cache.read(c.digest, lo, hi - lo, expected_size=c.chunk_size)
+        tel = self.fetcher.telemetry
+        if tel is not None:
+            if data is None:
+                tel.cache_miss(hi - lo)
+            else:
+                tel.cache_hit(hi - lo)
+        return data
+
+    def _is_cached(self, c: Chunk) -> bool:
+        return c.zeros or (bool(c.digest) and self.cache is not None and c.digest in self.cache)
+
+    def read(self, entry: Entry, offset: int, length: int) -> bytes:
+        """Bytes ``[offset, offset+length)`` of regular file ``entry`` (short at its end).
+
+        Raises DeadlineExceeded, IntegrityError, Unavailable or FormatError; the FUSE layer
+        turns each into its errno.
+        """
+        t0 = time.monotonic()
+        try:
+            return self._read(entry, offset, length, t0 + self.read_deadline)
+        except ColdstartError as exc:
+            msg = (f"layer {self.digest}: read {entry.name!r} [{offset}:+{length}] failed: "
+                   f"{type(exc).__name__}: {exc}")
+            log.error("%s", msg)
+            self.stats.record_error(msg)
+            if self.fetcher.telemetry is not None:
+                self.fetcher.telemetry.error(type(exc).__name__)
+            raise
+        finally:
+            if self.fetcher.telemetry is not None:
+                self.fetcher.telemetry.read_done(time.monotonic() - t0)
+
+    def _read(self, entry: Entry, offset: int, length: int, deadline: float) -> bytes:
+        if entry.type != "reg":
+            raise FormatError(f"{entry.name!r} is a {entry.type}, not a regular file")
+        end = min(entry.size, offset + length)
+        if offset >= end:
+            return b""
+        chunks = self.layer.chunks_for(entry, offset, length)
+        pieces: list[bytes | None] = []
+        spans: list[tuple[int, int]] = []
+        missing: list[int] = []
+        for i, c in enumerate(chunks):
+            lo = max(offset, c.chunk_offset) - c.chunk_offset
+            hi = min(end, c.chunk_offset + c.chunk_size) - c.chunk_offset
+            spans.append((lo, hi))
+            data = self._cached(c, lo, hi)
+            pieces.append(data)
+            if data is None:
+                missing.append(i)
+        if missing:
+            want = [chunks[i] for i in missing]
+            total = sum(c.compressed_size for c in entry.chunks)
+            if total <= self.small_file_bytes and len(entry.chunks) > len(want):
+                extra = set(want)
+                want += [c for c in entry.chunks
+                         if c not in extra and not self._is_cached(c)]
+            futures = self.fetcher.request(self.target, want)
+            for i in missing:
+                c = chunks[i]
+                lo, hi = spans[i]
+                what = (f"layer {self.digest}: {entry.name!r} chunk at {c.chunk_offset} "
+                        f"({c.digest or 'no digest'})")
+                data = wait_for(futures[c], deadline, what)
+                if len(data) < hi:
+                    raise FormatError(f"{what}: decoded {len(data)} bytes, need {hi}")
+                pieces[i] = data[lo:hi]
+        self._read_ahead(entry, offset, end, chunks)
+        out = [p for p in pieces if p is not None]
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    def _read_ahead(self, entry: Entry, offset: int, end: int, chunks: list[Chunk]) -> None:
+        """Sequential reader of a big file: fetch the next chunks in the background."""
+        if self.readahead_bytes <= 0 or not chunks:
+            return
+        with self._lock:
+            sequential = offset > 0 and self._last_end.get(entry.name) == offset
+            self._last_end[entry.name] = end
+            if len(self._last_end) > 4096:
+                self._last_end.clear()
+        if not sequential:
+            return
+        last = chunks[-1]
+        ahead: list[Chunk] = []
+        budget = self.readahead_bytes
+        started = False
+        for c in entry.chunks:
+            if not started:
+                started = c is last or c == last
+                continue
+            if budget <= 0:
+                break
+            budget -= c.compressed_size
+            if not self._is_cached(c):
+                ahead.append(c)
+        if ahead:
+            try:
+                self.fetcher.request(self.target, ahead)
+            except ColdstartError:
+                pass
+
+    # -- prefetch --------------------------------------------------------------------------
+
+    def prefetch(self) -> int:
+        """Fetch the chunks of the TOC's prefetch list (in layer order); blocks, returns bytes.
+
+        Runs in a background thread of the server; its requests wait while on-demand reads
+        are being fetched. Errors are logged and counted, not raised.
+        """
+        toc = self.layer.toc
+        todo: list[Chunk] = []
+        for name in toc.prefetch:
+            e = toc.entries.get(name)
+            if e is not None and e.type == "reg":
+                todo.extend(c for c in e.chunks if not self._is_cached(c))
+        fetched = 0
+        batches: list[list[Chunk]] = [[]]
+        size = 0
+        for c in todo:
+            if size >= PREFETCH_BATCH:
+                batches.append([])
+                size = 0
+            batches[-1].append(c)
+            size += c.compressed_size
+        for batch in batches:
+            if self._stop.is_set() or not batch:
+                break
+            try:
+                futures = self.fetcher.request(self.target, batch, background=True)
+            except ColdstartError:
+                break
+            fetched += _settle(futures, self.read_deadline * 4)
+        self.stats.prefetch_done = True
+        return fetched
+
+
+def _settle(futures: dict[Chunk, Future[bytes]], timeout: float) -> int:
+    done = 0
+    deadline = time.monotonic() + timeout
+    for c, f in futures.items():
+        try:
+            f.result(timeout=max(0.0, deadline - time.monotonic()))
+            done += c.compressed_size
+        except (ColdstartError, TimeoutError):
+            continue
+    return done

@@ -1,0 +1,51 @@
+"""Start the snapshots gRPC service on a unix socket (what containerd's proxy plugin dials).
+
+Example::
+
+    server = start_server(service, "/run/coldstart/snapshotter.sock", workers=8)
+    ...
+    server.stop(grace=10).wait()
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from coldstart.errors import FailedPrecondition, InvalidArgument
+from coldstart.snapshotter.service import SnapshotService, add_service
+
+__all__ = ["socket_answers", "start_server"]
+
+
+def socket_answers(path: str, timeout: float = 1.0) -> bool:
+    """Whether something accepts connections on the unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect(path)
+        except OSError:
+            return False
+        return True
+
+
+def start_server(service: SnapshotService, path: str, *, workers: int = 8) -> grpc.Server:
+    """Bind ``path`` (a stale socket file left by a killed process is replaced) and serve."""
+    if len(path.encode()) > 107:
+        raise InvalidArgument(f"socket path is too long for a unix socket: {path}")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if os.path.exists(path):
+        if socket_answers(path):
+            raise FailedPrecondition(f"another process already serves {path}")
+        os.unlink(path)
+    server = grpc.server(ThreadPoolExecutor(max_workers=workers,
+                                            thread_name_prefix="snapshots-rpc"))
+    add_service(server, service)
+    if server.add_insecure_port(f"unix:{path}") == 0:
+        raise FailedPrecondition(f"cannot listen on unix:{path}")
+    server.start()
+    os.chmod(path, 0o660)
+    return server

@@ -1,0 +1,94 @@
+"""Prometheus metrics of the snapshotter's gRPC process: every name is defined here, once.
+
+(Data-path metrics of the FUSE server live in :mod:`coldstart.snapshotter.metrics`.) Metrics
+are registered in a registry per :class:`ServiceMetrics`, so several servers in one process (the
+tests) do not collide; :func:`serve_metrics` exposes one over HTTP.
+
+Example::
+
+    m = ServiceMetrics(snapshot_counts=lambda: {"active": 1})
+    with m.rpc("Prepare"):
+        ...
+    serve_metrics("127.0.0.1:9102", m)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from coldstart.errors import ColdstartError, InvalidArgument
+
+__all__ = [
+    "REMOTE_LAYERS",
+    "RPC_ERRORS",
+    "RPC_SECONDS",
+    "SNAPSHOTS",
+    "ServiceMetrics",
+    "serve_metrics",
+]
+
+RPC_SECONDS = "coldstart_snapshotter_rpc_duration_seconds"
+RPC_ERRORS = "coldstart_snapshotter_rpc_errors_total"
+SNAPSHOTS = "coldstart_snapshotter_snapshots"
+REMOTE_LAYERS = "coldstart_snapshotter_remote_layers_total"
+
+
+class _SnapshotCounts(Collector):
+    def __init__(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(SNAPSHOTS, "Snapshots in the store, by kind",
+                                   labels=["kind"])
+        counts = self._counts()
+        for kind in ("active", "view", "committed"):
+            family.add_metric([kind], float(counts.get(kind, 0)))
+        yield family
+
+
+class ServiceMetrics:
+    def __init__(self, snapshot_counts: Callable[[], Mapping[str, int]] | None = None) -> None:
+        self.registry = CollectorRegistry()
+        self.rpc_seconds = Histogram(RPC_SECONDS, "Latency of snapshotter RPCs",
+                                     ["method"], registry=self.registry)
+        self.rpc_errors = Counter(RPC_ERRORS, "Snapshotter RPCs answered with an error",
+                                  ["method", "code"], registry=self.registry)
+        self.remote_layers = Counter(REMOTE_LAYERS,
+                                     "Layers offered for lazy pulling, by result "
+                                     "(mounted, fallback)", ["result"], registry=self.registry)
+        if snapshot_counts is not None:
+            self.registry.register(_SnapshotCounts(snapshot_counts))
+
+    @contextlib.contextmanager
+    def rpc(self, method: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        except ColdstartError as exc:
+            self.rpc_errors.labels(method, exc.grpc_code).inc()
+            raise
+        except Exception:
+            self.rpc_errors.labels(method, "UNKNOWN").inc()
+            raise
+        finally:
+            self.rpc_seconds.labels(method).observe(time.perf_counter() - start)
+
+    def remote_layer(self, result: str) -> None:
+        self.remote_layers.labels(result).inc()
+
+
+def serve_metrics(address: str, metrics: ServiceMetrics) -> None:
+    """Serve ``metrics`` on ``host:port`` in a daemon thread."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise InvalidArgument(f"metrics_address {address!r} is not host:port")
+    try:
+        start_http_server(int(port), addr=host or "0.0.0.0", registry=metrics.registry)
+    except OSError as exc:
+        raise InvalidArgument(f"cannot serve metrics on {address}: {exc}") from exc

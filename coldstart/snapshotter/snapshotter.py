@@ -1,0 +1,271 @@
+"""containerd's snapshotter semantics on our store, in containerd's overlayfs layout.
+
+Layout: ``<root>/snapshots/<id>/fs`` (the snapshot's files; for a lazily pulled layer, the FUSE
+mountpoint) and ``<root>/snapshots/<id>/work`` (overlay's workdir, ACTIVE only). As containerd's
+overlay snapshotter does, a new snapshot's directory is built in a ``new-*`` temp dir and renamed
+into place inside the transaction; directories are removed only after the transaction that
+forgot them committed (CONVENTIONS §6).
+
+Remote snapshots (the handshake that skips the download): when a Prepare's labels name a layer
+(:func:`~coldstart.snapshotter.layerspec.layer_spec_from_labels`) and carry
+``containerd.io/snapshot.ref``, the layer is mounted by the :class:`LayerMounter` on the new
+snapshot's ``fs``, committed under the ref's value and the Prepare answers
+:class:`~coldstart.errors.AlreadyExists`. Any mounter failure falls back to a plain ACTIVE
+snapshot (containerd then downloads and unpacks the layer).
+
+Example::
+
+    snap = Snapshotter("/var/lib/coldstart", Store(".../metadata.db"), mounter=None)
+    mounts = snap.prepare("k", "", {})
+    snap.commit("layer-1", "k", {})
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from coldstart.errors import AlreadyExists, ColdstartError
+from coldstart.snapshotter.filters import parse_all
+from coldstart.snapshotter.layerspec import (
+    REMOTE_SNAPSHOT,
+    REMOTE_SNAPSHOT_VALUE,
+    TARGET_SNAPSHOT_REF,
+    LayerSpec,
+    layer_spec_from_labels,
+)
+from coldstart.snapshotter.mounter import LayerMounter
+from coldstart.snapshotter.mounts import (
+    Mount,
+    index_supported,
+    mounts_for,
+    upper_path,
+)
+from coldstart.snapshotter.store import Info, Kind, Store, Tx, Usage
+
+__all__ = ["Snapshotter", "disk_usage", "is_mountpoint"]
+
+log = logging.getLogger("coldstart.snapshotter")
+
+
+def disk_usage(path: str) -> Usage:
+    """containerd's (continuity's) ``DiskUsage``: 512-byte blocks of unique inodes, root too."""
+    seen: set[tuple[int, int]] = set()
+    size = 0
+    stack = [path]
+    while stack:
+        p = stack.pop()
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        key = (st.st_dev, st.st_ino)
+        if key not in seen:
+            seen.add(key)
+            size += st.st_blocks * 512
+        if os.path.isdir(p) and not os.path.islink(p):
+            try:
+                stack.extend(e.path for e in os.scandir(p))
+            except FileNotFoundError:
+                continue
+    return Usage(size=size, inodes=len(seen))
+
+
+def _unescape_mountinfo(s: str) -> str:
+    out, i = [], 0
+    while i < len(s):
+        if s[i] == "\\" and i + 3 < len(s) and s[i + 1:i + 4].isdigit():
+            out.append(chr(int(s[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(s[i])
+            i += 1
+    return "".join(out)
+
+
+def is_mountpoint(path: str) -> bool:
+    """Whether ``path`` is in the mount table (works on a dead FUSE mount, unlike ``lstat``)."""
+    target = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(_unescape_mountinfo(line.split()[4]) == target for line in f)
+
+
+class Snapshotter:
+    """containerd's snapshotter contract over :class:`Store` and ``<root>/snapshots``."""
+
+    def __init__(self, root: str | Path, store: Store, mounter: LayerMounter | None = None,
+                 *, index_off: bool | None = None,
+                 on_remote: Callable[[str], None] | None = None) -> None:
+        self.root = str(Path(root).resolve())
+        self.store = store
+        self.mounter = mounter
+        self.index_off = index_supported() if index_off is None else index_off
+        # telemetry hook (stargz style): "mounted" or "fallback" per lazily offered layer
+        self._on_remote = on_remote or (lambda _result: None)
+        self.snapshots_dir = os.path.join(self.root, "snapshots")
+        os.makedirs(self.snapshots_dir, exist_ok=True)
+
+    # --- containerd's calls -------------------------------------------------------------
+
+    def prepare(self, key: str, parent: str, labels: Mapping[str, str]) -> list[Mount]:
+        """An ACTIVE snapshot; or, for a layer served lazily, AlreadyExists (see module doc)."""
+        target = labels.get(TARGET_SNAPSHOT_REF, "")
+        spec = self._remote_spec(labels) if target and self.mounter is not None else None
+        if spec is not None and self._target_exists(target, parent):
+            raise AlreadyExists(f"target snapshot {target!r}: already exists")
+        mounts = self._create(Kind.ACTIVE, key, parent, labels)
+        if spec is not None and self._mount_remote(key, target, labels, spec):
+            raise AlreadyExists(f"target snapshot {target!r}: already exists")
+        return mounts
+
+    def view(self, key: str, parent: str, labels: Mapping[str, str]) -> list[Mount]:
+        return self._create(Kind.VIEW, key, parent, labels)
+
+    def mounts(self, key: str) -> list[Mount]:
+        with self.store.transaction() as tx:
+            snap = tx.get_snapshot(key)
+        return mounts_for(snap, self.root, index_off=self.index_off)
+
+    def commit(self, name: str, key: str, labels: Mapping[str, str]) -> None:
+        with self.store.transaction(writable=True) as tx:
+            sid, info, _ = tx.get_info(key)
+            usage = disk_usage(upper_path(self.root, sid)) if info.kind == Kind.ACTIVE \
+                else Usage()
+            tx.commit_active(key, name, usage, labels)
+
+    def remove(self, key: str) -> None:
+        with self.store.transaction(writable=True) as tx:
+            tx.remove(key)
+            removals = self._cleanup_dirs(tx)
+        for d in removals:
+            self._remove_dir(d)
+
+    def stat(self, key: str) -> Info:
+        with self.store.transaction() as tx:
+            return tx.get_info(key)[1]
+
+    def update(self, name: str, labels: Mapping[str, str], fieldpaths: Sequence[str]) -> Info:
+        with self.store.transaction(writable=True) as tx:
+            return tx.update_info(name, labels, list(fieldpaths))
+
+    def walk(self, filters: Sequence[str] = ()) -> list[Info]:
+        match = parse_all(filters)
+        with self.store.transaction() as tx:
+            return tx.walk(match)
+
+    def usage(self, key: str) -> Usage:
+        with self.store.transaction() as tx:
+            sid, info, usage = tx.get_info(key)
+        if info.kind == Kind.ACTIVE:
+            usage = disk_usage(upper_path(self.root, sid))
+        return usage
+
+    def cleanup(self) -> None:
+        with self.store.transaction(writable=True) as tx:
+            removals = self._cleanup_dirs(tx)
+        for d in removals:
+            self._remove_dir(d)
+
+    # --- directories ----------------------------------------------------------------------
+
+    def _create(self, kind: Kind, key: str, parent: str,
+                labels: Mapping[str, str]) -> list[Mount]:
+        with self.store.transaction(writable=True) as tx:
+            td: str | None = tempfile.mkdtemp(prefix="new-", dir=self.snapshots_dir)
+            path: str | None = None
+            try:
+                assert td is not None
+                os.mkdir(os.path.join(td, "fs"), 0o755)
+                if kind == Kind.ACTIVE:
+                    os.mkdir(os.path.join(td, "work"), 0o711)
+                snap = tx.create(kind, key, parent, labels)
+                if snap.parent_ids:
+                    st = os.stat(upper_path(self.root, snap.parent_ids[0]))
+                    os.lchown(os.path.join(td, "fs"), st.st_uid, st.st_gid)
+                path = os.path.join(self.snapshots_dir, snap.id)
+                os.rename(td, path)
+                td = None
+            except BaseException:
+                for d in (td, path):
+                    if d is not None:
+                        shutil.rmtree(d, ignore_errors=True)
+                raise
+        return mounts_for(snap, self.root, index_off=self.index_off)
+
+    def _cleanup_dirs(self, tx: Tx) -> list[str]:
+        ids = tx.id_map()
+        return [os.path.join(self.snapshots_dir, d) for d in sorted(os.listdir(self.snapshots_dir))
+                if d not in ids]
+
+    def _remove_dir(self, d: str) -> None:
+        fs = os.path.join(d, "fs")
+        if is_mountpoint(fs):
+            try:
+                if self.mounter is None:
+                    raise ColdstartError("no layer mounter configured")
+                self.mounter.unmount(fs)
+            except Exception as exc:
+                log.warning("unmount %s through the FUSE server failed: %s", fs, exc)
+            if is_mountpoint(fs):
+                # the FUSE server is gone or refused: detach it ourselves, never rmtree through
+                subprocess.run(["umount", "-l", fs], capture_output=True, timeout=30, check=False)
+            if is_mountpoint(fs):
+                log.error("%s is still mounted; leaving %s for a later Cleanup", fs, d)
+                return
+        try:
+            shutil.rmtree(d)
+        except OSError as exc:
+            log.warning("failed to remove directory %s: %s", d, exc)
+
+    # --- remote snapshots ---------------------------------------------------------------
+
+    def _remote_spec(self, labels: Mapping[str, str]) -> LayerSpec | None:
+        try:
+            return layer_spec_from_labels(labels)
+        except ColdstartError as exc:
+            log.warning("ignoring lazy-pull labels: %s", exc)
+            return None
+
+    def _target_exists(self, target: str, parent: str) -> bool:
+        with self.store.transaction() as tx:
+            try:
+                _, info, _ = tx.get_info(target)
+            except ColdstartError:
+                return False
+        # same name on another parent chain: containerd would not adopt it, so pull normally
+        return info.kind == Kind.COMMITTED and info.parent == parent
+
+    def _mount_remote(self, key: str, target: str, labels: Mapping[str, str],
+                      spec: LayerSpec) -> bool:
+        assert self.mounter is not None
+        with self.store.transaction() as tx:
+            sid = tx.get_info(key)[0]
+        fs = upper_path(self.root, sid)
+        try:
+            self.mounter.mount(fs, spec)
+        except Exception as exc:
+            level = logging.WARNING if isinstance(exc, ColdstartError) else logging.ERROR
+            log.log(level, "layer %s: lazy mount failed, containerd will pull it: %s",
+                    spec.digest, exc, exc_info=not isinstance(exc, ColdstartError))
+            self._on_remote("fallback")
+            return False
+        committed = {**labels, REMOTE_SNAPSHOT: REMOTE_SNAPSHOT_VALUE}
+        try:
+            with self.store.transaction(writable=True) as tx:
+                tx.commit_active(key, target, Usage(), committed, remote=True)
+        except ColdstartError as exc:
+            log.warning("layer %s: commit as %s failed, pulling it instead: %s",
+                        spec.digest, target, exc)
+            with contextlib.suppress(Exception):
+                self.mounter.unmount(fs)
+            self._on_remote("fallback")
+            return False
+        log.info("layer %s mounted lazily as snapshot %s", spec.digest, target)
+        self._on_remote("mounted")
+        return True

@@ -1,0 +1,450 @@
+"""Stream safetensors checkpoints into CPU or GPU memory with parallel reads.
+
+Plan: every selected tensor gets its own destination buffer (``uint8`` of its size, on the target
+device). Per-tensor rather than per-file buffers because (1) a view of a per-file buffer needs
+its offset aligned to the element size, and real files are sometimes misaligned; (2) each tensor
+owns its memory, so dropping one frees it (no whole-file buffer kept alive by a view); (3) a
+tensor-parallel rank allocates only its slice. The byte ranges to read are cut into reads of at
+most ``chunk_bytes``; one read may cover several small tensors (``preadv`` with one buffer per
+tensor) and skip small gaps.
+
+CPU: the source writes straight into the destination tensors' memory: no staging, no extra copy.
+CUDA: reads land in a bounded pool of pinned staging buffers (``max_host_bytes`` in all, at least
+two so reading overlaps copying); each worker thread copies its buffer to the device on its own
+stream with ``non_blocking=True`` and records an event; a buffer is reused only after its event
+completes. dtype conversion happens on the device once a tensor is complete.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from coldstart.errors import FormatError, InvalidArgument, NotFound
+from coldstart.weights.checkpoint import Checkpoint, Opener, ShardFile, read_header
+from coldstart.weights.dtypes import BITS, torch_dtype, torch_shape
+from coldstart.weights.header import TensorInfo
+from coldstart.weights.sources import Source
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["LoadStats", "Slice", "iter_load", "load", "tensor_parallel"]
+
+DEFAULT_CONCURRENCY = 16  # network sources: many requests in flight hide latency
+
+
+def local_concurrency() -> int:
+    """Threads for local files: a few per core (the copy and page faults are CPU work)."""
+    return max(2, min(16, 2 * (os.cpu_count() or 1)))
+DEFAULT_CHUNK = 16 << 20
+DEFAULT_MAX_HOST = 512 << 20
+# Gaps up to this size between wanted ranges are read and dropped rather than cut into two reads.
+_COALESCE_GAP = 256 << 10
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Rows ``start:stop`` of dimension ``dim`` of a tensor (what a tensor-parallel rank loads)."""
+
+    dim: int
+    start: int
+    stop: int
+
+
+Select = Callable[[TensorInfo], "bool | Slice"] | Collection[str] | None
+
+
+def tensor_parallel(
+    rank: int, world_size: int, dim_of: Callable[[TensorInfo], int | None],
+) -> Callable[[TensorInfo], bool | Slice]:
+    """A ``select`` for rank ``rank`` of ``world_size``: split ``dim_of(tensor)`` evenly.
+
+    ``dim_of`` returns the dimension to split, or None to load the tensor whole (norms, biases).
+
+    >>> sel = tensor_parallel(1, 2, lambda t: 0 if t.name.endswith("q_proj.weight") else None)
+    >>> info = TensorInfo("l.q_proj.weight", "BF16", (8, 4), 0, 64)
+    >>> sel(info)
+    Slice(dim=0, start=4, stop=8)
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise InvalidArgument(f"rank {rank} is not in 0..{world_size - 1}")
+
+    def select(info: TensorInfo) -> bool | Slice:
+        dim = dim_of(info)
+        if dim is None:
+            return True
+        if not 0 <= dim < len(info.shape) or info.shape[dim] % world_size:
+            raise InvalidArgument(f"tensor {info.name!r}: dimension {dim} of shape "
+                                  f"{list(info.shape)} does not split into {world_size} parts")
+        part = info.shape[dim] // world_size
+        return Slice(dim, rank * part, (rank + 1) * part)
+
+    return select
+
+
+@dataclass
+class LoadStats:
+    """What a load did: filled in as it runs (``path`` says which data path ran)."""
+
+    path: str = ""
+    total_bytes: int = 0
+    files: int = 0
+    tensors: int = 0
+    bytes: int = 0
+    reads: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Target:
+    name: str
+    info: TensorInfo
+    shape: tuple[int, ...]
+    nbytes: int
+    remaining: int
+    dest: Any = None
+    events: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class _Read:
+    file: int
+    offset: int
+    # (length, target or None for a skipped gap, offset inside the target)
+    parts: list[tuple[int, _Target | None, int]]
+
+    @property
+    def length(self) -> int:
+        return sum(p[0] for p in self.parts)
+
+
+def _selection(select: Select, info: TensorInfo) -> bool | Slice:
+    if select is None:
+        return True
+    if callable(select):
+        return select(info)
+    return info.name in select
+
+
+def _plan(ckpt: Checkpoint, select: Select, chunk_bytes: int,
+          ) -> tuple[list[_Target], list[_Read]]:
+    targets: list[_Target] = []
+    reads: list[_Read] = []
+    wanted = set(select) if select is not None and not callable(select) else None
+    for fidx, shard in enumerate(ckpt.files):
+        header = shard.header
+        segments: list[tuple[int, int, _Target, int]] = []
+        for info in header.in_file_order():
+            choice = _selection(select, info)
+            if choice is False:
+                continue
+            if wanted is not None:
+                wanted.discard(info.name)
+            where = f"{header.file}: tensor {info.name!r}"
+            if torch_dtype(info.dtype) is None:
+                raise FormatError(f"{where}: dtype {info.dtype} has no torch equivalent in this "
+                                  "torch build")
+            if info.dtype == "F4" and (not info.shape or info.shape[-1] % 2):
+                raise FormatError(f"{where}: F4 needs an even last dimension to load as torch "
+                                  "float4_e2m1fn_x2")
+            base = header.data_start + info.begin
+            if isinstance(choice, Slice):
+                shape, runs = _slice_runs(where, info, choice)
+            else:
+                shape, runs = info.shape, [(0, info.nbytes)]
+            nbytes = sum(r[1] for r in runs)
+            target = _Target(info.name, info, shape, nbytes, nbytes)
+            targets.append(target)
+            pos = 0
+            for off, length in runs:
+                if length:
+                    segments.append((base + off, length, target, pos))
+                pos += length
+        reads += _group(fidx, segments, chunk_bytes)
+    if wanted:
+        raise NotFound(f"{ckpt.location}: no tensor named {sorted(wanted)[0]!r}"
+                       + (f" (and {len(wanted) - 1} more)" if len(wanted) > 1 else ""))
+    return targets, reads
+
+
+def _slice_runs(where: str, info: TensorInfo, s: Slice,
+                ) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
+    shape = info.shape
+    if not 0 <= s.dim < len(shape) or not 0 <= s.start <= s.stop <= shape[s.dim]:
+        raise InvalidArgument(f"{where}: slice {s} does not fit shape {list(shape)}")
+    inner_bits = math.prod(shape[s.dim + 1:]) * BITS[info.dtype]
+    if (inner_bits * (s.stop - s.start)) % 8 or inner_bits % 8:
+        raise InvalidArgument(f"{where}: slice {s} does not fall on byte boundaries")
+    inner = inner_bits // 8
+    run = (s.stop - s.start) * inner
+    stride = shape[s.dim] * inner
+    outer = math.prod(shape[: s.dim])
+    new_shape = (*shape[: s.dim], s.stop - s.start, *shape[s.dim + 1:])
+    return new_shape, [(o * stride + s.start * inner, run) for o in range(outer)]
+
+
+def _group(fidx: int, segments: list[tuple[int, int, _Target, int]],
+           chunk: int) -> list[_Read]:
+    reads: list[_Read] = []
+    cur: _Read | None = None
+    cur_end = 0
+    for off, length, target, tpos in segments:
+        while length:
+            if cur is not None and 0 <= off - cur_end <= _COALESCE_GAP and \
+                    cur_end - cur.offset + (off - cur_end) < chunk:
+                if off > cur_end:
+                    cur.parts.append((off - cur_end, None, 0))
+                take = min(length, chunk - (off - cur.offset))
+            else:
+                cur = _Read(fidx, off, [])
+                reads.append(cur)
+                take = min(length, chunk)
+            cur.parts.append((take, target, tpos))
+            off, length, tpos = off + take, length - take, tpos + take
+            cur_end = off
+    return reads
+
+
+class _Staging:
+    """A bounded pool of pinned host buffers; a buffer returns with the event of its last copy."""
+
+    def __init__(self, count: int, size: int) -> None:
+        import torch
+
+        self._free: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        for _ in range(count):
+            self._free.put((torch.empty(size, dtype=torch.uint8, pin_memory=True), None))
+
+    def get(self) -> Any:
+        buf, event = self._free.get()
+        if event is not None:
+            event.synchronize()  # the previous H2D copy out of this buffer must be done
+        return buf
+
+    def put(self, buf: Any, event: Any) -> None:
+        self._free.put((buf, event))
+
+
+def _finish(target: _Target, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
+    import torch
+
+    tdt = torch_dtype(target.info.dtype)
+    assert tdt is not None
+    if device.type == "cuda" and target.events:
+        stream = torch.cuda.current_stream(device)
+        for ev in target.events:
+            stream.wait_event(ev)
+        target.events.clear()
+    t = target.dest.view(tdt).reshape(torch_shape(target.info.dtype, target.shape))
+    if dtype is not None and t.dtype != dtype and t.is_floating_point():
+        t = t.to(dtype)
+    target.dest = None
+    out: torch.Tensor = t
+    return out
+
+
+def iter_load(
+    source: str | os.PathLike[str] | Source,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    *,
+    concurrency: int | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK,
+    max_host_bytes: int = DEFAULT_MAX_HOST,
+    select: Select = None,
+    direct: bool = False,
+    timeout: float = 30.0,
+    progress: Callable[[int], None] | None = None,
+    stats: LoadStats | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` as soon as each tensor's bytes are in place.
+
+    ``source``: a ``.safetensors`` file, a ``model.safetensors.index.json``, or a folder holding
+    either, as a local path, ``s3://bucket/key``, ``http(s)://...`` or ``oci://reg/repo@sha256:...``
+    (or a :class:`Source`). ``dtype`` converts floating-point tensors (on the device).
+    ``select``: names to load, or a function of :class:`TensorInfo` returning False (skip), True
+    (whole) or a :class:`Slice`. ``concurrency``: parallel reads (default: 2 per core for local
+    files, 16 for network sources). ``max_host_bytes`` bounds the pinned staging memory of a CUDA
+    load (CPU loads read straight into the result and stage nothing). ``progress`` is called with
+    the byte count of each completed read.
+
+    >>> for name, tensor in iter_load("model.safetensors", device="cpu"):  # doctest: +SKIP
+    ...     model.get_parameter(name).data = tensor
+    """
+    import torch
+
+    if concurrency is None:
+        local = isinstance(source, os.PathLike) or (
+            isinstance(source, str) and ("://" not in source or source.startswith("file://")))
+        concurrency = local_concurrency() if local else DEFAULT_CONCURRENCY
+    if concurrency < 1 or chunk_bytes < 4096 or max_host_bytes < 1:
+        raise InvalidArgument("concurrency must be >= 1, chunk_bytes >= 4096, "
+                              "max_host_bytes >= 1")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidArgument("device cuda asked for, but torch sees no CUDA device")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise InvalidArgument(f"device {dev} is not supported (cpu or cuda)")
+    st = stats if stats is not None else LoadStats()
+    started = time.perf_counter()
+
+    opener = Opener(concurrency=concurrency, timeout=timeout, direct=direct)
+    try:
+        if isinstance(source, Source):
+            ckpt = Checkpoint(source.name, [ShardFile(source, read_header(source))], {})
+        else:
+            ckpt = opener.checkpoint(source)
+        try:
+            cuda = dev.type == "cuda"
+            # Pinned staging buffers can't exceed the host budget; shrink chunks if they would.
+            if cuda:
+                chunk_bytes = max(4096, min(chunk_bytes, max_host_bytes // 2))
+            targets, reads = _plan(ckpt, select, chunk_bytes)
+            st.files, st.tensors = len(ckpt.files), len(targets)
+            st.total_bytes = sum(r.length for r in reads)
+            direct_on = any(getattr(f.source, "direct", False) for f in ckpt.files)
+            st.path = ("cuda: pinned staging + async H2D" if cuda else
+                       "cpu: read straight into tensors") + (" (O_DIRECT)" if direct_on else "")
+            for t in targets:
+                t.dest = torch.empty(t.nbytes, dtype=torch.uint8, device=dev)
+            ready = [t for t in targets if t.remaining == 0]
+            for t in ready:
+                yield t.name, _finish(t, dev, dtype)
+            if reads:
+                yield from _run(ckpt, reads, dev, dtype, concurrency, chunk_bytes,
+                                max_host_bytes, progress, st)
+            if cuda:
+                torch.cuda.current_stream(dev).synchronize()
+        finally:
+            ckpt.close()
+    finally:
+        opener.close()
+        st.seconds = time.perf_counter() - started
+
+
+def _run(ckpt: Checkpoint, reads: list[_Read], dev: torch.device, dtype: torch.dtype | None,
+         concurrency: int, chunk_bytes: int, max_host_bytes: int,
+         progress: Callable[[int], None] | None, st: LoadStats,
+         ) -> Iterator[tuple[str, torch.Tensor]]:
+    import torch
+
+    cuda = dev.type == "cuda"
+    done: queue.Queue[tuple[list[_Target], BaseException | None]] = queue.Queue()
+    lock = threading.Lock()
+    cancelled = threading.Event()
+    staging = None
+    local = threading.local()
+    if cuda:
+        count = max(2, min(2 * concurrency, max_host_bytes // chunk_bytes))
+        staging = _Staging(count, chunk_bytes)
+
+    def work(r: _Read) -> None:
+        if cancelled.is_set():
+            return
+        try:
+            src = ckpt.files[r.file].source
+            finished: list[_Target] = []
+            event: Any = None
+            if staging is None:
+                scratch = None
+                views: list[memoryview] = []
+                for length, target, tpos in r.parts:
+                    if target is None:
+                        scratch = scratch or bytearray(_COALESCE_GAP)
+                        views.append(memoryview(scratch)[:length])
+                    else:
+                        arr = target.dest.numpy()
+                        views.append(memoryview(arr)[tpos : tpos + length])
+                src.read_into(r.offset, views)
+            else:
+                buf = staging.get()
+                try:
+                    src.read_into(r.offset, [memoryview(buf.numpy())[: r.length]])
+                    stream = getattr(local, "stream", None)
+                    if stream is None:
+                        stream = local.stream = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
+                    with torch.cuda.stream(stream):
+                        pos = 0
+                        for length, target, tpos in r.parts:
+                            if target is not None:
+                                target.dest[tpos : tpos + length].copy_(
+                                    buf[pos : pos + length], non_blocking=True)
+                            pos += length
+                        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                        event.record(stream)
+                finally:
+                    staging.put(buf, event)
+            with lock:
+                st.reads += 1
+                st.bytes += r.length
+                for length, target, _ in r.parts:
+                    if target is None:
+                        continue
+                    if event is not None:
+                        target.events.append(event)
+                    target.remaining -= length
+                    if target.remaining == 0:
+                        finished.append(target)
+            if progress is not None:
+                progress(r.length)
+            done.put((finished, None))
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            done.put(([], exc))
+
+    pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="coldstart-weights")
+    futures: list[Future[None]] = []
+    try:
+        futures = [pool.submit(work, r) for r in reads]
+        for _ in range(len(reads)):
+            finished, error = done.get()
+            if error is not None:
+                raise error
+            for t in finished:
+                yield t.name, _finish(t, dev, dtype)
+    finally:
+        cancelled.set()
+        for f in futures:
+            f.cancel()
+        pool.shutdown(wait=True)
+
+
+def load(
+    source: str | os.PathLike[str] | Source,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    *,
+    concurrency: int | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK,
+    max_host_bytes: int = DEFAULT_MAX_HOST,
+    select: Select = None,
+    direct: bool = False,
+    timeout: float = 30.0,
+    progress: Callable[[int], None] | None = None,
+    stats: LoadStats | None = None,
+) -> dict[str, torch.Tensor]:
+    """Load a safetensors checkpoint into a dict of tensors on ``device``.
+
+    Same arguments as :func:`iter_load`; tensors are bit-identical to
+    ``safetensors.torch.load_file`` (dict order: the order the tensors completed).
+
+    >>> tensors = load("s3://models/llama/3/", device="cuda", concurrency=16)  # doctest: +SKIP
+    """
+    out = dict(iter_load(source, device, dtype, concurrency=concurrency,
+                         chunk_bytes=chunk_bytes, max_host_bytes=max_host_bytes, select=select,
+                         direct=direct, timeout=timeout, progress=progress, stats=stats))
+    return out

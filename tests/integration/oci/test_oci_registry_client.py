@@ -1,0 +1,240 @@
+"""RegistryClient against a real docker-registry: uploads, mounts, manifests, ranges, skopeo."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from coldstart.errors import IntegrityError, InvalidArgument, NotFound
+from coldstart.oci.layout import OciLayout
+from coldstart.oci.manifest import OCI_INDEX, OCI_MANIFEST, Platform, digest_of
+from coldstart.oci.reference import Reference
+from coldstart.oci.registry import RegistryClient
+from coldstart.remote import RegistryBlob
+from tests.fixtures.registry import Registry, faulty_proxy
+from tests.integration.oci.oci_testimages import (
+    base_layer,
+    build_image,
+    push_image,
+    push_index,
+    upper_layer,
+    write_layout,
+)
+
+pytestmark = pytest.mark.integration
+
+BLOB = hashlib.shake_256(b"blob").digest(1_500_000)
+
+
+def _ref(registry: Registry, repo: str, tag: str = "latest") -> Reference:
+    return Reference.parse(f"{registry.host}/{repo}:{tag}")
+
+
+@pytest.fixture
+def client() -> Iterator[RegistryClient]:
+    with RegistryClient(timeout=20) as c:
+        yield c
+
+
+def test_monolithic_and_chunked_uploads(registry: Registry, client: RegistryClient,
+                                        tmp_path: Path) -> None:
+    ref = _ref(registry, "client/uploads")
+    d = digest_of(BLOB)
+    assert not client.blob_exists(ref, d)
+    assert client.push_blob(ref, BLOB) == d
+    assert client.blob_size(ref, d) == len(BLOB)
+    assert client.get_blob(ref, d) == BLOB
+
+    other = BLOB[::-1]
+    path = tmp_path / "blob"
+    path.write_bytes(other)
+    od = client.push_blob(ref, path, chunk_size=256 * 1024)   # 6 PATCHes then PUT
+    assert od == digest_of(other)
+    buf = io.BytesIO()
+    assert client.download_blob(ref, od, buf, size=len(other)) == len(other)
+    assert buf.getvalue() == other
+    log = registry.access_log.read_text()
+    assert log.count("PATCH /v2/client/uploads/blobs/uploads/") >= 6
+
+    # a wrong digest is refused by the registry and nothing is stored under it
+    wrong = digest_of(b"something else")
+    with pytest.raises(IntegrityError):
+        client.push_blob(ref, b"payload", wrong)
+    assert not client.blob_exists(ref, wrong)
+
+
+def test_cross_repository_mount(registry: Registry, client: RegistryClient) -> None:
+    src, dst = _ref(registry, "client/mount-src"), _ref(registry, "client/mount-dst")
+    data = b"mount me" * 1000
+    d = client.push_blob(src, data)
+    assert not client.blob_exists(dst, d)
+    assert client.mount_blob(dst, d, "client/mount-src") is True
+    assert client.get_blob(dst, d) == data
+    # not in the source repository: the registry declines and we report False
+    assert client.mount_blob(dst, digest_of(b"absent"), "client/mount-src") is False
+
+
+def test_manifest_push_get_resolve_index(registry: Registry, client: RegistryClient) -> None:
+    ref = _ref(registry, "client/multi", "v1")
+    amd = build_image([upper_layer()], arch="amd64")
+    arm = build_image([upper_layer(), b"\0" * 1024], arch="arm64")
+    index_digest = push_index(client, ref, [("amd64", amd), ("arm64", arm)])
+    body, media, digest = client.get_manifest(ref)
+    assert media == OCI_INDEX and digest == index_digest and digest_of(body) == digest
+    r = client.resolve(ref, Platform.parse("linux/arm64"))
+    assert r.digest == arm.manifest_digest and r.index_digest == index_digest
+    assert len(r.manifest.layers) == 2 and r.ref.digest == arm.manifest_digest
+    assert client.resolve(ref, Platform.parse("linux/amd64")).manifest_bytes == amd.manifest
+    with pytest.raises(NotFound, match="s390x"):
+        client.resolve(ref, Platform.parse("linux/s390x"))
+    with pytest.raises(NotFound):
+        client.get_manifest(ref.with_tag("missing"))
+    with pytest.raises(NotFound):
+        client.get_manifest(Reference.parse(f"{registry.host}/client/no-such-repo:x"))
+    head = client.head_manifest(ref)
+    assert head.digest == index_digest and head.size == len(body)
+
+
+def test_range_reads_and_blob_source(registry: Registry, client: RegistryClient) -> None:
+    ref = _ref(registry, "client/ranges")
+    d = client.push_blob(ref, BLOB)
+    assert client.read_blob_range(ref, d, 0, 10) == BLOB[:10]
+    assert client.read_blob_range(ref, d, 1000, 70_000) == BLOB[1000:71_000]
+    assert client.read_blob_range(ref, d, len(BLOB) - 5, 100) == BLOB[-5:]  # short at the end
+
+    blob = client.open_blob(ref, d)
+    assert isinstance(blob, RegistryBlob)
+    assert blob.size() == len(BLOB)
+    parts = blob.read_ranges([(500, 10), (0, 100), (120, 30), (1_000_000, 5)], max_gap=64)
+    assert parts == [BLOB[500:510], BLOB[:100], BLOB[120:150], BLOB[1_000_000:1_000_005]]
+    assert blob.requests == 1 + 3      # HEAD, then (0..150) + (500..510) + (1e6..)
+    with pytest.raises(Exception, match="outside"):
+        blob.read_at(len(BLOB) - 1, 2)
+
+    # many threads share the client and the blob
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            for j in range(5):
+                off = (i * 7919 + j * 104_729) % (len(BLOB) - 4096)
+                assert blob.read_at(off, 4096) == BLOB[off:off + 4096]
+        except BaseException as exc:  # report from the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert blob.bytes >= 40 * 4096
+
+
+def test_range_read_when_server_ignores_range(registry: Registry) -> None:
+    with RegistryClient(timeout=20) as client:
+        ref = _ref(registry, "client/norange")
+        d = client.push_blob(ref, BLOB)
+    with faulty_proxy(registry.host, ignore_range=True) as proxy, \
+            RegistryClient(timeout=20) as client:
+        pref = Reference.parse(f"{proxy.host}/client/norange:latest")
+        assert client.read_blob_range(pref, d, 777_777, 1234) == BLOB[777_777:777_777 + 1234]
+        assert client.read_blob_range(pref, d, 0, 3) == BLOB[:3]
+        gets = [s for s in proxy.seen if s.method == "GET"]
+        assert len(gets) == 2 and all(s.headers.get("Range") for s in gets)
+
+
+def test_retries_transient_errors_on_real_registry(registry: Registry) -> None:
+    def fault(h: object, n: int) -> bool:
+        from tests.fixtures.registry import reply
+        if n % 3 == 0:          # every third request fails with 503
+            reply(h, 503, b"busy")  # type: ignore[arg-type]
+            return True
+        return False
+
+    with faulty_proxy(registry.host, fault) as proxy, \
+            RegistryClient(timeout=20, retries=4, backoff=0.01) as client:
+        ref = Reference.parse(f"{proxy.host}/client/flaky:v1")
+        image = build_image([upper_layer()])
+        push_image(client, ref, image)
+        assert client.resolve(ref).manifest_bytes == image.manifest
+        blob = image.blobs[0]
+        assert client.get_blob(ref, digest_of(blob)) == blob
+
+
+def test_upload_restarts_after_a_failed_patch(registry: Registry, tmp_path: Path) -> None:
+    failed: list[str] = []
+
+    def fault(h: object, n: int) -> bool:
+        from tests.fixtures.registry import reply
+        assert isinstance(h, BaseHTTPRequestHandler)
+        if h.command == "PATCH" and not failed:
+            failed.append(h.path)
+            reply(h, 500, b"disk full")
+            return True
+        return False
+
+    data = hashlib.shake_256(b"restart").digest(700_000)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    with faulty_proxy(registry.host, fault) as proxy, \
+            RegistryClient(timeout=20, retries=2, backoff=0.01) as client:
+        ref = Reference.parse(f"{proxy.host}/client/restart:v1")
+        d = client.push_blob(ref, path, chunk_size=300_000)
+        assert failed and client.get_blob(ref, d) == data
+        posts = [s for s in proxy.seen if s.method == "POST"]
+        assert len(posts) == 2     # the failed session was abandoned, a new one finished
+
+
+def test_errors_are_clear(registry: Registry, client: RegistryClient) -> None:
+    ref = _ref(registry, "client/errors")
+    with pytest.raises(NotFound, match="404"):
+        client.get_blob(ref, digest_of(b"nope"))
+    with pytest.raises(InvalidArgument):
+        client.get_blob(ref, "sha256:xyz")
+    with pytest.raises(InvalidArgument):
+        client.push_manifest(ref, b"{not json", OCI_MANIFEST)
+
+
+def _skopeo(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HOME": os.environ.get("HOME", "/root")}
+    return subprocess.run(["skopeo", "--insecure-policy", *args], capture_output=True,
+                          text=True, timeout=120, env=env, check=False)
+
+
+def test_skopeo_interop(registry: Registry, client: RegistryClient, tmp_path: Path) -> None:
+    image = build_image([base_layer(busybox=False, big=50_000), upper_layer()])
+    write_layout(tmp_path / "src", image, "v1")
+    # skopeo pushes an oci: layout we wrote; our client reads what it pushed
+    out = _skopeo("copy", "--dest-tls-verify=false", f"oci:{tmp_path / 'src'}:v1",
+                  f"docker://{registry.host}/interop/from-skopeo:v1")
+    assert out.returncode == 0, out.stderr
+    r = client.resolve(Reference.parse(f"{registry.host}/interop/from-skopeo:v1"))
+    assert [layer.digest for layer in r.manifest.layers] == \
+        [d.digest for d in image.descriptors()]
+    assert client.get_blob(r.ref, image.descriptors()[1].digest) == image.blobs[1]
+
+    # we push; skopeo inspects and copies it back into an oci: layout
+    ref = Reference.parse(f"{registry.host}/interop/from-us:v2")
+    digest = push_image(client, ref, image)
+    out = _skopeo("inspect", "--tls-verify=false", "--raw", f"docker://{ref}")
+    assert out.returncode == 0, out.stderr
+    assert digest_of(out.stdout.encode()) == digest
+    out = _skopeo("copy", "--src-tls-verify=false", f"docker://{ref}",
+                  f"oci:{tmp_path / 'back'}:v2")
+    assert out.returncode == 0, out.stderr
+    back = OciLayout(tmp_path / "back")
+    entry = back.resolve("v2")
+    manifest = json.loads(back.read_blob(entry.digest))
+    assert [layer["digest"] for layer in manifest["layers"]] == \
+        [d.digest for d in image.descriptors()]
+    assert back.read_blob(manifest["config"]["digest"]) == image.config

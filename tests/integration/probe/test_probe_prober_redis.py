@@ -1,0 +1,181 @@
+"""`coldstart probe` as a wrapper and as a sidecar, pushing to a real redis-server."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from coldstart.errors import NotFound
+from coldstart.probe.router import Router, channel
+from tests.fixtures.procs import daemon, free_port, tcp_open, wait_for
+from tests.integration.probe.probe_helpers import APP, Watcher, coldstart_probe, sigterm
+
+pytestmark = pytest.mark.integration
+
+
+def fresh() -> tuple[str, str]:
+    tag = uuid.uuid4().hex[:8]
+    return f"svc-{tag}", f"app-{tag}:8000"
+
+
+def get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_wrapper_http_start_drift_and_drain(redis_server: str, tmp_path: Path) -> None:
+    service, target = fresh()
+    port = free_port()
+    router = Router.connect(redis_server, service)
+    router._call("coldstart_update", "other:1", 1, "READY", "{}", 60_000, channel(service), 0)
+    watcher = Watcher(redis_server, service)
+    marker = tmp_path / "sigterm-saw"
+    args = ["--service", service, "--advertise", target, "--sink", redis_server,
+            "--target", f"http://127.0.0.1:{port}/health", "--interval", "0.02",
+            "--failures", "3", "--successes", "2", "--grace", "10", "--", sys.executable, APP,
+            "--port", str(port), "--load", "0.5", "--exit-code", "7", "--redis", redis_server,
+            "--service", service, "--target", target, "--sigterm-file", str(marker)]
+    try:
+        with coldstart_probe(args, tmp_path / "probe.log") as proc:
+            loading = watcher.wait_for(target, "LOADING")
+            assert loading["phase"] == "loading" and 0 <= loading["progress"] < 1
+            ready = watcher.wait_for(target, "READY")
+            assert "progress" not in ready
+            n = len(watcher.docs)
+            # the app stalls for 300 ms, then recovers by itself
+            assert get(f"http://127.0.0.1:{port}/fail?ms=300")[0] == 200
+            degraded = watcher.wait_for(target, "DEGRADED", after=n)
+            assert degraded["detail"] == "HTTP 503"
+            watcher.wait_for(target, "READY", after=n)
+            # (pick skipping a DEGRADED target: test_pick_skips_a_degraded_target, whose
+            # stall is long enough that the check does not race the recovery)
+            n = len(watcher.docs)
+            sigterm(proc)
+            assert proc.wait(20) == 7  # the app's exit code
+            watcher.wait_for(target, "DRAINING", after=n)
+            watcher.wait_for(target, "STOPPED", after=n)
+        assert marker.read_text() == "DRAINING"  # routers were told before the app's SIGTERM
+        assert watcher.states(target) == [
+            "STARTING", "LOADING", "READY", "DEGRADED", "READY", "DRAINING", "STOPPED"]
+        view = next(v for v in router.list() if v.target == target)
+        assert view.state == "STOPPED"
+        assert {router.pick() for _ in range(3)} == {"other:1"}
+    finally:
+        watcher.close()
+        router.client.delete(*router.keys)
+
+
+def test_pick_skips_a_degraded_target(redis_server: str, tmp_path: Path) -> None:
+    """The drift again, with no other target: pick has nothing to give while DEGRADED."""
+    service, target = fresh()
+    port = free_port()
+    router = Router.connect(redis_server, service)
+    watcher = Watcher(redis_server, service)
+    args = ["--service", service, "--advertise", target, "--sink", redis_server,
+            "--target", f"http://127.0.0.1:{port}/health", "--interval", "0.02",
+            "--", sys.executable, APP, "--port", str(port), "--load", "0"]
+    try:
+        with coldstart_probe(args, tmp_path / "probe.log"):
+            watcher.wait_for(target, "READY")
+            assert router.pick() == target
+            router.release(target)
+            n = len(watcher.docs)
+            get(f"http://127.0.0.1:{port}/fail?ms=1500")
+            watcher.wait_for(target, "DEGRADED", after=n)
+            with pytest.raises(NotFound):
+                router.pick()
+            watcher.wait_for(target, "READY", after=n)
+            assert router.pick() == target
+    finally:
+        watcher.close()
+        router.client.delete(*router.keys)
+
+
+def test_wrapper_with_sd_notify_only(redis_server: str, tmp_path: Path) -> None:
+    service, target = fresh()
+    watcher = Watcher(redis_server, service)
+    args = ["--service", service, "--advertise", target, "--sink", redis_server, "--", sys.executable,
+            APP, "--load", "0.4", "--notify", "--stop-self-after", "0.5"]
+    try:
+        with coldstart_probe(args, tmp_path / "probe.log") as proc:
+            loading = watcher.wait_for(target, "LOADING")
+            assert loading["phase"] == "weights" and loading["detail"] == "loading weights"
+            watcher.wait_for(target, "READY")
+            assert proc.wait(20) == 0
+        watcher.wait_for(target, "STOPPED")
+        assert watcher.states(target) == ["STARTING", "LOADING", "READY", "DRAINING", "STOPPED"]
+    finally:
+        watcher.close()
+
+
+def test_crash_while_loading_is_failed_with_the_apps_exit_code(
+        redis_server: str, tmp_path: Path) -> None:
+    service, target = fresh()
+    watcher = Watcher(redis_server, service)
+    port = free_port()
+    args = ["--service", service, "--advertise", target, "--sink", redis_server,
+            "--target", f"http://127.0.0.1:{port}/health", "--", sys.executable, APP,
+            "--port", str(port), "--never-ready", "--crash-after", "0.3", "--exit-code", "3"]
+    try:
+        with coldstart_probe(args, tmp_path / "probe.log") as proc:
+            assert proc.wait(20) == 3
+        failed = watcher.wait_for(target, "FAILED")
+        assert "exited with 3" in failed["detail"]
+    finally:
+        watcher.close()
+
+
+def test_startup_timeout_is_failed_and_stops_the_app(redis_server: str, tmp_path: Path) -> None:
+    service, target = fresh()
+    watcher = Watcher(redis_server, service)
+    port = free_port()
+    args = ["--service", service, "--advertise", target, "--sink", redis_server,
+            "--target", f"http://127.0.0.1:{port}/health", "--startup-timeout", "1",
+            "--", sys.executable, APP, "--port", str(port), "--never-ready"]
+    try:
+        with coldstart_probe(args, tmp_path / "probe.log") as proc:
+            code = proc.wait(20)
+        failed = watcher.wait_for(target, "FAILED")
+        assert "not ready after 1 s" in failed["detail"]
+        assert code != 0
+        assert not tcp_open_quiet(port)  # the app is gone
+    finally:
+        watcher.close()
+
+
+def tcp_open_quiet(port: int) -> bool:
+    try:
+        return tcp_open(port)()
+    except OSError:
+        return False
+
+
+def test_sidecar_kubelet_endpoint(tmp_path: Path) -> None:
+    app_port, listen = free_port(), free_port()
+    app = [sys.executable, APP, "--port", str(app_port), "--load", "1.0"]
+    with daemon(app, log=tmp_path / "app.log", ready=tcp_open(app_port), what="app"):
+        args = ["--target", f"http://127.0.0.1:{app_port}/health", "--listen",
+                f"127.0.0.1:{listen}", "--service", "side", "--grace", "0.5"]
+        with coldstart_probe(args, tmp_path / "probe.log") as proc:
+            wait_for(tcp_open(listen), timeout=20, what="probe endpoint", proc=proc)
+            code, body = get(f"http://127.0.0.1:{listen}/ready")
+            assert (code, body) == (503, b"LOADING\n")
+            status = json.loads(get(f"http://127.0.0.1:{listen}/status")[1])
+            assert status["state"] == "LOADING" and status["target"] == f"127.0.0.1:{app_port}"
+            deadline = time.monotonic() + 20
+            while get(f"http://127.0.0.1:{listen}/ready")[0] != 200:
+                assert time.monotonic() < deadline, "never READY"
+                time.sleep(0.02)
+            assert get(f"http://127.0.0.1:{listen}/healthz") == (200, b"READY\n")
+            sigterm(proc)
+            # the app keeps answering (it is not the sidecar's to stop): STOPPED after grace
+            assert proc.wait(60) == 0

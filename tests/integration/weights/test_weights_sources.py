@@ -1,0 +1,144 @@
+"""Every source (local, S3 via moto_server, HTTP with Range, registry blob) loads bit-identically."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from coldstart.errors import FormatError, NotFound, Unavailable
+from coldstart.weights import LoadStats, Slice, load
+from tests.fixtures.s3 import s3_client
+from tests.integration.weights.conftest import RangeServer, url_of
+from tests.unit.weights.weights_data import assert_identical, every_dtype, save, save_sharded
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def tensors() -> dict[str, torch.Tensor]:
+    return every_dtype(seed=1)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory, tensors: dict[str, torch.Tensor]) -> Path:
+    root = tmp_path_factory.mktemp("src")
+    save(tensors, root / "model.safetensors")
+    save_sharded(tensors, root / "sharded")
+    return root
+
+
+def _reference(files: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(files / "model.safetensors"))
+
+
+@pytest.fixture
+def bucket(s3: str, files: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest,
+           ) -> str:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3)
+    name = "weights-" + request.node.name.lower().replace("_", "-")[:40]
+    client = s3_client(s3)
+    client.create_bucket(Bucket=name)
+    for path in files.rglob("*"):
+        if path.is_file():
+            client.upload_file(str(path), name, str(path.relative_to(files)))
+    return name
+
+
+def test_http_single_file_and_sharded(http_files: RangeServer, files: Path) -> None:
+    for p in files.rglob("*"):
+        if p.is_file():
+            dest = http_files.root / p.relative_to(files)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(p.read_bytes())
+    ref = _reference(files)
+    assert_identical(ref, load(url_of(http_files, "model.safetensors"), chunk_bytes=8192,
+                               concurrency=4))
+    assert any("bytes=" in r for r in http_files.requests)  # really ranged GETs
+    assert_identical(ref, load(url_of(http_files, "sharded/model.safetensors.index.json")))
+    assert_identical(ref, load(url_of(http_files, "sharded/")))  # index found by convention
+    part = load(url_of(http_files, "model.safetensors"),
+                select=lambda t: Slice(0, 1, 2) if t.name == "big.F32" else False)
+    assert_identical({"big.F32": ref["big.F32"][1:2]}, part)
+    with pytest.raises(NotFound):
+        load(url_of(http_files, "absent.safetensors"))
+
+
+def test_http_server_without_range_is_refused(http_files: RangeServer, files: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    (http_files.root / "m.safetensors").write_bytes((files / "model.safetensors").read_bytes())
+    from tests.integration.weights import conftest
+
+    original = conftest._Handler.do_GET
+
+    def no_range(self: conftest._Handler) -> None:
+        del self.headers["Range"]
+        original(self)
+
+    monkeypatch.setattr(conftest._Handler, "do_GET", no_range)
+    with pytest.raises(Unavailable, match="ignored Range"):
+        load(url_of(http_files, "m.safetensors"))
+
+
+def test_s3_file_prefix_and_index(bucket: str, files: Path) -> None:
+    ref = _reference(files)
+    stats = LoadStats()
+    got = load(f"s3://{bucket}/model.safetensors", chunk_bytes=8192, concurrency=4, stats=stats)
+    assert_identical(ref, got)
+    assert stats.reads > 1
+    assert_identical(ref, load(f"s3://{bucket}/sharded/"))
+    assert_identical(ref, load(f"s3://{bucket}/sharded/model.safetensors.index.json"))
+    with pytest.raises(NotFound):
+        load(f"s3://{bucket}/nothing.safetensors")
+    with pytest.raises(NotFound):
+        load(f"s3://{bucket}/empty-prefix/")
+
+
+def test_s3_truncated_object_refused(bucket: str, files: Path, s3: str) -> None:
+    data = (files / "model.safetensors").read_bytes()
+    s3_client(s3).put_object(Bucket=bucket, Key="cut.safetensors", Body=data[: len(data) // 2])
+    with pytest.raises(FormatError, match="MetadataIncompleteBuffer"):
+        load(f"s3://{bucket}/cut.safetensors")
+
+
+def test_s3_unreachable_endpoint_is_unavailable(files: Path, monkeypatch: pytest.MonkeyPatch,
+                                                ) -> None:
+    from tests.fixtures.procs import free_port
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    with pytest.raises(Unavailable):
+        load("s3://b/model.safetensors", timeout=2.0)
+
+
+def test_registry_blob(registry: object, files: Path) -> None:
+    import hashlib
+
+    from coldstart.oci.reference import Reference
+    from coldstart.oci.registry import RegistryClient
+
+    data = (files / "model.safetensors").read_bytes()
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    host = getattr(registry, "host")
+    ref = Reference.parse(f"{host}/weights/model")
+    client = RegistryClient()
+    try:
+        assert client.push_blob(ref, data, digest) == digest
+    finally:
+        client.close()
+    got = load(f"oci://{host}/weights/model@{digest}", chunk_bytes=8192, concurrency=4)
+    assert_identical(_reference(files), got)
+    missing = "sha256:" + "0" * 64
+    with pytest.raises(NotFound):
+        load(f"oci://{host}/weights/model@{missing}")
+
+
+def test_local_o_direct_read_matches(files: Path) -> None:
+    got = load(os.fspath(files / "model.safetensors"), direct=True)
+    assert_identical(_reference(files), got)

@@ -1,0 +1,184 @@
+"""Round trips through both writers and the reader, checked against the source tar."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import os
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from coldstart.format import BytesReadAt, CountingReadAt, open_layer
+from coldstart.format.toc import NO_PREFETCH_LANDMARK, PREFETCH_LANDMARK
+from tests.unit.format.layers import (
+    FORMATS,
+    add,
+    assert_same_as_tar,
+    convert,
+    decompress,
+    every_kind_tar,
+    tar_members,
+)
+
+
+@pytest.fixture(scope="module")
+def source_tar(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    return every_kind_tar(tmp_path_factory.mktemp("src"))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("compression", ["plain", "gzip", "zstd"])
+def test_every_entry_kind_round_trips(source_tar: bytes, fmt: str, compression: str) -> None:
+    src = {"plain": source_tar, "gzip": gzip.compress(source_tar),
+           "zstd": zstandard.ZstdCompressor().compress(source_tar)}[compression]
+    c = convert(src, fmt, chunk_size=64 << 10)
+    assert_same_as_tar(c.layer, source_tar)
+    assert c.layer.verified
+    # The output is an ordinary layer: decompressing it all gives the tar whose digest is the
+    # diff_id, and that tar holds the same files.
+    plain = decompress(c.blob, fmt)
+    assert c.result.diff_id == "sha256:" + hashlib.sha256(plain).hexdigest()
+    assert_same_as_tar(c.layer, plain) if fmt == "zstd:chunked" else None
+    names = {m.name for m, _ in tar_members(plain)}
+    assert "usr/lib/big.bin" in names
+    if fmt == "estargz":
+        assert "stargz.index.json" in names
+        assert c.result.annotations["io.containers.estargz.uncompressed-size"] == str(len(plain))
+        assert c.result.media_type.endswith("tar+gzip")
+    else:
+        assert c.result.media_type.endswith("tar+zstd")
+
+
+def test_sparse_file_is_expanded(source_tar: bytes) -> None:
+    if not shutil.which("tar"):
+        pytest.skip("GNU tar needed to make a sparse archive")
+    sparse = [m for m, _ in tar_members(source_tar) if m.name == "holes.img"]
+    assert sparse and sparse[0].issparse()
+    c = convert(source_tar, "zstd:chunked", chunk_size=1 << 20)
+    data = c.layer.read_file("holes.img")
+    assert len(data) == (3 << 20) + 3
+    assert data[1 << 20 : (1 << 20) + 6] == b"island" and data.endswith(b"end")
+    assert data.count(0) == len(data) - 9
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_plain_tools_unpack_the_layer(source_tar: bytes, fmt: str, tmp_path: Path) -> None:
+    c = convert(source_tar, fmt)
+    blob = tmp_path / "layer"
+    blob.write_bytes(c.blob)
+    out = tmp_path / "root"
+    out.mkdir()
+    tool = "zstd -dc" if fmt == "zstd:chunked" else "gzip -dc"
+    subprocess.run(f"{tool} {blob} | tar -x --no-same-owner -C {out} --exclude=dev "
+                   "--exclude=run", shell=True, check=True)
+    assert (out / "etc/hostname").read_bytes() == b"coldstart\n"
+    assert (out / "usr/lib/big.bin").read_bytes() == c.layer.read_file("usr/lib/big.bin")
+    assert os.path.islink(out / "usr/bin/sh")
+    assert os.path.samefile(out / "usr/lib/hard", out / "usr/lib/libfoo.so")
+    assert (out / os.fsdecode(b"name-\xff\xfe.bin")).read_bytes() == b"latin-1 name"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_chunking_and_ranges(fmt: str) -> None:
+    data = os.urandom(100_000)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        add(tf, "f", data)
+    c = convert(buf.getvalue(), fmt, chunk_size=8192)
+    e = c.layer.toc.entries["f"]
+    assert len(e.chunks) == 13 and sum(ch.chunk_size for ch in e.chunks) == len(data)
+    for off, ln in [(0, 1), (8191, 2), (50_000, 30_000), (99_999, 10), (0, 100_000), (100_000, 5)]:
+        assert c.layer.read_file("f", off, ln) == data[off : off + ln]
+    assert [ch.chunk_offset for ch in c.layer.chunks_for(e, 8000, 300)] == [0, 8192]
+    # Reading a range costs one request for adjacent chunks.
+    counting = CountingReadAt(BytesReadAt(c.blob))
+    layer = open_layer(counting, annotations=c.result.annotations)
+    assert counting.requests == 1
+    counting.reset()
+    assert layer.read_file("f", 20_000, 40_000) == data[20_000:60_000]
+    assert counting.requests == 1
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefetch_files_come_first(fmt: str) -> None:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        add(tf, "a", b"A" * 10)
+        add(tf, "app/", type=tarfile.DIRTYPE, mode=0o755)
+        add(tf, "app/main.py", b"print()")
+        add(tf, "b", b"B" * 10)
+        add(tf, "app/link", type=tarfile.LNKTYPE, link="b")
+    c = convert(buf.getvalue(), fmt, prefetch=["app/link", "a"])
+    assert c.layer.toc.order[:5] == ["app", "b", "app/link", "a", PREFETCH_LANDMARK]
+    assert c.layer.toc.prefetch == ["app", "b", "app/link", "a"]
+    assert c.layer.read_file(PREFETCH_LANDMARK) == b"\x0f"
+    assert_same_as_tar(c.layer, buf.getvalue())
+    plain = convert(buf.getvalue(), fmt, prefetch=[])
+    assert plain.layer.toc.order[0] == NO_PREFETCH_LANDMARK and plain.layer.toc.prefetch == []
+
+
+def test_zstd_chunked_without_prefetch_adds_no_landmark() -> None:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        add(tf, "a", b"x")
+    c = convert(buf.getvalue(), "zstd:chunked")
+    assert c.layer.toc.order == ["a"]
+    e = convert(buf.getvalue(), "estargz")
+    assert e.layer.toc.order == [NO_PREFETCH_LANDMARK, "a"]
+
+
+def test_children_and_synthesized_parents() -> None:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        add(tf, "x/y/z", b"1")
+        add(tf, "x/a", b"2")
+    c = convert(buf.getvalue(), "zstd:chunked")
+    toc = c.layer.toc
+    assert toc.children("") == ["x"] and toc.children("x") == ["x/a", "x/y"]
+    assert toc.entries["x/y"].type == "dir" and toc.entries["x/y"].mode == 0o755
+    assert toc.entries[""].type == "dir"
+
+
+def test_large_file_over_8gib_streams() -> None:
+    """A 8 GiB + 1 byte file, streamed from a generator (never held in memory or on disk)."""
+    size = (8 << 30) + 1
+
+    class Gen(io.RawIOBase):
+        def __init__(self) -> None:
+            info = tarfile.TarInfo("huge.bin")
+            info.size = size
+            self.parts = [info.tobuf(tarfile.PAX_FORMAT)]
+            self.left = size
+            self.tail = bytes(-size % 512) + bytes(1024)
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, b: memoryview) -> int:  # type: ignore[override]
+            if self.parts:
+                p = self.parts.pop()
+            elif self.left:
+                p = b"\x01" if self.left == 1 else bytes(min(len(b), self.left - 1))
+                self.left -= len(p)
+            else:
+                p, self.tail = self.tail[: len(b)], self.tail[len(b) :]
+            n = min(len(b), len(p))
+            b[:n] = p[:n]
+            if n < len(p):
+                self.parts.append(p[n:])
+            return n
+
+    out = io.BytesIO()
+    from coldstart.format import convert_layer
+
+    res = convert_layer(io.BufferedReader(Gen(), 1 << 20), out, chunk_size=256 << 20, level=1)
+    layer = open_layer(BytesReadAt(out.getvalue()), annotations=res.annotations)
+    e = layer.toc.entries["huge.bin"]
+    assert e.size == size and len(e.chunks) == 33
+    assert layer.read_file("huge.bin", size - 2, 10) == b"\x00\x01"

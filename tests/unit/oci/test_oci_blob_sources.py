@@ -1,0 +1,46 @@
+"""Local blob source and range coalescing."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from coldstart.errors import FormatError, InvalidArgument, NotFound
+from coldstart.format.readat import ReadAt
+from coldstart.remote import BlobSource, LocalFileBlob, coalesce
+
+
+def test_local_file_blob(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 100
+    (tmp_path / "b").write_bytes(data)
+    with LocalFileBlob(tmp_path / "b") as blob:
+        assert isinstance(blob, BlobSource) and isinstance(blob, ReadAt)
+        assert blob.size() == len(data)
+        assert blob.read_at(10, 5) == data[10:15]
+        assert blob.read_at(len(data), 0) == b""
+        with pytest.raises(FormatError):
+            blob.read_at(len(data) - 1, 2)
+        with pytest.raises(InvalidArgument):
+            blob.read_at(-1, 1)
+        out: list[bytes] = []
+        threads = [threading.Thread(target=lambda i=i: out.append(blob.read_at(i * 97, 300)))
+                   for i in range(20)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(out) == sorted(data[i * 97: i * 97 + 300] for i in range(20))
+        assert blob.requests == 22
+    with pytest.raises(NotFound):
+        LocalFileBlob(tmp_path / "missing")
+
+
+def test_coalesce() -> None:
+    assert coalesce([], 10) == []
+    assert coalesce([(100, 10), (0, 10), (12, 4)], 2) == [(0, 16), (100, 10)]
+    assert coalesce([(0, 10), (5, 2)], 0) == [(0, 10)]        # contained
+    assert coalesce([(0, 10), (10, 10)], 0) == [(0, 20)]      # adjacent
+    assert coalesce([(0, 10), (11, 10)], 0) == [(0, 10), (11, 10)]
+    assert coalesce([(0, 0), (5, 1)], 0) == [(5, 1)]

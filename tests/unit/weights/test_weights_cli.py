@@ -1,0 +1,74 @@
+"""``coldstart weights`` and ``coldstart models`` through the real CLI entry point."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from tests.unit.weights.repo_suite import make_version
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "coldstart.cli", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_weights_load_and_bench(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.ones(100, 100), "b": torch.zeros(3, dtype=torch.int8)}, str(path))
+    out = run("weights", "load", str(path), "--json", "--list", "--dtype", "bf16")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["tensors"] == 2 and report["bytes"] == 40003
+    assert report["shapes"]["a"] == ["bfloat16", [100, 100]]
+    assert report["path"].startswith("cpu")
+    text = run("weights", "load", str(path))
+    assert "GB/s" in text.stdout and text.returncode == 0
+    bench = run("weights", "bench", str(path), "--runs", "2", "--evict", "--json")
+    assert bench.returncode == 0, bench.stderr
+    assert len(json.loads(bench.stdout)["runs"]) == 2
+
+
+def test_weights_errors_are_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x05\x00")
+    out = run("weights", "load", str(bad))
+    assert out.returncode == 9  # FormatError
+    assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
+    assert "HeaderTooSmall" in out.stderr
+    missing = run("weights", "load", str(tmp_path / "nope.safetensors"))
+    assert missing.returncode == 3 and "Traceback" not in missing.stderr
+
+
+def test_help_explains_commands() -> None:
+    for args in (("weights", "--help"), ("weights", "load", "--help"),
+                 ("weights", "bench", "--help"), ("models", "--help"),
+                 ("models", "publish", "--help"), ("models", "watch", "--help")):
+        out = run(*args)
+        assert out.returncode == 0, out.stderr
+        assert "Usage:" in out.stdout and len(out.stdout) > 200
+
+
+def test_models_publish_activate_rollback_list_watch(tmp_path: Path) -> None:
+    root = str(tmp_path / "repo")
+    v1 = run("models", "publish", str(make_version(tmp_path / "a", 1.0)), "--root", root,
+             "--model", "m", "--activate")
+    assert v1.returncode == 0 and "m/1" in v1.stdout, v1.stderr
+    v2 = run("models", "publish", str(make_version(tmp_path / "b", 2.0)), "--root", root,
+             "--model", "m")
+    assert v2.returncode == 0, v2.stderr
+    listing = run("models", "list", "--root", root)
+    assert "* m/1" in listing.stdout and "  m/2" in listing.stdout
+    assert run("models", "activate", "--root", root, "--model", "m", "2").returncode == 0
+    watch = run("models", "watch", "--root", root, "--model", "m", "--once")
+    assert "serving version 2" in watch.stdout, watch.stderr
+    back = run("models", "rollback", "--root", root, "--model", "m")
+    assert "version 1" in back.stdout
+    refused = run("models", "activate", "--root", root, "--model", "m", "9")
+    assert refused.returncode == 5 and "not complete" in refused.stderr  # FailedPrecondition
+    assert "Traceback" not in refused.stderr
