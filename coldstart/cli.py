@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-from typing import Any
+from typing import NoReturn
 
 import click
 
@@ -56,10 +56,15 @@ def cli() -> None:
     """
 
 
-def main(argv: list[str] | None = None) -> Any:
-    """Entry point of the console script: run the CLI, turning expected failures into one line."""
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Entry point of the console script: run the CLI, turning expected failures into one line.
+
+    Always ends with ``SystemExit``: 0 on success (``--help`` included), the error's exit code
+    otherwise.
+    """
     try:
-        return cli.main(args=argv, prog_name="coldstart", standalone_mode=False)
+        rv = cli.main(args=argv, prog_name="coldstart", standalone_mode=False)
+        sys.exit(rv if isinstance(rv, int) else 0)
     except ColdstartError as exc:
         click.echo(f"coldstart: error: {exc}", err=True)
         sys.exit(exc.exit_code)

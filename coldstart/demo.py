@@ -70,7 +70,7 @@ def demo_files(scale: float = 1.0) -> tuple[list[DemoFile], list[DemoFile]]:
            DemoFile("app/lib/libbig.so", _semi_random(rng, int(48 * MiB * scale)), 0o755),
            DemoFile("app/model/weights.bin", rng.randbytes(int(24 * MiB * scale)))]
     for i in range(int(2000 * scale)):
-        body = (f"# module {i}\n" + "def f(x):\n    return x * %d\n" % i * 20).encode()
+        body = (f"# module {i}\n" + f"def f(x):\n    return x * {i}\n" * 20).encode()
         app.append(DemoFile(f"app/site-packages/pkg{i // 100}/mod_{i}.py", body))
     return base, app
 
@@ -139,7 +139,8 @@ def local_registry(workdir: Path) -> Iterator[str]:
     """Run Debian's docker-registry on 127.0.0.1 until the block ends; yields ``host:port``."""
     exe = shutil.which(REGISTRY_BIN)
     if exe is None:
-        raise FailedPrecondition("docker-registry is not installed (apt-get install docker-registry)")
+        raise FailedPrecondition(
+            "docker-registry is not installed (apt-get install docker-registry)")
     port = _free_port()
     config = workdir / "registry.yml"
     config.write_text(
@@ -180,7 +181,8 @@ def run_demo(echo: Echo, *, workdir: Path | None = None, scale: float = 1.0) -> 
     """Run the demo, narrating with ``echo``; returns the figures it printed."""
     with contextlib.ExitStack() as stack:
         if workdir is None:
-            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="coldstart-demo-")))
+            tmp = tempfile.TemporaryDirectory(prefix="coldstart-demo-")
+            workdir = Path(stack.enter_context(tmp))
         workdir.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         base, app = demo_files(scale)

@@ -7,6 +7,7 @@ import binascii
 import json
 import os
 import subprocess
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,8 @@ class DockerConfig:
         self._static = dict(static or {})
         self._helper_timeout = helper_timeout
         self._doc: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._cache: dict[str, Credentials | None] = {}
         if path is not None and path.exists():
             try:
                 doc = json.loads(path.read_text())
@@ -85,9 +88,18 @@ class DockerConfig:
         return str(store) if store else None
 
     def lookup(self, host: str) -> Credentials | None:
-        """Credentials for registry ``host`` (``name[:port]``), or ``None``."""
+        """Credentials for registry ``host`` (``name[:port]``), or ``None``; cached per host."""
         if host in self._static:
             return self._static[host]
+        with self._lock:
+            if host in self._cache:
+                return self._cache[host]
+        found = self._lookup(host)
+        with self._lock:
+            self._cache[host] = found
+        return found
+
+    def _lookup(self, host: str) -> Credentials | None:
         entry = self._auth_entry(host)
         if entry:
             if entry.get("identitytoken"):

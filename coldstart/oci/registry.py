@@ -176,6 +176,7 @@ class RegistryClient:
         self._clients: dict[tuple[Any, ...], httpx.Client] = {}
         self._tokens: dict[tuple[str, str], _Token] = {}
         self._schemes: dict[str, tuple[str, dict[str, str]]] = {}
+        self._endpoint_cache: dict[tuple[str, str], list[Endpoint]] = {}
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -396,7 +397,7 @@ class RegistryClient:
         deadline = deadline or _Deadline(timeout if timeout is not None else self.timeout, what)
         scope = scope or f"repository:{ref.repository}:pull"
         eps = list(endpoints) if endpoints is not None else \
-            self.hosts.endpoints(ref.registry, capability)
+            self._endpoints_for(ref.registry, capability)
         ok_set = frozenset(ok)
         last: ColdstartError | None = None
         for i, ep in enumerate(eps):
@@ -717,10 +718,22 @@ class RegistryClient:
 
     def _endpoint_for_url(self, ref: Reference, url: str) -> Endpoint:
         netloc = urlsplit(url).netloc
-        for ep in self.hosts.endpoints(ref.registry, "push"):
+        eps = self._endpoints_for(ref.registry, "push")
+        for ep in eps:
             if ep.host == netloc:
                 return ep
-        return self.hosts.endpoints(ref.registry, "push")[-1]
+        return eps[-1]
+
+    def _endpoints_for(self, host: str, capability: str) -> list[Endpoint]:
+        # hosts.toml is read once per host: range reads on the FUSE path must not parse files
+        key = (host, capability)
+        with self._lock:
+            cached = self._endpoint_cache.get(key)
+        if cached is None:
+            cached = self.hosts.endpoints(host, capability)
+            with self._lock:
+                self._endpoint_cache[key] = cached
+        return cached
 
     def push_blob(self, ref: Reference, data: bytes | Path | BinaryIO, digest: str | None = None,
                   *, chunk_size: int | None = None, timeout: float | None = None) -> str:

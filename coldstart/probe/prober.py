@@ -360,7 +360,7 @@ class Prober:
                 result = await self.check.run(self.config.try_timeout)
             if not result.ok:
                 break
-            await asyncio.sleep(self.config.interval)
+            await asyncio.sleep(max(0.0, min(self.config.interval, deadline - time.monotonic())))
         self._apply(self._machine.on_stopped(time.monotonic(), "drained"))
         return 0
 
