@@ -1,5 +1,8 @@
 """Benchmark: coldstart.weights.load against its peers, on the same file, in the same run.
 
+coldstart runs twice: ``coldstart`` (its default for local CPU loads, cpu_mode=auto = mmap +
+parallel MADV_POPULATE_READ) and ``coldstart_read`` (preadv into freshly allocated tensors);
+``coldstart_direct`` (O_DIRECT) only cold.
 Peers: ``safetensors.torch.load_file`` (+ touching every page, since it maps lazily), Run:ai Model
 Streamer (``SafetensorsStreamer``), and the floor, a raw read of the same bytes (``dd bs=16M``).
 S3: coldstart ``load("s3://...")`` against raw parallel ranged boto3 GETs, both on a moto_server
@@ -65,12 +68,13 @@ def _child(args: argparse.Namespace) -> None:
         import coldstart.weights  # noqa: F401
     before = _rss_now()
     start = time.perf_counter()
-    if name in ("coldstart", "coldstart_direct", "s3_coldstart"):
+    if name in ("coldstart", "coldstart_read", "coldstart_direct", "s3_coldstart"):
         from coldstart.weights import load
 
         local = None if args.local_concurrency == 0 else args.local_concurrency
         out = load(path, concurrency=concurrency if name.startswith("s3") else local,
-                   chunk_bytes=chunk, direct=name == "coldstart_direct")
+                   chunk_bytes=chunk, direct=name == "coldstart_direct",
+                   cpu_mode="read" if name == "coldstart_read" else "auto")
         nbytes = sum(t.numel() * t.element_size() for t in out.values())
     elif name == "safetensors":
         import torch
@@ -301,16 +305,20 @@ def main() -> None:
         if modes & {"cold", "warm"}:
             size = write_model(model, int(args.size_gb * 1e9))
             print(f"model: {model} {size / 1e9:.2f} GB", flush=True)
-            peers = ["coldstart", "safetensors", "runai", "dd"]
+            peers = ["coldstart", "coldstart_read", "safetensors", "runai", "dd"]
             if "cold" in modes:
                 results["cold"] = measure("cold", [*peers, "coldstart_direct"], str(model), size,
                                           args, cold_path=model)
+                results["cold"]["ratio_coldstart_read_vs_dd"] = ratio(
+                    results["cold"], "coldstart_read", "dd")
                 results["cold"]["ratio_coldstart_vs_dd"] = ratio(results["cold"], "coldstart",
                                                                  "dd")
             if "warm" in modes:
                 results["warm"] = measure("warm", peers, str(model), size, args)
                 results["warm"]["ratio_coldstart_vs_dd"] = ratio(results["warm"], "coldstart",
                                                                  "dd")
+                results["warm"]["ratio_coldstart_read_vs_dd"] = ratio(
+                    results["warm"], "coldstart_read", "dd")
             model.unlink()
         if "s3" in modes:
             s3_file = work / "s3.safetensors"

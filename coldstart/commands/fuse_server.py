@@ -28,6 +28,8 @@ def fuse_server(config_path: str | None, root: str | None, socket_path: str | No
     logging.basicConfig(
         level=getattr(logging, cfg.log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # one line per range request would drown the data path's own log lines
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     from coldstart.snapshotter.fuse_server import FuseServer
 
     FuseServer(cfg, root=root, socket_path=socket_path,

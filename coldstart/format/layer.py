@@ -54,8 +54,10 @@ _SEEKABLE_MEDIA = {
 #: One read of the blob's end usually holds footer and TOC together.
 TAIL_READ = 512 << 10
 _ESTARGZ_TOC_NAME = "stargz.index.json"
-#: Zero-filled holes are materialized by decode_chunk; past this they must be read by range.
-MAX_ZERO_CHUNK = 1 << 30
+#: Largest chunk decode_chunk materializes (our writer caps chunks at 1 GiB; ctr-remote and
+#: containers/storage write MiB-sized ones). A TOC declaring more is refused, not trusted.
+MAX_DECODE = 1 << 30
+MAX_ZERO_CHUNK = MAX_DECODE
 
 
 def _zstd_checksum(annotations: Mapping[str, str]) -> str | None:
@@ -147,6 +149,9 @@ class SeekableLayer:
         """
         owner = self._owner.get(chunk, "?")
         what = f"entry {owner!r} chunk at {chunk.chunk_offset} (+{chunk.chunk_size})"
+        if chunk.inner_offset + chunk.chunk_size > MAX_DECODE:
+            raise FormatError(f"{what}: chunk needs {chunk.inner_offset + chunk.chunk_size} "
+                              f"decompressed bytes, over the {MAX_DECODE} byte limit")
         if chunk.zeros:
             if chunk.chunk_size > MAX_ZERO_CHUNK:
                 raise FormatError(f"{what}: zero chunk too large to materialize")
@@ -302,16 +307,20 @@ def _zstd_toc(tail: _Tail, footer: Footer,
     limit = tail.size - footer.size
     # stargz-snapshotter's footer points at the skippable frame; containers/storage's at its
     # payload. Tell them apart by the frame magic.
-    head = tail.read(offset, min(8, max(0, limit - offset)), what="zstd:chunked TOC")
+    if not 8 <= offset <= limit:
+        raise FormatError(f"zstd:chunked TOC offset {offset} is outside the blob")
+    # One read covers either layout (8 bytes more than the TOC, where the blob has them).
+    raw = tail.read(offset, min(length + 8, limit - offset), what="zstd:chunked TOC")
     frame_start = offset - 8
-    if head[:4] == SKIPPABLE_MAGIC:
-        (plen,) = struct.unpack("<I", head[4:8])
+    if raw[:4] == SKIPPABLE_MAGIC and len(raw) >= 8 + length:
+        (plen,) = struct.unpack("<I", raw[4:8])
         if plen != length:
             raise FormatError(f"zstd:chunked TOC frame holds {plen} bytes, footer says {length}")
         frame_start, offset = offset, offset + 8
-    if frame_start < 0 or offset + length > limit:
+        raw = raw[8:]
+    if offset + length > limit:
         raise FormatError(f"zstd:chunked TOC at {offset}+{length} is outside the blob")
-    compressed = tail.read(offset, length, what="zstd:chunked TOC")
+    compressed = raw[:length]
     data, more = unzstd_frame(compressed, ulength, what="zstd:chunked TOC")
     if len(data) != ulength or more:
         raise FormatError(f"zstd:chunked TOC decompresses to {len(data)}{'+' if more else ''} "

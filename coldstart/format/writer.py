@@ -11,8 +11,11 @@ pool (zlib and zstandard release the GIL), output is written strictly in order.
 
 Entry handling:
 
-* names are normalized (``./a/`` -> ``a``); absolute names, ``..`` and duplicates are refused
-  with FormatError naming the entry (tar semantics would let the last duplicate win silently);
+* names are normalized (``./a/`` -> ``a``); absolute names, ``..``, duplicates, entries below a
+  non-directory and hardlinks without an earlier target are refused with FormatError naming the
+  entry (tar semantics would let the last duplicate win silently);
+* an eStargz input's own ``stargz.index.json`` and prefetch landmarks are dropped (the output
+  gets its own), so converting a converted layer again works;
 * GNU/PAX sparse files are expanded into regular files;
 * SCHILY.xattr.* PAX records become TOC xattrs (and stay in the tar);
 * whiteouts (``.wh.*``, ``.wh..wh..opq``) are ordinary entries, kept as they are;
@@ -27,9 +30,11 @@ import gzip
 import hashlib
 import io
 import os
+import queue
 import shutil
 import tarfile
 import tempfile
+import threading
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -77,6 +82,8 @@ _TYPES = {
     tarfile.FIFOTYPE: "fifo",
 }
 _XATTR = "SCHILY.xattr."
+#: Entries that belong to the eStargz format itself; dropped from input, written afresh.
+_ARTIFACTS = frozenset({"stargz.index.json", PREFETCH_LANDMARK, NO_PREFETCH_LANDMARK})
 _BLOCK = 512
 
 
@@ -142,7 +149,7 @@ class _ZstdFrames(io.RawIOBase):
             while data:
                 self._in_frame = True
                 try:
-                    self._buf += self._obj.decompress(data)
+                    self._buf += self._obj.decompress(data)  # one refill, then sliced out
                 except zstandard.ZstdError as exc:
                     raise FormatError(f"input is corrupt: {exc}") from None
                 if not self._obj.eof:
@@ -154,6 +161,64 @@ class _ZstdFrames(io.RawIOBase):
         view[:n] = self._buf[:n]
         self._buf = self._buf[n:]
         return n
+
+
+class _Readahead(io.RawIOBase):
+    """Decompress the input in a background thread (zlib/zstd release the GIL), 1 MiB ahead.
+
+    Errors raised there are re-raised in the reader; ``close`` stops the thread.
+    """
+
+    _BLOCK = 1 << 20
+
+    def __init__(self, inner: IO[bytes], depth: int = 8) -> None:
+        self._inner = inner
+        self._q: queue.Queue[bytes | BaseException] = queue.Queue(depth)
+        self._stop = threading.Event()
+        self._cur = memoryview(b"")
+        self._eof = False
+        self._thread = threading.Thread(target=self._run, name="convert-read", daemon=True)
+        self._thread.start()
+
+    def _put(self, item: bytes | BaseException) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            while True:
+                data = self._inner.read(self._BLOCK)
+                if not self._put(data) or not data:
+                    return
+        except BaseException as exc:  # handed to the reading thread
+            self._put(exc)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        while not self._cur and not self._eof:
+            item = self._q.get()
+            if isinstance(item, BaseException):
+                self._eof = True
+                raise item
+            if not item:
+                self._eof = True
+            self._cur = memoryview(item)
+        n = min(len(view), len(self._cur))
+        view[:n] = self._cur[:n]
+        self._cur = self._cur[n:]
+        return n
+
+    def close(self) -> None:
+        self._stop.set()
+        super().close()
 
 
 class _Counted(io.RawIOBase):
@@ -178,10 +243,10 @@ def _open_tar_stream(src: IO[bytes]) -> IO[bytes]:
     head = src.read(4)
     raw = io.BufferedReader(_Prefixed(head, src), 1 << 20)
     if head[:2] == b"\x1f\x8b":
-        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
+        return cast(IO[bytes], _Readahead(cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="rb"))))
     if head == b"\x28\xb5\x2f\xfd":
-        return io.BufferedReader(_ZstdFrames(raw), 1 << 20)
-    return raw
+        return cast(IO[bytes], _Readahead(io.BufferedReader(_ZstdFrames(raw), 1 << 20)))
+    return cast(IO[bytes], _Readahead(raw))
 
 
 class _Sink:
@@ -204,6 +269,34 @@ class _Sink:
 class _Pending:
     future: Future[tuple[bytes, str]]
     chunk: dict[str, Any] | None  # TOC record to fill with offsets once written
+    whole: bool = False  # the chunk is the whole file: its digest is the file's digest
+
+
+class _Hasher:
+    """Sequential hashes (diff_id, multi-chunk files) fed in order, computed on a thread."""
+
+    def __init__(self) -> None:
+        self._q: queue.Queue[tuple[Any, bytes] | None] = queue.Queue(16)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="convert-hash", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._q.get()) is not None:
+            try:
+                item[0].update(item[1])
+            except BaseException as exc:  # reported by join()
+                self._error = exc
+
+    def update(self, h: Any, data: bytes) -> None:
+        self._q.put((h, data))
+
+    def join(self) -> None:
+        if self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 class _Writer:
@@ -223,6 +316,8 @@ class _Writer:
         self.toc: list[dict[str, Any]] = []
         self.tarsplit = TarSplitWriter()
         self._zero_digests: dict[int, str] = {}
+        self.hasher = _Hasher()
+        self._file_hashes: list[tuple[dict[str, Any], Any]] = []
 
     # compression jobs run in the pool ------------------------------------------------------
 
@@ -237,11 +332,11 @@ class _Writer:
             return c.compress(data) + c.flush(), digest
         return zstandard.ZstdCompressor(level=self.level).compress(data), digest
 
-    def _submit(self, data: bytes, chunk: dict[str, Any] | None) -> None:
+    def _submit(self, data: bytes, chunk: dict[str, Any] | None, whole: bool = False) -> None:
         if chunk is not None and data.count(0) == len(data) and len(data) not in self._zero_digests:
             self._zero_digests[len(data)] = "sha256:" + hashlib.sha256(data).hexdigest()
         fut = self.pool.submit(self._compress, data, chunk is not None)
-        self.pending.append(_Pending(fut, chunk))
+        self.pending.append(_Pending(fut, chunk, whole))
         while len(self.pending) > self.max_inflight:
             self._drain_one()
 
@@ -254,16 +349,27 @@ class _Writer:
             if not self.gzip:
                 p.chunk["endOffset"] = self.sink.pos
             p.chunk["chunkDigest"] = digest
+            if p.whole:
+                p.chunk["digest"] = digest
 
     def drain(self) -> None:
         while self.pending:
             self._drain_one()
 
+    def hash_diff(self, data: bytes) -> None:
+        self.hasher.update(self.diff, data)
+
+    def finish_hashes(self) -> None:
+        """Wait for the hashing thread; fill in the multi-chunk files' digests."""
+        self.hasher.join()
+        for rec, h in self._file_hashes:
+            rec["digest"] = "sha256:" + h.hexdigest()
+
     # the uncompressed tar stream -----------------------------------------------------------
 
     def add_meta(self, raw: bytes) -> None:
         self.meta += raw
-        self.diff.update(raw)
+        self.hash_diff(raw)
         self.usize += len(raw)
         self.tarsplit.segment(raw)
 
@@ -285,7 +391,10 @@ class _Writer:
             return
         assert read is not None
         self.flush_meta()
-        fhash = hashlib.sha256()
+        whole = entry.size <= self.chunk_size
+        fhash = None if whole else hashlib.sha256()
+        if fhash is not None:
+            self._file_hashes.append((rec, fhash))
         done = 0
         first = True
         while done < entry.size:
@@ -294,8 +403,9 @@ class _Writer:
             if len(data) != n:
                 raise FormatError(f"entry {entry.name!r}: tar data ends after {done + len(data)}"
                                   f" of {entry.size} bytes")
-            fhash.update(data)
-            self.diff.update(data)
+            if fhash is not None:
+                self.hasher.update(fhash, data)
+            self.hash_diff(data)
             self.usize += n
             if first:
                 chunk = rec
@@ -305,13 +415,13 @@ class _Writer:
                 self.toc.append(chunk)
             chunk["chunkOffset"] = done
             chunk["chunkSize"] = n
-            self._submit(data, chunk)
+            self._submit(data, chunk, whole)
             done += n
-        rec["digest"] = "sha256:" + fhash.hexdigest()
         self.add_meta(bytes(-entry.size % _BLOCK))
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.hasher.join()
 
 
 def _entry_from(info: tarfile.TarInfo, name: str) -> Entry:
@@ -418,8 +528,10 @@ def convert_layer(src: BinaryIO, dst: BinaryIO, *, format: str = "zstd:chunked",
         prefetch = []
     nthreads = threads or min(8, os.cpu_count() or 1)
     w = _Writer(dst, format, chunk_size, level, nthreads)
+    tar_stream: IO[bytes] | None = None
     try:
-        counted = _Counted(_open_tar_stream(src))
+        tar_stream = _open_tar_stream(src)
+        counted = _Counted(tar_stream)
         stream = cast(IO[bytes], counted)
         if prefetch:
             with tempfile.TemporaryFile() as spool:
@@ -438,6 +550,8 @@ def convert_layer(src: BinaryIO, dst: BinaryIO, *, format: str = "zstd:chunked",
             raise FormatError("input tar ends without its end-of-archive marker (truncated?)")
         return _finish(w, legacy_footer)
     finally:
+        if tar_stream is not None:
+            tar_stream.close()
         w.close()
 
 
@@ -453,20 +567,42 @@ def _convert_entries(w: _Writer, stream: IO[bytes], mode: Literal["r:", "r|"],
         raise FormatError(f"input is truncated or corrupt: {exc}") from None
     seen: set[str] = set()
 
+    types: dict[str, str] = {}
+    implied: set[str] = set()
+
+    def check(entry: Entry) -> None:
+        # Refuse here what a reader would refuse (TOC.build): nothing can live under a
+        # non-directory, and a hardlink needs an earlier, non-directory target.
+        name = entry.name
+        if entry.type != "dir" and name in implied:
+            raise FormatError(f"entry {name!r} is a {entry.type} but other entries lie below it")
+        parts = name.split("/")[:-1] if name else []
+        for i in range(len(parts)):
+            parent = "/".join(parts[: i + 1])
+            if types.get(parent, "dir") != "dir":
+                raise FormatError(f"entry {name!r}: parent {parent!r} is a {types[parent]}")
+            implied.add(parent)
+        if entry.type == "hardlink" and types.get(entry.link_name, "dir") == "dir":
+            raise FormatError(f"hardlink {name!r}: target {entry.link_name!r} is not an earlier "
+                              "non-directory entry")
+        types[name] = entry.type
+
     def emit(info: tarfile.TarInfo) -> None:
         name = normalize_name(info.name, what="tar entry")
+        if name in _ARTIFACTS:
+            return  # an eStargz input's own TOC and landmark: rewritten, not copied
         if name in seen:
             raise FormatError(f"entry {name!r} appears twice in the tar stream")
-        if name in (PREFETCH_LANDMARK, NO_PREFETCH_LANDMARK) and prefetch is not None:
-            raise FormatError(f"entry {name!r} is reserved for the prefetch landmark")
         seen.add(name)
         entry = _entry_from(info, name)
+        check(entry)
         read = _reader(tf, info) if entry.type == "reg" and entry.size else None
         w.add_entry(_out_info(info, entry), entry, read)
 
     def landmark(name: str) -> None:
         info, entry = _landmark(name)
         seen.add(name)
+        types[name] = "reg"
         w.add_entry(info, entry, io.BytesIO(b"\x0f").read)
 
     with tf:
@@ -514,10 +650,11 @@ def _finish(w: _Writer, legacy_footer: bool) -> LayerResult:
         w.flush_meta()
         w.drain()
         toc_offset = w.sink.pos
-        toc_json = encode_toc(w.toc)
         ti = tarfile.TarInfo("stargz.index.json")
-        ti.size = len(toc_json)
         ti.mode = 0o644
+        w.finish_hashes()
+        toc_json = encode_toc(w.toc)
+        ti.size = len(toc_json)
         tar_tail = (ti.tobuf(tarfile.USTAR_FORMAT, "utf-8", "strict") + toc_json
                     + bytes(-len(toc_json) % _BLOCK) + bytes(2 * _BLOCK))
         w.diff.update(tar_tail)
@@ -532,6 +669,7 @@ def _finish(w: _Writer, legacy_footer: bool) -> LayerResult:
         w.add_meta(bytes(2 * _BLOCK))
         w.flush_meta()
         w.drain()
+        w.finish_hashes()
         cctx = zstandard.ZstdCompressor(level=w.level)
         if legacy_footer:
             toc_json = encode_toc(w.toc)

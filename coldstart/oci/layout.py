@@ -86,13 +86,16 @@ class OciLayout:
     # -- blobs -----------------------------------------------------------------------------
 
     def blob_path(self, digest: str) -> Path:
+        """Where blob ``digest`` lives (whether or not it exists)."""
         algo, _, hexpart = validate_digest(digest).partition(":")
         return self.root / "blobs" / algo / hexpart
 
     def has_blob(self, digest: str) -> bool:
+        """Whether blob ``digest`` is stored here."""
         return self.blob_path(digest).is_file()
 
     def blob_size(self, digest: str) -> int:
+        """The size of blob ``digest``; :class:`NotFound` if absent."""
         try:
             return self.blob_path(digest).stat().st_size
         except FileNotFoundError as exc:
@@ -162,6 +165,7 @@ class OciLayout:
     # -- index -----------------------------------------------------------------------------
 
     def index(self) -> Index:
+        """The layout's ``index.json``."""
         try:
             body = (self.root / "index.json").read_bytes()
         except FileNotFoundError as exc:

@@ -37,6 +37,7 @@ __all__ = [
     "Index",
     "Manifest",
     "Platform",
+    "build_manifest",
     "canonical_json",
     "digest_of",
     "host_platform",

@@ -27,6 +27,7 @@ import io
 import os
 import random
 import re
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -68,6 +69,7 @@ if TYPE_CHECKING:
 __all__ = ["AuthError", "RegistryClient", "Resolved"]
 
 MAX_MANIFEST_BYTES = 4 << 20
+_MAX_SMALL_BODY = 16 << 20   # manifests, tokens, error documents: never a blob
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _CHUNK = 1 << 20
@@ -139,6 +141,11 @@ def _registry_message(resp: httpx.Response) -> str:
     return resp.reason_phrase or ""
 
 
+def _content_range_starts(resp: httpx.Response, offset: int) -> bool:
+    m = re.match(r"bytes (\d+)-(\d+)/(\d+|\*)", resp.headers.get("Content-Range", ""))
+    return m is not None and int(m.group(1)) == offset
+
+
 _BodyFactory = Callable[[], bytes | Iterator[bytes]]
 
 
@@ -196,14 +203,20 @@ class RegistryClient:
         self.close()
 
     def _client(self, ep: Endpoint | None) -> httpx.Client:
-        key = ep.tls_key() if ep is not None else ("plain",)
+        """The pool for ``ep`` (``None``: default TLS verification, for redirect targets)."""
+        plain = ep is not None and ep.base.startswith("http://")
+        # building an SSL context costs ~0.5 s of CPU: plain-HTTP endpoints do without one
+        key: tuple[Any, ...] = ("http",) if plain else (
+            ep.tls_key() if ep is not None else (True, None))
         with self._lock:
             if self._closed:
                 raise FailedPrecondition("registry client is closed")
             client = self._clients.get(key)
             if client is None:
+                verify: bool | ssl.SSLContext = False if plain else (
+                    ep.ssl_verify() if ep is not None else True)
                 client = httpx.Client(
-                    verify=ep.ssl_verify() if ep is not None else True,
+                    verify=verify,
                     limits=self._limits, follow_redirects=False, trust_env=False,
                     # byte ranges and digests are of the stored bytes: no transfer encoding
                     headers={"User-Agent": self._user_agent, "Accept-Encoding": "identity"})
@@ -217,8 +230,11 @@ class RegistryClient:
         return httpx.Timeout(min(left, self.timeout), connect=min(left, 10.0),
                              pool=min(left, self.timeout))
 
-    def _sleep_backoff(self, attempt: int, deadline: _Deadline) -> bool:
+    def _sleep_backoff(self, attempt: int, deadline: _Deadline, floor: float = 0.0) -> bool:
+        """Sleep before retry ``attempt`` (full jitter, at least ``floor``); False if the
+        deadline would pass first."""
         delay = random.uniform(0, min(self.max_backoff, self.backoff * (2 ** attempt)))
+        delay = max(delay, floor)
         if deadline.remaining() <= delay:
             return False
         time.sleep(delay)
@@ -364,11 +380,15 @@ class RegistryClient:
             hops += 1
             target = urljoin(url, location)
             hdrs = dict(headers)
-            # blob storage (S3, a CDN) must not see the registry's credentials
             if urlsplit(target).netloc == urlsplit(url).netloc:
                 auth = self._auth_header(ep, scope)
                 if auth:
                     hdrs["Authorization"] = auth
+            elif urlsplit(target).scheme == "https":
+                # blob storage (S3, a CDN) must not see the registry's credentials, and is
+                # verified like any TLS host unless this registry's hosts.toml says skip_verify
+                client = self._client(ep if ep.verify is False or
+                                      ep.base.startswith("https://") else None)
             url = target
             req = client.build_request(method, url, headers=hdrs,
                                        timeout=self._timeouts(deadline))
@@ -376,10 +396,17 @@ class RegistryClient:
         if not stream:
             try:
                 chunks = []
+                total = 0
                 for chunk in resp.iter_bytes():
                     chunks.append(chunk)
+                    total += len(chunk)
+                    if total > _MAX_SMALL_BODY:
+                        raise Unavailable(f"{ep.host}: answer to {method} {url} is larger "
+                                          f"than {_MAX_SMALL_BODY} bytes")
                     if deadline.remaining() <= 0:
                         raise httpx.ReadTimeout("deadline", request=req)
+                # what Response.read() itself does; reading chunk by chunk lets the deadline
+                # cut off a server that dribbles bytes (httpx's timeouts are per read)
                 resp._content = b"".join(chunks)
             finally:
                 resp.close()
@@ -424,6 +451,7 @@ class RegistryClient:
                   deadline: _Deadline, stream: bool, retry: bool, what: str) -> httpx.Response:
         attempt = 0
         while True:
+            floor = 0.0
             try:
                 resp = self._send(ep, method, url, scope=scope, headers=headers, body=body,
                                   deadline=deadline, stream=stream)
@@ -438,6 +466,11 @@ class RegistryClient:
                     raise Unavailable(f"{what}: {ep.host} timed out: {exc}") from exc
                 cause: BaseException = exc
             except httpx.TransportError as exc:
+                if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+                    # retrying cannot fix a certificate; say where to configure trust
+                    raise Unavailable(
+                        f"{what}: TLS verification of {ep.host} failed ({exc}); give its CA "
+                        "with 'ca' in certs.d/<host>/hosts.toml (or skip_verify)") from exc
                 if not retry or attempt >= self.retries:
                     raise Unavailable(f"{what}: cannot reach {ep.host}: {exc}") from exc
                 cause = exc
@@ -447,9 +480,12 @@ class RegistryClient:
                 if resp.status_code in _RETRY_STATUS and retry and attempt < self.retries:
                     resp.close()
                     cause = Unavailable(f"{what}: {ep.host} answered {resp.status_code}")
+                    retry_after = resp.headers.get("Retry-After", "")
+                    floor = min(float(retry_after), self.max_backoff) \
+                        if retry_after.isdigit() else 0.0
                 else:
                     self._raise_for(resp, what, ep)
-            if not self._sleep_backoff(attempt, deadline):
+            if not self._sleep_backoff(attempt, deadline, floor):
                 if isinstance(cause, Unavailable):
                     raise cause
                 raise DeadlineExceeded(f"{what}: gave up on {ep.host} within "
@@ -466,7 +502,11 @@ class RegistryClient:
         if code == 404:
             raise NotFound(detail)
         if code in (401, 403):
-            raise AuthError(detail)
+            creds = self._creds_for(ep)
+            who = (f"as {creds.username!r}" if creds is not None
+                   else f"anonymously (no credentials for {ep.host} in {self.creds.path})")
+            verb = "refused" if code == 401 else "denied access"
+            raise AuthError(f"{detail}: {verb} {who}")
         if code == 416:
             raise InvalidArgument(detail)
         if code >= 500 or code in _RETRY_STATUS:
@@ -593,6 +633,10 @@ class RegistryClient:
                                  headers=headers, ok=(200, 206), stream=True, what=what,
                                  deadline=deadline)
             skip = written if (written and resp.status_code == 200) else 0
+            if resp.status_code == 206 and not _content_range_starts(resp, written):
+                resp.close()
+                raise Unavailable(f"{what}: resumed at {written}, registry answered "
+                                  f"Content-Range {resp.headers.get('Content-Range')!r}")
             try:
                 for chunk in resp.iter_bytes():
                     if skip:
@@ -660,11 +704,12 @@ class RegistryClient:
     def _range_body(resp: httpx.Response, offset: int, length: int, deadline: _Deadline,
                     what: str) -> bytes:
         skip = 0
+        # a 206 body is read to its end so the connection goes back to the pool
+        skip_whole = resp.status_code != 206
         if resp.status_code == 206:
-            cr = resp.headers.get("Content-Range", "")
-            m = re.match(r"bytes (\d+)-(\d+)/(\d+|\*)", cr)
-            if m is None or int(m.group(1)) != offset:
-                raise Unavailable(f"{what}: bad Content-Range {cr!r}")
+            if not _content_range_starts(resp, offset):
+                raise Unavailable(
+                    f"{what}: bad Content-Range {resp.headers.get('Content-Range')!r}")
         else:
             skip = offset
         out = bytearray()
@@ -675,7 +720,8 @@ class RegistryClient:
                     continue
                 chunk, skip = chunk[skip:], 0
             out += chunk[: length - len(out)]
-            if len(out) >= length:
+            if len(out) >= length and skip_whole:
+                # the rest of a whole-blob answer is not wanted: drop the connection
                 break
             if deadline.remaining() <= 0:
                 raise DeadlineExceeded(f"{what}: not done within {deadline.seconds:g} s")

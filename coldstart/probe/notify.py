@@ -16,6 +16,7 @@ import asyncio
 import math
 import os
 import socket
+import stat
 from collections.abc import Callable
 
 from coldstart.errors import InvalidArgument, Unavailable
@@ -120,7 +121,9 @@ class NotifyListener:
         self._transport: asyncio.DatagramTransport | None = None
 
     async def start(self) -> None:
-        if not self.path.startswith("@") and os.path.exists(self.path):
+        if not self.path.startswith("@") and os.path.lexists(self.path):
+            if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                raise InvalidArgument(f"notify socket path {self.path} exists and is not a socket")
             os.unlink(self.path)  # a socket left behind by a previous run of this prober
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:

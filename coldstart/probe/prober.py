@@ -216,6 +216,8 @@ class Prober:
             starting = state.starting_up
             interval = cfg.startup_interval if starting else cfg.interval
             self._apply(self._machine.on_tick(time.monotonic()))
+            if self.history and self._machine.status is not self.history[-1]:
+                self._apply(self._machine.status)  # progress held back by the rate limit
             # the app's own word (sd_notify) or a Watch stream governs; polling waits meanwhile
             pushing = self._watching or (self._app_speaks and starting)
             if self.check is not None and not pushing and state is not State.DRAINING:

@@ -16,8 +16,12 @@ if TYPE_CHECKING:
 __all__ = ["RegistryBlob", "coalesce"]
 
 
-def coalesce(ranges: Sequence[tuple[int, int]], max_gap: int) -> list[tuple[int, int]]:
+def coalesce(ranges: Sequence[tuple[int, int]], max_gap: int,
+             max_length: int | None = None) -> list[tuple[int, int]]:
     """Merge ``(offset, length)`` ranges whose gap is at most ``max_gap``; sorted by offset.
+
+    A merge that would make one request longer than ``max_length`` is not done (a single range
+    longer than that stays as it is).
 
     >>> coalesce([(0, 10), (12, 4), (100, 1)], max_gap=2)
     [(0, 16), (100, 1)]
@@ -26,9 +30,11 @@ def coalesce(ranges: Sequence[tuple[int, int]], max_gap: int) -> list[tuple[int,
     for off, length in sorted(r for r in ranges if r[1] > 0):
         if out and off <= out[-1][0] + out[-1][1] + max_gap:
             start = out[-1][0]
-            out[-1] = (start, max(out[-1][0] + out[-1][1], off + length) - start)
-        else:
-            out.append((off, length))
+            merged = max(out[-1][0] + out[-1][1], off + length) - start
+            if max_length is None or merged <= max_length or off + length <= start + out[-1][1]:
+                out[-1] = (start, merged)
+                continue
+        out.append((off, length))
     return out
 
 
@@ -79,10 +85,13 @@ class RegistryBlob:
                               f"outside the blob (got {len(data)} bytes)")
         return data
 
-    def read_ranges(self, ranges: Sequence[tuple[int, int]], *,
-                    max_gap: int = 64 << 10) -> list[bytes]:
-        """Read several ranges with as few requests as possible; results in input order."""
-        merged = coalesce(ranges, max_gap)
+    def read_ranges(self, ranges: Sequence[tuple[int, int]], *, max_gap: int = 64 << 10,
+                    max_length: int = 32 << 20) -> list[bytes]:
+        """Read several ranges with as few requests as possible; results in input order.
+
+        Ranges closer than ``max_gap`` share one request, up to ``max_length`` bytes each.
+        """
+        merged = coalesce(ranges, max_gap, max_length)
         fetched = [(off, self.read_at(off, length)) for off, length in merged]
         out: list[bytes] = []
         for off, length in ranges:

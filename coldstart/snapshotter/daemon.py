@@ -9,7 +9,9 @@ restarting this process never touches mounts. On restart it reopens the same SQL
 containerd's proxy client reconnects by itself. SIGTERM/SIGINT stop serving gracefully (in-flight
 RPCs get ``shutdown_grace`` seconds; every write is a committed transaction or none).
 
-:func:`make_mounter` is the one place that picks the :class:`LayerMounter` implementation.
+:func:`make_mounter` is the one place that picks the :class:`LayerMounter` implementation; it
+wraps the FUSE server's client so that a FUSE server found dead by a later call is started again
+(it restores its mounts) and the call retried once.
 
 Example::
 
@@ -27,12 +29,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 from coldstart.config import Config, dump
-from coldstart.errors import FailedPrecondition
+from coldstart.errors import (
+    ColdstartError,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    Unavailable,
+)
+from coldstart.snapshotter.layerspec import LayerSpec
 from coldstart.snapshotter.mounter import LayerMounter
 from coldstart.snapshotter.server import socket_answers, start_server
 from coldstart.snapshotter.service import SnapshotService
@@ -40,7 +49,14 @@ from coldstart.snapshotter.service_metrics import ServiceMetrics, serve_metrics
 from coldstart.snapshotter.snapshotter import Snapshotter
 from coldstart.snapshotter.store import Store
 
-__all__ = ["ensure_fuse_server", "make_mounter", "root_lock", "run", "spawn_fuse_server"]
+__all__ = [
+    "RespawningMounter",
+    "ensure_fuse_server",
+    "make_mounter",
+    "root_lock",
+    "run",
+    "spawn_fuse_server",
+]
 
 log = logging.getLogger("coldstart.snapshotter.daemon")
 
@@ -49,6 +65,10 @@ LOCK_FILE = "snapshotter.lock"
 FUSE_LOG = "fuse-server.log"
 FUSE_PID = "fuse-server.pid"
 FUSE_CONFIG = "fuse-server.toml"
+
+
+class FuseClient(LayerMounter, Protocol):
+    def ping(self) -> object: ...
 
 
 @contextlib.contextmanager
@@ -82,19 +102,26 @@ def spawn_fuse_server(cfg: Config) -> subprocess.Popen[bytes]:
     return proc
 
 
-def ensure_fuse_server(cfg: Config) -> bool:
-    """True when a FUSE server answers on ``cfg.fuse.socket`` (spawning one if allowed)."""
-    if socket_answers(cfg.fuse.socket):
+def ensure_fuse_server(cfg: Config, answers: Callable[[], bool] | None = None) -> bool:
+    """True when a FUSE server answers on ``cfg.fuse.socket`` (spawning one if allowed).
+
+    ``answers`` asks the server (default: something accepts connections on the socket)."""
+    answers = answers or (lambda: socket_answers(cfg.fuse.socket))
+    if answers():
         log.info("fuse-server answers on %s", cfg.fuse.socket)
         return True
     if not cfg.fuse.spawn:
         log.warning("no fuse-server on %s and fuse.spawn is off: layers are pulled normally "
                     "until one starts", cfg.fuse.socket)
         return False
+    if socket_answers(cfg.fuse.socket):
+        log.warning("a fuse-server listens on %s but does not answer; not starting another "
+                    "(layers are pulled normally until it does)", cfg.fuse.socket)
+        return False
     proc = spawn_fuse_server(cfg)
     deadline = time.monotonic() + cfg.fuse.start_timeout
     while time.monotonic() < deadline:
-        if socket_answers(cfg.fuse.socket):
+        if socket_answers(cfg.fuse.socket) and answers():
             return True
         if proc.poll() is not None:
             log.warning("fuse-server exited with status %s (see %s): layers are pulled "
@@ -107,6 +134,42 @@ def ensure_fuse_server(cfg: Config) -> bool:
     return False
 
 
+class RespawningMounter:
+    """The FUSE server's client; when the server is unreachable it is started again (it then
+    restores its persisted mounts) and the call is retried once."""
+
+    def __init__(self, cfg: Config, client: FuseClient) -> None:
+        self.cfg = cfg
+        self.client = client
+
+    def answers(self) -> bool:
+        try:
+            self.client.ping()
+        except ColdstartError:
+            return False
+        return True
+
+    def _retry(self, call: Callable[[], None]) -> None:
+        try:
+            call()
+        except Unavailable as exc:
+            if isinstance(exc, DeadlineExceeded) or not self.cfg.fuse.spawn:
+                raise
+            log.warning("fuse-server unreachable (%s): starting it again", exc)
+            if not ensure_fuse_server(self.cfg, self.answers):
+                raise
+            call()
+
+    def mount(self, mountpoint: str, spec: LayerSpec) -> None:
+        self._retry(lambda: self.client.mount(mountpoint, spec))
+
+    def check(self, mountpoint: str) -> None:
+        self._retry(lambda: self.client.check(mountpoint))
+
+    def unmount(self, mountpoint: str) -> None:
+        self._retry(lambda: self.client.unmount(mountpoint))
+
+
 def make_mounter(cfg: Config) -> LayerMounter | None:
     """The one wiring place of the LayerMounter: the FUSE server's client."""
     try:
@@ -114,16 +177,18 @@ def make_mounter(cfg: Config) -> LayerMounter | None:
     except ImportError as exc:
         log.warning("lazy pulling disabled: FUSE client unavailable (%s)", exc)
         return None
-    ensure_fuse_server(cfg)
-    mounter: LayerMounter = FuseServerClient(cfg.fuse.socket, cfg.fuse.request_timeout)
+    mounter = RespawningMounter(cfg, FuseServerClient(cfg.fuse.socket, cfg.fuse.request_timeout))
+    ensure_fuse_server(cfg, mounter.answers)
     return mounter
 
 
 def run(cfg: Config, *, ready: threading.Event | None = None,
         stop: threading.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or ``stop`` is set when given)."""
-    logging.basicConfig(level=cfg.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = logging.getLevelName(cfg.log_level.upper())
+    if not isinstance(level, int):
+        raise InvalidArgument(f"config: log_level {cfg.log_level!r} is not a logging level")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     root = str(Path(cfg.root).resolve())
     os.makedirs(root, exist_ok=True)
     stop = stop or threading.Event()

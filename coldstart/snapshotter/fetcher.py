@@ -299,7 +299,7 @@ class ChunkFetcher:
                 target.stats.record_error(msg)
                 if self.telemetry is not None:
                     self.telemetry.error(kind)
-                results.append((c, exc if isinstance(exc, ColdstartError)
+                results.append((c, type(exc)(msg) if isinstance(exc, ColdstartError)
                                 else Unavailable(msg)))
                 continue
             if c.digest and self.cache is not None:

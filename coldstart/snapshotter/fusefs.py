@@ -56,7 +56,7 @@ _TOP_ENTRY_TIMEOUT = 1.0
 _BLKSIZE = 128 << 10
 
 
-def mount_options(fsname: str = "coldstart") -> set[str]:
+def mount_options(fsname: str = "coldstart-lazy") -> set[str]:
     """pyfuse3 mount options: read-only, shared with every user, suid/dev allowed (images
     carry setuid binaries and device nodes), kernel permission checks."""
     return {f"fsname={fsname}", "subtype=coldstart", "ro", "default_permissions",
@@ -424,7 +424,7 @@ class FuseFS(pyfuse3.Operations):
 def set_read_ahead(mountpoint: str, read_ahead_kb: int) -> bool:
     """Set the FUSE mount's bdi ``read_ahead_kb`` (found via /proc/self/mountinfo, no stat:
     a stat of our own mount from the serving thread would deadlock)."""
-    target = os.path.realpath(mountpoint)
+    target = os.path.abspath(mountpoint)
     try:
         with open("/proc/self/mountinfo") as f:
             lines = f.read().splitlines()

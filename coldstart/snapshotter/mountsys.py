@@ -65,7 +65,7 @@ def mounted_paths() -> list[tuple[str, str]]:
 
 def is_mountpoint(path: str) -> bool:
     """Whether ``path`` is a mount point (read from mountinfo; the path is not touched)."""
-    target = os.path.realpath(path)
+    target = os.path.abspath(path)
     return any(p == target for p, _ in mounted_paths())
 
 

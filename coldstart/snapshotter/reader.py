@@ -7,7 +7,7 @@ read raises :class:`DeadlineExceeded` (the FUSE layer answers ``EIO``) instead o
 
 Round trips are what cost on a cold start, so:
 
-- a file whose chunks are small in total is fetched whole on its first read (one request);
+- a small file (``SMALL_FILE_BYTES``) is fetched whole on its first read (one request);
 - a file read sequentially gets its next chunks fetched ahead, in the background;
 - :meth:`LayerReader.prefetch` fetches the TOC's prefetch list in bulk after mounting.
 """
@@ -35,8 +35,8 @@ __all__ = ["LayerReader"]
 
 log = logging.getLogger(__name__)
 
-#: Files whose chunks add up to at most this many compressed bytes are fetched whole.
-SMALL_FILE_BYTES = 4 << 20
+#: Files of at most this many bytes are fetched whole on their first read (one request).
+SMALL_FILE_BYTES = 1 << 20
 #: Compressed bytes fetched ahead of a sequential reader.
 READAHEAD_BYTES = 8 << 20
 #: Bytes per background prefetch batch.
@@ -131,8 +131,7 @@ class LayerReader:
                 missing.append(i)
         if missing:
             want = [chunks[i] for i in missing]
-            total = sum(c.compressed_size for c in entry.chunks)
-            if total <= self.small_file_bytes and len(entry.chunks) > len(want):
+            if entry.size <= self.small_file_bytes and len(entry.chunks) > len(want):
                 extra = set(want)
                 want += [c for c in entry.chunks
                          if c not in extra and not self._is_cached(c)]

@@ -120,7 +120,7 @@ class Snapshotter:
         if spec is not None and self._target_exists(target, parent):
             raise AlreadyExists(f"target snapshot {target!r}: already exists")
         mounts = self._create(Kind.ACTIVE, key, parent, labels)
-        if spec is not None and self._mount_remote(key, target, labels, spec):
+        if spec is not None and self._mount_remote(key, parent, target, labels, spec):
             raise AlreadyExists(f"target snapshot {target!r}: already exists")
         return mounts
 
@@ -241,8 +241,9 @@ class Snapshotter:
         # same name on another parent chain: containerd would not adopt it, so pull normally
         return info.kind == Kind.COMMITTED and info.parent == parent
 
-    def _mount_remote(self, key: str, target: str, labels: Mapping[str, str],
+    def _mount_remote(self, key: str, parent: str, target: str, labels: Mapping[str, str],
                       spec: LayerSpec) -> bool:
+        """Mount and commit as ``target``; False: ``key`` stays a plain ACTIVE snapshot."""
         assert self.mounter is not None
         with self.store.transaction() as tx:
             sid = tx.get_info(key)[0]
@@ -260,10 +261,15 @@ class Snapshotter:
             with self.store.transaction(writable=True) as tx:
                 tx.commit_active(key, target, Usage(), committed, remote=True)
         except ColdstartError as exc:
-            log.warning("layer %s: commit as %s failed, pulling it instead: %s",
-                        spec.digest, target, exc)
             with contextlib.suppress(Exception):
                 self.mounter.unmount(fs)
+            if isinstance(exc, AlreadyExists) and self._target_exists(target, parent):
+                # another namespace committed the same layer meanwhile: containerd adopts it
+                self.remove(key)
+                log.info("layer %s: %s was committed concurrently", spec.digest, target)
+                return True
+            log.warning("layer %s: commit as %s failed, pulling it instead: %s",
+                        spec.digest, target, exc)
             self._on_remote("fallback")
             return False
         log.info("layer %s mounted lazily as snapshot %s", spec.digest, target)

@@ -31,7 +31,7 @@ from coldstart.errors import FormatError, InvalidArgument, NotFound
 from coldstart.weights.checkpoint import Checkpoint, Opener, ShardFile, read_header
 from coldstart.weights.dtypes import BITS, torch_dtype, torch_shape
 from coldstart.weights.header import TensorInfo
-from coldstart.weights.sources import Source
+from coldstart.weights.sources import LocalSource, Source
 
 if TYPE_CHECKING:
     import torch
@@ -41,9 +41,11 @@ __all__ = ["LoadStats", "Slice", "iter_load", "load", "tensor_parallel"]
 DEFAULT_CONCURRENCY = 16  # network sources: many requests in flight hide latency
 
 
-def local_concurrency() -> int:
-    """Threads for local files: a few per core (the copy and page faults are CPU work)."""
-    return max(2, min(16, 2 * (os.cpu_count() or 1)))
+def local_concurrency(mapped: bool) -> int:
+    """Threads for local files: reading into fresh memory is CPU work (page faults, copies), so
+    a few per core; populating a file map mostly waits on the disk, so more."""
+    cpus = os.cpu_count() or 1
+    return max(8, min(16, 4 * cpus)) if mapped else max(2, min(16, 2 * cpus))
 DEFAULT_CHUNK = 16 << 20
 DEFAULT_MAX_HOST = 512 << 20
 # Gaps up to this size between wanted ranges are read and dropped rather than cut into two reads.
@@ -116,6 +118,9 @@ class _Target:
     remaining: int
     dest: Any = None
     events: list[Any] = field(default_factory=list)
+    file: int = 0
+    # File offset when the tensor is one contiguous range: a mapped load can view it in place.
+    view_at: int | None = None
 
 
 @dataclass
@@ -165,7 +170,8 @@ def _plan(ckpt: Checkpoint, select: Select, chunk_bytes: int,
             else:
                 shape, runs = info.shape, [(0, info.nbytes)]
             nbytes = sum(r[1] for r in runs)
-            target = _Target(info.name, info, shape, nbytes, nbytes)
+            target = _Target(info.name, info, shape, nbytes, nbytes, file=fidx,
+                             view_at=base + runs[0][0] if len(runs) == 1 else None)
             targets.append(target)
             pos = 0
             for off, length in runs:
@@ -237,9 +243,15 @@ class _Staging:
         self._free.put((buf, event))
 
 
-def _finish(target: _Target, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
+def _finish(target: _Target, device: torch.device, dtype: torch.dtype | None,
+            mappings: list[Any] | None = None) -> torch.Tensor:
     import torch
 
+    if target.dest is None:
+        assert mappings is not None and target.view_at is not None
+        # A view of the private file map: no copy; the tensor keeps the map alive.
+        target.dest = torch.frombuffer(mappings[target.file], dtype=torch.uint8,
+                                       count=target.nbytes, offset=target.view_at)
     tdt = torch_dtype(target.info.dtype)
     assert tdt is not None
     if device.type == "cuda" and target.events:
@@ -265,6 +277,7 @@ def iter_load(
     max_host_bytes: int = DEFAULT_MAX_HOST,
     select: Select = None,
     direct: bool = False,
+    cpu_mode: str = "auto",
     timeout: float = 30.0,
     progress: Callable[[int], None] | None = None,
     stats: LoadStats | None = None,
@@ -275,21 +288,28 @@ def iter_load(
     either, as a local path, ``s3://bucket/key``, ``http(s)://...`` or ``oci://reg/repo@sha256:...``
     (or a :class:`Source`). ``dtype`` converts floating-point tensors (on the device).
     ``select``: names to load, or a function of :class:`TensorInfo` returning False (skip), True
-    (whole) or a :class:`Slice`. ``concurrency``: parallel reads (default: 2 per core for local
-    files, 16 for network sources). ``max_host_bytes`` bounds the pinned staging memory of a CUDA
-    load (CPU loads read straight into the result and stage nothing). ``progress`` is called with
-    the byte count of each completed read.
+    (whole) or a :class:`Slice`. ``concurrency``: parallel reads (default: local files 2 threads
+    per core when reading, 4 per core (8 to 16) when mapping; network sources 16).
+    ``max_host_bytes`` bounds the pinned staging memory of a CUDA load (CPU loads put the bytes
+    straight into the result and stage nothing). ``progress`` is called with the byte count of
+    each completed read.
+
+    ``cpu_mode`` (CPU loads of local files): ``"mmap"`` maps each file copy-on-write, brings it
+    into memory with parallel ``MADV_POPULATE_READ`` and returns views of the page cache (no
+    copy, no zero-filled pages, memory shared with other processes loading the same file;
+    tensors whose offset is misaligned for their dtype, or slices along dim > 0, are copied).
+    Like ``safetensors``' own mmap, the tensors change if the file is rewritten in place.
+    ``"read"`` reads with ``preadv`` into freshly allocated tensors (private memory).
+    ``"auto"`` (default) is ``"mmap"`` for local files without ``direct``, ``"read"`` otherwise.
 
     >>> for name, tensor in iter_load("model.safetensors", device="cpu"):  # doctest: +SKIP
     ...     model.get_parameter(name).data = tensor
     """
     import torch
 
-    if concurrency is None:
-        local = isinstance(source, os.PathLike) or (
-            isinstance(source, str) and ("://" not in source or source.startswith("file://")))
-        concurrency = local_concurrency() if local else DEFAULT_CONCURRENCY
-    if concurrency < 1 or chunk_bytes < 4096 or max_host_bytes < 1:
+    if cpu_mode not in ("auto", "mmap", "read"):
+        raise InvalidArgument(f"cpu_mode must be auto, mmap or read, not {cpu_mode!r}")
+    if (concurrency is not None and concurrency < 1) or chunk_bytes < 4096 or max_host_bytes < 1:
         raise InvalidArgument("concurrency must be >= 1, chunk_bytes >= 4096, "
                               "max_host_bytes >= 1")
     dev = torch.device(device)
@@ -303,7 +323,8 @@ def iter_load(
     st = stats if stats is not None else LoadStats()
     started = time.perf_counter()
 
-    opener = Opener(concurrency=concurrency, timeout=timeout, direct=direct)
+    opener = Opener(concurrency=concurrency or DEFAULT_CONCURRENCY, timeout=timeout,
+                    direct=direct)
     try:
         if isinstance(source, Source):
             ckpt = Checkpoint(source.name, [ShardFile(source, read_header(source))], {})
@@ -318,16 +339,38 @@ def iter_load(
             st.files, st.tensors = len(ckpt.files), len(targets)
             st.total_bytes = sum(r.length for r in reads)
             direct_on = any(getattr(f.source, "direct", False) for f in ckpt.files)
-            st.path = ("cuda: pinned staging + async H2D" if cuda else
-                       "cpu: read straight into tensors") + (" (O_DIRECT)" if direct_on else "")
+            local = all(isinstance(f.source, LocalSource) for f in ckpt.files)
+            mappable = not cuda and local and not any(
+                getattr(f.source, "direct", False) for f in ckpt.files)
+            if cpu_mode == "mmap" and not mappable:
+                raise InvalidArgument("cpu_mode mmap needs local files, device cpu and no "
+                                      "O_DIRECT")
+            mappings: list[Any] | None = None
+            if mappable and cpu_mode != "read":
+                mappings = [f.source.mapping() for f in ckpt.files  # type: ignore[attr-defined]
+                            ] if reads else []
+            if concurrency is None:
+                concurrency = (local_concurrency(mappings is not None) if local
+                               else DEFAULT_CONCURRENCY)
+            if cuda:
+                st.path = "cuda: pinned staging + async H2D"
+            elif mappings is not None:
+                st.path = "cpu: mmap + parallel populate (page cache views)"
+            else:
+                st.path = "cpu: preadv straight into tensors"
+            st.path += " (O_DIRECT)" if direct_on else ""
             for t in targets:
+                itemsize = torch_dtype(t.info.dtype).itemsize  # type: ignore[union-attr]
+                if (mappings is not None and t.nbytes and t.view_at is not None
+                        and t.view_at % itemsize == 0):
+                    continue  # viewed in place once populated
                 t.dest = torch.empty(t.nbytes, dtype=torch.uint8, device=dev)
             ready = [t for t in targets if t.remaining == 0]
             for t in ready:
-                yield t.name, _finish(t, dev, dtype)
+                yield t.name, _finish(t, dev, dtype, mappings)
             if reads:
                 yield from _run(ckpt, reads, dev, dtype, concurrency, chunk_bytes,
-                                max_host_bytes, progress, st)
+                                max_host_bytes, progress, st, mappings)
             if cuda:
                 torch.cuda.current_stream(dev).synchronize()
         finally:
@@ -340,6 +383,7 @@ def iter_load(
 def _run(ckpt: Checkpoint, reads: list[_Read], dev: torch.device, dtype: torch.dtype | None,
          concurrency: int, chunk_bytes: int, max_host_bytes: int,
          progress: Callable[[int], None] | None, st: LoadStats,
+         mappings: list[Any] | None = None,
          ) -> Iterator[tuple[str, torch.Tensor]]:
     import torch
 
@@ -360,7 +404,17 @@ def _run(ckpt: Checkpoint, reads: list[_Read], dev: torch.device, dtype: torch.d
             src = ckpt.files[r.file].source
             finished: list[_Target] = []
             event: Any = None
-            if staging is None:
+            if mappings is not None:
+                assert isinstance(src, LocalSource)
+                src.populate(r.offset, r.length)
+                pos = r.offset
+                with memoryview(mappings[r.file]) as mview:
+                    for length, target, tpos in r.parts:
+                        if target is not None and target.dest is not None:
+                            arr = target.dest.numpy()
+                            memoryview(arr)[tpos : tpos + length] = mview[pos : pos + length]
+                        pos += length
+            elif staging is None:
                 scratch = None
                 views: list[memoryview] = []
                 for length, target, tpos in r.parts:
@@ -415,7 +469,7 @@ def _run(ckpt: Checkpoint, reads: list[_Read], dev: torch.device, dtype: torch.d
             if error is not None:
                 raise error
             for t in finished:
-                yield t.name, _finish(t, dev, dtype)
+                yield t.name, _finish(t, dev, dtype, mappings)
     finally:
         cancelled.set()
         for f in futures:
@@ -433,6 +487,7 @@ def load(
     max_host_bytes: int = DEFAULT_MAX_HOST,
     select: Select = None,
     direct: bool = False,
+    cpu_mode: str = "auto",
     timeout: float = 30.0,
     progress: Callable[[int], None] | None = None,
     stats: LoadStats | None = None,
@@ -446,5 +501,6 @@ def load(
     """
     out = dict(iter_load(source, device, dtype, concurrency=concurrency,
                          chunk_bytes=chunk_bytes, max_host_bytes=max_host_bytes, select=select,
-                         direct=direct, timeout=timeout, progress=progress, stats=stats))
+                         direct=direct, cpu_mode=cpu_mode, timeout=timeout,
+                         progress=progress, stats=stats))
     return out

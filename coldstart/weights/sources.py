@@ -10,6 +10,7 @@ Third-party errors are mapped here, once, to :mod:`coldstart.errors`.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import threading
@@ -37,6 +38,7 @@ __all__ = [
 _IOV_MAX = 1024
 _NET_PIECE = 1 << 20
 _ALIGN = 4096
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
 
 
 @runtime_checkable
@@ -105,6 +107,12 @@ class LocalSource:
         except OSError as exc:
             raise Unavailable(f"{self.name}: cannot open: {exc.strerror}") from exc
         self._size = os.fstat(self._fd).st_size
+        # One descriptor per reading thread: the kernel keeps read-ahead state per open file,
+        # and threads reading different regions through one descriptor spoil each other's.
+        self._local = threading.local()
+        self._fds: list[int] = []
+        self._map: mmap.mmap | None = None
+        self._map_lock = threading.Lock()
         self._direct_fd: int | None = None
         if direct and hasattr(os, "O_DIRECT"):
             try:
@@ -124,16 +132,47 @@ class LocalSource:
     def size(self) -> int:
         return self._size
 
+    def mapping(self) -> mmap.mmap:
+        """A private (copy-on-write) map of the whole file, made once.
+
+        Tensors viewing it share the page cache until written; they keep the map alive after
+        :meth:`close`. Changing the file in place while they live changes them (truncating it
+        makes them fault), as with ``safetensors``' own mmap loading.
+        """
+        with self._map_lock:
+            if self._map is None:
+                try:
+                    self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
+                except (OSError, ValueError) as exc:
+                    raise Unavailable(f"{self.name}: cannot map: {exc}") from exc
+            return self._map
+
+    def populate(self, offset: int, length: int) -> None:
+        """Bring ``[offset, offset+length)`` of the map into memory now (in this thread)."""
+        m = self.mapping()
+        start = offset - offset % mmap.PAGESIZE
+        try:
+            m.madvise(_MADV_POPULATE_READ, start, offset + length - start)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.ENOSYS):
+                raise Unavailable(f"{self.name}: reading at {offset} failed: {exc}") from exc
+        # Kernels before 5.14: ask for read-ahead, then touch a byte of every page.
+        m.madvise(mmap.MADV_WILLNEED, start, offset + length - start)
+        with memoryview(m) as view:
+            sum(view[offset : offset + length : mmap.PAGESIZE])
+
     def read_into(self, offset: int, buffers: Sequence[memoryview]) -> None:
         if self._direct_fd is not None:
             self._read_direct(offset, buffers)
             return
         pending = [_bytes_view(b) for b in buffers if b.nbytes]
         pos = offset
+        fd = self._thread_fd()
         while pending:
             batch = pending[:_IOV_MAX]
             try:
-                got = os.preadv(self._fd, batch, pos)
+                got = os.preadv(fd, batch, pos)
             except OSError as exc:
                 raise Unavailable(f"{self.name}: read at {pos} failed: {exc.strerror}") from exc
             if got == 0:
@@ -148,6 +187,23 @@ class LocalSource:
                 else:
                     pending[0] = first[got:]
                     got = 0
+
+    def _thread_fd(self) -> int:
+        fd: int | None = getattr(self._local, "fd", None)
+        if fd is None:
+            try:
+                fd = os.open(self.name, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                fd = self._fd  # e.g. out of descriptors: share the first one
+            else:
+                with self._map_lock:
+                    self._fds.append(fd)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                except OSError:
+                    pass
+            self._local.fd = fd
+        return fd
 
     def _read_direct(self, offset: int, buffers: Sequence[memoryview]) -> None:
         assert self._direct_fd is not None
@@ -175,7 +231,10 @@ class LocalSource:
             bounce.close()
 
     def close(self) -> None:
-        for fd in (self._fd, self._direct_fd):
+        self._map = None  # tensors still viewing it keep it alive; the last one unmaps it
+        with self._map_lock:
+            extra, self._fds = self._fds, []
+        for fd in (self._fd, self._direct_fd, *extra):
             if fd is not None:
                 try:
                     os.close(fd)

@@ -9,8 +9,8 @@ file, a sparse-ish zero file) and a second layer with a whiteout and an opaque d
 from __future__ import annotations
 
 import hashlib
+import json
 import os
-import re
 import stat
 import subprocess
 import sys
@@ -99,12 +99,17 @@ def _layer_trees(ctrd: Containerd, client: RegistryClient, ref: str,
     resolved = client.resolve(Reference.parse(ref))
     config = ImageConfig.parse(client.get_blob(resolved.ref, resolved.manifest.config.digest))
     top = _chain_ids(config.diff_ids)[-1]
-    ctrd.ctr("snapshots", "view", key, top)
+    # one call: a view without a lease may be garbage-collected right after it is made
+    # (the committed layer snapshots it points at are held by the image)
+    out = ctrd.ctr("snapshots", "view", "--mounts", key, top).stdout
     try:
-        out = ctrd.ctr("snapshots", "mounts", "/unused", key).stdout
-        match = re.search(r"lowerdir=([^, ]+)", out)
-        assert match is not None, out
-        return [_tree(Path(d)) for d in match.group(1).split(":")]
+        mounts = json.loads(out)
+        options = [o for m in mounts for o in (m.get("Options") or m.get("options") or [])]
+        lower = [o.removeprefix("lowerdir=") for o in options if o.startswith("lowerdir=")]
+        assert len(lower) == 1, out
+        dirs = [Path(d) for d in lower[0].split(":")]
+        assert len(dirs) == len(config.diff_ids) and all(d.is_dir() for d in dirs), out
+        return [_tree(d) for d in dirs]
     finally:
         ctrd.ctr("snapshots", "rm", key, check=False)
 
@@ -158,7 +163,8 @@ def test_converted_images_run_and_match(registry: Registry, ctrd: Containerd,
 
     # layer by layer too: the whiteout is a 0:0 character device, the opaque directory
     # carries trusted.overlay.opaque, exactly as containerd unpacks the unconverted layer
-    upper = layers["plain"][0]
+    upper, lower = layers["plain"]
+    assert "/bin/busybox" in lower and "/keep/gone.txt" in lower
     assert upper["/keep/gone.txt"][0] == stat.S_IFCHR and upper["/keep/gone.txt"][5] == "0:0"
     opaque = upper["/keep/old"][6]
     assert isinstance(opaque, tuple) and ("trusted.overlay.opaque", b"y") in opaque

@@ -147,6 +147,14 @@ def test_registry_index_to_registry(registry: Registry, tmp_path: Path) -> None:
             opened = open_layer(blob, annotations=top.annotations)
             assert opened.read_file("data/new.txt") == b"new in layer 2\n" * 100
 
+        # skopeo (containers/image) accepts the converted index and every blob in it
+        out = subprocess.run(["skopeo", "--insecure-policy", "copy", "--all",
+                              "--src-tls-verify=false", f"docker://{dst_text}",
+                              f"oci:{tmp_path / 'skopeo'}:v1"],
+                             capture_output=True, text=True, timeout=120, check=False)
+        assert out.returncode == 0, out.stderr
+        assert OciLayout(tmp_path / "skopeo").resolve("v1").digest == summary.digest
+
         # only one platform, into a layout
         one = convert_image(str(src), f"oci:{tmp_path / 'arm'}:arm", client=client,
                             platforms=["linux/arm64"])
@@ -253,3 +261,33 @@ def test_bad_inputs(tmp_path: Path) -> None:
     with pytest.raises(IntegrityError):
         convert_image(f"oci:{tmp_path / 'src'}:v1", f"oci:{tmp_path / 'o2'}:v1")
     assert OciLayout(tmp_path / "o2").index().manifests == ()
+
+
+def test_plain_tar_and_zstd_sources(tmp_path: Path) -> None:
+    """Uncompressed and (non-seekable) zstd source layers convert too; diff_ids still checked."""
+    tars = [TarBuilder().file("plain.txt", b"plain\n" * 1000).bytes(),
+            TarBuilder().dir("z").file("z/zstd.txt", b"zstd\n" * 1000).bytes()]
+    blobs = [tars[0], zstandard.ZstdCompressor().compress(tars[1])]
+    types = ["application/vnd.oci.image.layer.v1.tar", OCI_LAYER_ZSTD]
+    config = canonical_json({"architecture": "amd64", "os": "linux",
+                             "rootfs": {"type": "layers",
+                                        "diff_ids": [digest_of(t) for t in tars]}})
+    layout = OciLayout.create(tmp_path / "src")
+    for b in [*blobs, config]:
+        layout.put_blob(b, "x")
+    manifest = canonical_json({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                   "digest": digest_of(config), "size": len(config)},
+        "layers": [{"mediaType": t, "digest": digest_of(b), "size": len(b)}
+                   for t, b in zip(types, blobs, strict=True)]})
+    layout.add_manifest(layout.put_blob(manifest, "application/vnd.oci.image.manifest.v1+json"),
+                        "v1")
+    summary = convert_image(f"oci:{tmp_path / 'src'}:v1", f"oci:{tmp_path / 'dst'}:v1",
+                            format="estargz")
+    assert summary.layers_converted == 2
+    dst = OciLayout(tmp_path / "dst")
+    out = parse_manifest(dst.read_blob(summary.digest))
+    for desc, original in zip(out.layers, tars, strict=True):
+        assert desc.media_type == OCI_LAYER_GZIP
+        assert _entries(_untar(dst.read_blob(desc.digest))) == _entries(original)

@@ -61,8 +61,10 @@ class SourceTree:
     files: dict[str, bytes]      # regular files' content by path
 
 
-def metadata_tar(big_size: int = 5 << 20) -> SourceTree:
-    """A layer with every entry type, odd modes and owners, xattrs, whiteouts, a big file."""
+def metadata_tar(big_size: int = 5 << 20, seed: int = 0) -> SourceTree:
+    """A layer with every entry type, odd modes and owners, xattrs, whiteouts, a big file.
+
+    Different ``seed``s share no chunk (the cache dedups identical chunks across layers)."""
     files: dict[str, bytes] = {}
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
@@ -77,19 +79,21 @@ def metadata_tar(big_size: int = 5 << 20) -> SourceTree:
             else:
                 tf.addfile(ti)
         add(_info("etc", tarfile.DIRTYPE, 0o755))
-        add(_info("etc/os-release", tarfile.REGTYPE, 0o644), b"NAME=coldstart\n")
-        add(_info("etc/shadow", tarfile.REGTYPE, 0o640, gid=42), b"root:*:1:0:::::\n")
+        add(_info("etc/os-release", tarfile.REGTYPE, 0o644), b"NAME=coldstart %d\n" % seed)
+        add(_info("etc/shadow", tarfile.REGTYPE, 0o640, gid=42), b"root:*:%d:0:::::\n" % seed)
         add(_info("usr", tarfile.DIRTYPE, 0o755))
         add(_info("usr/bin", tarfile.DIRTYPE, 0o755))
-        add(_info("usr/bin/sudo", tarfile.REGTYPE, 0o4755), realistic_bytes(70_000, 1))
+        add(_info("usr/bin/sudo", tarfile.REGTYPE, 0o4755),
+            realistic_bytes(70_000, 1 + 1000 * seed))
         add(_info("usr/bin/tool", tarfile.REGTYPE, 0o755, uid=1000, gid=1001),
-            realistic_bytes(3000, 2), xattrs={"user.origin": "test",
+            realistic_bytes(3000, 2 + 1000 * seed), xattrs={"user.origin": "test",
                                               "security.capability": "caps"})
         add(_info("usr/bin/tool-link", tarfile.LNKTYPE, 0o755, uid=1000, gid=1001,
                   linkname="usr/bin/tool"))
         add(_info("usr/bin/python", tarfile.SYMTYPE, 0o777, linkname="python3.11"))
         add(_info("usr/lib", tarfile.DIRTYPE, 0o755))
-        add(_info("usr/lib/big.so", tarfile.REGTYPE, 0o644), realistic_bytes(big_size, 3))
+        add(_info("usr/lib/big.so", tarfile.REGTYPE, 0o644),
+            realistic_bytes(big_size, 3 + 1000 * seed))
         add(_info("usr/lib/empty", tarfile.REGTYPE, 0o644), b"")
         add(_info("usr/lib/zeros", tarfile.REGTYPE, 0o644), bytes(300_000))
         add(_info("dev", tarfile.DIRTYPE, 0o755))
@@ -104,11 +108,11 @@ def metadata_tar(big_size: int = 5 << 20) -> SourceTree:
         add(_info("var", tarfile.DIRTYPE, 0o755))
         add(_info("var/cache", tarfile.DIRTYPE, 0o755))
         add(_info("var/cache/.wh..wh..opq", tarfile.REGTYPE, 0o644), b"")
-        add(_info("var/cache/fresh", tarfile.REGTYPE, 0o644), b"fresh\n")
+        add(_info("var/cache/fresh", tarfile.REGTYPE, 0o644), b"fresh %d\n" % seed)
         add(_info("var/.wh.old", tarfile.REGTYPE, 0o644), b"")
         for i in range(30):
             add(_info(f"usr/share/doc/f{i:03d}.txt", tarfile.REGTYPE, 0o644),
-                realistic_bytes(100 + 997 * i, 100 + i))
+                realistic_bytes(100 + 997 * i, 100 + i + 1000 * seed))
     files.pop("var/cache/.wh..wh..opq")
     files.pop("var/.wh.old")
     return SourceTree(buf.getvalue(), files)
@@ -123,7 +127,7 @@ def convert(tar: bytes, fmt: str, chunk_size: int = 64 << 10,
 
 
 def push_layer(host: str, repo: str, blob: bytes, result: LayerResult, *,
-               with_annotations: bool = True) -> LayerSpec:
+               with_annotations: bool = True, pull_host: str | None = None) -> LayerSpec:
     """Push ``blob`` and a manifest naming it; a spec (annotations optional: the server then
     finds them in the manifest)."""
     ref = Reference.parse(f"{host}/{repo}:v1")
@@ -137,7 +141,7 @@ def push_layer(host: str, repo: str, blob: bytes, result: LayerResult, *,
             [Descriptor(media_type=result.media_type, digest=result.digest, size=result.size,
                         annotations=dict(result.annotations))])
         mdigest = client.push_manifest(ref, manifest.to_bytes(), manifest.media_type)
-    return LayerSpec(reference=f"{host}/{repo}:v1", digest=result.digest, size=result.size,
+    return LayerSpec(reference=f"{pull_host or host}/{repo}:v1", digest=result.digest, size=result.size,
                      media_type=result.media_type, manifest_digest=mdigest,
                      annotations=dict(result.annotations) if with_annotations else {})
 

@@ -2,25 +2,27 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import threading
-from http.server import BaseHTTPRequestHandler
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 
-from coldstart.errors import IntegrityError, InvalidArgument, NotFound
+from coldstart.errors import IntegrityError, InvalidArgument, NotFound, Unavailable
 from coldstart.oci.layout import OciLayout
 from coldstart.oci.manifest import OCI_INDEX, OCI_MANIFEST, Platform, digest_of
 from coldstart.oci.reference import Reference
-from coldstart.oci.registry import RegistryClient
+from coldstart.oci.registry import AuthError, RegistryClient
 from coldstart.remote import RegistryBlob
-from tests.fixtures.registry import Registry, faulty_proxy
+from tests.fixtures.registry import AuthRegistry, Registry, TLSRegistry, faulty_proxy
 from tests.integration.oci.oci_testimages import (
     base_layer,
     build_image,
@@ -238,3 +240,55 @@ def test_skopeo_interop(registry: Registry, client: RegistryClient, tmp_path: Pa
     assert [layer["digest"] for layer in manifest["layers"]] == \
         [d.digest for d in image.descriptors()]
     assert back.read_blob(manifest["config"]["digest"]) == image.config
+
+
+def test_basic_auth_registry(auth_registry: AuthRegistry, tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    secret = f"{auth_registry.username}:{auth_registry.password}".encode()
+    config.write_text(json.dumps({"auths": {auth_registry.host: {
+        "auth": base64.b64encode(secret).decode()}}}))
+    ref = Reference.parse(f"{auth_registry.host}/private/app:v1")
+    image = build_image([upper_layer()])
+    with RegistryClient(docker_config=config, timeout=20) as client:
+        digest = push_image(client, ref, image)
+        assert client.resolve(ref).digest == digest
+        assert client.read_blob_range(ref, image.descriptors()[0].digest, 0, 2) == b"\x1f\x8b"
+    with RegistryClient(docker_config=tmp_path / "none.json", timeout=20) as client, \
+            pytest.raises(AuthError, match="no credentials"):
+        client.get_manifest(ref)
+    with RegistryClient(credentials={auth_registry.host: ("coldstart", "wrong")},
+                        docker_config=tmp_path / "none.json", timeout=20) as client, \
+            pytest.raises(AuthError, match="'coldstart'"):
+        client.get_manifest(ref)
+    # skopeo reads what we pushed with the same credentials
+    out = _skopeo("inspect", "--tls-verify=false", "--raw",
+                  "--creds", f"{auth_registry.username}:{auth_registry.password}",
+                  f"docker://{ref}")
+    assert out.returncode == 0, out.stderr
+    assert digest_of(out.stdout.encode()) == digest
+
+
+def test_tls_registry_with_hosts_toml(tls_registry: TLSRegistry, tmp_path: Path) -> None:
+    certs = tmp_path / "certs.d"
+    (certs / tls_registry.host).mkdir(parents=True)
+    hosts = certs / tls_registry.host / "hosts.toml"
+    ref = Reference.parse(f"{tls_registry.host}/tls/app:v1")
+    image = build_image([upper_layer()])
+
+    # the CA named in hosts.toml (relative to the file) is trusted
+    shutil.copy(tls_registry.ca, hosts.parent / "ca.pem")
+    hosts.write_text(f'server = "https://{tls_registry.host}"\nca = "ca.pem"\n')
+    with RegistryClient(hosts_dir=certs, timeout=20) as client:
+        digest = push_image(client, ref, image)
+        assert client.resolve(ref).digest == digest
+
+    # without it the certificate is refused at once, with a hint
+    hosts.write_text(f'server = "https://{tls_registry.host}"\n')
+    with RegistryClient(hosts_dir=certs, timeout=20, retries=3) as client, \
+            pytest.raises(Unavailable, match="TLS verification"):
+        client.get_manifest(ref)
+
+    # skip_verify trusts anything
+    hosts.write_text(f'server = "https://{tls_registry.host}"\nskip_verify = true\n')
+    with RegistryClient(hosts_dir=certs, timeout=20) as client:
+        assert client.get_manifest(ref)[2] == digest

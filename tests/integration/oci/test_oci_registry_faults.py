@@ -117,7 +117,9 @@ def test_retries_then_unavailable() -> None:
 
     def handler(h: BaseHTTPRequestHandler) -> None:
         calls["n"] += 1
-        if calls["n"] <= 2:
+        if calls["n"] == 1:
+            reply(h, 429, b"slow down", {"Retry-After": "0"})
+        elif calls["n"] == 2:
             reply(h, 500, b"oops")
         else:
             _serve_blob(h)
@@ -251,3 +253,13 @@ def test_download_resumes_after_connection_loss() -> None:
             RegistryClient(timeout=10, retries=2, backoff=0.01) as client:
         assert client.get_blob(Reference.parse(f"{srv.host}/app:v1"), DIGEST) == BLOB
         assert [s.headers.get("Range") for s in srv.seen] == [None, "bytes=40000-"]
+
+
+def test_range_reads_reuse_one_connection() -> None:
+    with scripted_server(_serve_blob) as srv, RegistryClient(timeout=10) as client:
+        ref = Reference.parse(f"{srv.host}/app:v1")
+        for i in range(6):
+            assert client.read_blob_range(ref, DIGEST, i * 1000, 100) == \
+                BLOB[i * 1000:i * 1000 + 100]
+        # every 206 body is read to its end, so the pooled connection is reused
+        assert len({s.peer for s in srv.seen}) == 1

@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--service", default=None)
     p.add_argument("--target", default=None)
     p.add_argument("--sigterm-file", default=None)
+    p.add_argument("--usr1-file", default=None, help="write 'usr1' here on SIGUSR1")
     args = p.parse_args()
 
     started = time.monotonic()
@@ -81,12 +82,20 @@ def main() -> None:
 
                 client = redis.Redis.from_url(args.redis, socket_timeout=2)
                 raw = client.hget(f"coldstart:{{{args.service}}}:state", args.target)
-                seen = raw.decode() if raw else "absent"
+                seen = raw.decode() if isinstance(raw, bytes) else "absent"
             with open(args.sigterm_file, "w") as f:
                 f.write(seen)
         sys.exit(args.exit_code)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    if args.usr1_file:
+        usr1_file = args.usr1_file
+
+        def on_usr1(*_: Any) -> None:
+            with open(usr1_file, "w") as f:
+                f.write("usr1")
+
+        signal.signal(signal.SIGUSR1, on_usr1)
     server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -28,7 +28,7 @@ class Watcher:
 
     def __init__(self, url: str, service: str) -> None:
         self.client = redis.Redis.from_url(url, socket_timeout=5)
-        self.pubsub = self.client.pubsub()
+        self.pubsub = self.client.pubsub()  # type: ignore[no-untyped-call]
         self.pubsub.subscribe(channel(service))
         assert self.pubsub.get_message(timeout=5)  # the subscribe confirmation
         self.docs: list[tuple[float, dict[str, Any]]] = []

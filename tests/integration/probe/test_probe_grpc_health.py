@@ -115,7 +115,8 @@ def test_without_watch_it_polls_check(check_only_server: tuple[dict[str, int], i
         task = asyncio.create_task(prober.run(signals=False))
         await until(lambda: check.watch_unsupported)
         await asyncio.sleep(0.05)
-        assert prober.status.state is State.STARTING
+        before = prober.status
+        assert before.state is State.STARTING  # polling Check: NOT_SERVING is not ready
         status["value"] = SERVING
         await until(lambda: prober.status.state is State.READY)
         prober.request_drain()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 import urllib.request
@@ -103,8 +105,8 @@ def test_pick_skips_a_degraded_target(redis_server: str, tmp_path: Path) -> None
 def test_wrapper_with_sd_notify_only(redis_server: str, tmp_path: Path) -> None:
     service, target = fresh()
     watcher = Watcher(redis_server, service)
-    args = ["--service", service, "--advertise", target, "--sink", redis_server, "--", sys.executable,
-            APP, "--load", "0.4", "--notify", "--stop-self-after", "0.5"]
+    args = ["--service", service, "--advertise", target, "--sink", redis_server,
+            "--", sys.executable, APP, "--load", "0.4", "--notify", "--stop-self-after", "0.5"]
     try:
         with coldstart_probe(args, tmp_path / "probe.log") as proc:
             loading = watcher.wait_for(target, "LOADING")
@@ -179,3 +181,25 @@ def test_sidecar_kubelet_endpoint(tmp_path: Path) -> None:
             sigterm(proc)
             # the app keeps answering (it is not the sidecar's to stop): STOPPED after grace
             assert proc.wait(60) == 0
+
+
+def test_wrapper_forwards_signals_and_sigint_drains(tmp_path: Path) -> None:
+    port = free_port()
+    usr1 = tmp_path / "usr1"
+    args = ["--target", f"http://127.0.0.1:{port}/health", "--", sys.executable, APP,
+            "--port", str(port), "--load", "0", "--usr1-file", str(usr1), "--exit-code", "5",
+            "--sigterm-file", str(tmp_path / "term")]
+    with coldstart_probe(args, tmp_path / "probe.log") as proc:
+        wait_for(tcp_open(port), timeout=20, what="app", proc=proc)
+        wait_for(lambda: usr1.exists() or _kill(proc.pid, signal.SIGUSR1), timeout=20,
+                 what="SIGUSR1 forwarded")
+        assert usr1.read_text() == "usr1"
+        os.kill(proc.pid, signal.SIGINT)  # Ctrl-C drains like SIGTERM
+        assert proc.wait(20) == 5
+    assert (tmp_path / "term").exists()
+
+
+def _kill(pid: int, sig: int) -> bool:
+    os.kill(pid, sig)
+    time.sleep(0.1)
+    return False

@@ -411,29 +411,34 @@ def walk_tree(root: Path) -> dict[str, Node]:
 
 @contextlib.contextmanager
 def mounted_view(client: Containerd, snapshotter: str, parent: str) -> Iterator[Path]:
-    """A read-only VIEW of committed snapshot ``parent`` made through containerd, mounted."""
+    """A read-only VIEW of committed snapshot ``parent`` made through containerd, mounted.
+
+    The view lives under a lease, so containerd's GC leaves it alone until we are done."""
     key = f"view-{os.urandom(4).hex()}"
-    mounts = client.view_snapshot(snapshotter, key, parent)
-    target = Path(tempfile.mkdtemp(prefix="cs-view-", dir="/tmp"))
-    done: list[Path] = []
-    try:
-        for m in mounts:
-            where = target / m.target.lstrip("/") if m.target else target
-            if m.type == "bind":
-                argv = ["mount", "-o", ",".join(m.options or ("bind",)), m.source, str(where)]
-            else:
-                argv = ["mount", "-t", m.type, "-o", ",".join(m.options), m.source, str(where)]
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-            if proc.returncode != 0:
-                raise AssertionError(f"{' '.join(argv)}: {proc.stderr}")
-            done.append(where)
-        yield target
-    finally:
-        for where in reversed(done):
-            subprocess.run(["umount", str(where)], check=False, capture_output=True)
-        with contextlib.suppress(OSError):
-            target.rmdir()
-        client.remove_snapshot(snapshotter, key)
+    with client.lease():
+        mounts = client.view_snapshot(snapshotter, key, parent)
+        target = Path(tempfile.mkdtemp(prefix="cs-view-", dir="/tmp"))
+        done: list[Path] = []
+        try:
+            for m in mounts:
+                where = target / m.target.lstrip("/") if m.target else target
+                if m.type == "bind":
+                    argv = ["mount", "-o", ",".join(m.options or ("bind",)), m.source,
+                            str(where)]
+                else:
+                    argv = ["mount", "-t", m.type, "-o", ",".join(m.options), m.source,
+                            str(where)]
+                proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+                if proc.returncode != 0:
+                    raise AssertionError(f"{' '.join(argv)}: {proc.stderr}")
+                done.append(where)
+            yield target
+        finally:
+            for where in reversed(done):
+                subprocess.run(["umount", str(where)], check=False, capture_output=True)
+            with contextlib.suppress(OSError):
+                target.rmdir()
+            client.remove_snapshot(snapshotter, key)
 
 
 # -- the image the e2e tests use ---------------------------------------------------------------

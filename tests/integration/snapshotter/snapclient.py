@@ -25,7 +25,7 @@ class SnapClient:
     def __init__(self, address: str, snapshotter: str, namespace: str | None,
                  lease: str | None = None) -> None:
         self.channel = grpc.insecure_channel(f"unix:{address}")
-        self.stub = pb_grpc.SnapshotsStub(self.channel)
+        self.stub = pb_grpc.SnapshotsStub(self.channel)  # type: ignore[no-untyped-call]
         self.snapshotter = snapshotter
         self.md = [("containerd-namespace", namespace)] if namespace else []
         if lease:  # protects what the test creates from containerd's garbage collector
@@ -59,8 +59,9 @@ class SnapClient:
         self._call("Remove", pb.RemoveSnapshotRequest(snapshotter=self.snapshotter, key=key))
 
     def stat(self, key: str) -> pb.Info:
-        return self._call("Stat", pb.StatSnapshotRequest(snapshotter=self.snapshotter,
-                                                         key=key)).info
+        info: pb.Info = self._call("Stat", pb.StatSnapshotRequest(
+            snapshotter=self.snapshotter, key=key)).info
+        return info
 
     def update(self, name: str, labels: dict[str, str],
                paths: Sequence[str] | None = None) -> pb.Info:
@@ -68,7 +69,8 @@ class SnapClient:
                                        info=pb.Info(name=name, labels=labels))
         if paths is not None:
             req.update_mask.CopyFrom(field_mask_pb2.FieldMask(paths=list(paths)))
-        return self._call("Update", req).info
+        info: pb.Info = self._call("Update", req).info
+        return info
 
     def list(self, *filters: str) -> list[pb.Info]:
         out: list[pb.Info] = []
@@ -79,7 +81,9 @@ class SnapClient:
         return out
 
     def usage(self, key: str) -> pb.UsageResponse:
-        return self._call("Usage", pb.UsageRequest(snapshotter=self.snapshotter, key=key))
+        usage: pb.UsageResponse = self._call("Usage", pb.UsageRequest(
+            snapshotter=self.snapshotter, key=key))
+        return usage
 
     def cleanup(self) -> None:
         self._call("Cleanup", pb.CleanupRequest(snapshotter=self.snapshotter))

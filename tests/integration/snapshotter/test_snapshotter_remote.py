@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -20,7 +21,9 @@ import grpc
 import pytest
 
 from coldstart._proto.containerd.services.snapshots.v1 import snapshots_pb2 as pb
+from coldstart.snapshotter.fuse_client import FuseServerClient
 from coldstart.snapshotter.layerspec import REMOTE_ANNOTATIONS, REMOTE_SNAPSHOT
+from coldstart.snapshotter.snapshotter import is_mountpoint
 from tests.fixtures.containerd import Containerd, SnapshotterDaemon
 from tests.fixtures.registry import Registry
 from tests.integration.snapshotter.remote_layers import (
@@ -36,7 +39,7 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def snap(containerd: Containerd) -> Iterator[SnapClient]:
+def snap(containerd: Containerd, fuse_server_up: FuseServerClient) -> Iterator[SnapClient]:
     ns = f"t-{uuid.uuid4().hex[:10]}"
     containerd.ctr("leases", "create", "--id", ns, namespace=ns)
     client = SnapClient(containerd.address, "coldstart", ns, lease=ns)
@@ -79,7 +82,8 @@ def metric(daemon: SnapshotterDaemon, name: str, labels: str) -> float:
 
 def test_lazy_layers_are_committed_under_their_chain_id(
         snap: SnapClient, ours: SnapClient, two_layers: tuple[PushedLayer, PushedLayer],
-        coldstart_snapshotter: SnapshotterDaemon, tmp_path: Path) -> None:
+        coldstart_snapshotter: SnapshotterDaemon, containerd: Containerd,
+        tmp_path: Path) -> None:
     l1, l2 = two_layers
     c1 = chain_id("", l1.diff_id)
     c2 = chain_id(c1, l2.diff_id)
@@ -112,11 +116,23 @@ def test_lazy_layers_are_committed_under_their_chain_id(
         (root / "written").write_text("upper")
         assert (root / "written").read_text() == "upper"
 
+    # another namespace pulling the same layers adopts our snapshots without a new mount
+    ns2 = f"t-{uuid.uuid4().hex[:10]}"
+    containerd.ctr("leases", "create", "--id", ns2, namespace=ns2)
+    other = SnapClient(containerd.address, "coldstart", ns2, lease=ns2)
+    assert code_of(lambda: other.prepare(f"extract-5 {c1}", "", remote_labels(l1.spec, c1))) \
+        == grpc.StatusCode.ALREADY_EXISTS
+    assert other.stat(c1).kind == pb.COMMITTED
+    other.close()
     after = metric(coldstart_snapshotter, "coldstart_snapshotter_remote_layers_total",
                    'result="mounted"')
     assert after - mounted_before == 2
     assert metric(coldstart_snapshotter, "coldstart_snapshotter_snapshots",
                   'kind="committed"') >= 2
+    assert metric(coldstart_snapshotter, "coldstart_snapshotter_rpc_duration_seconds_count",
+                  'method="Prepare"') >= 2
+    assert metric(coldstart_snapshotter, "coldstart_snapshotter_rpc_errors_total",
+                  'code="ALREADY_EXISTS",method="Prepare"') >= 2
 
 
 def test_wrong_toc_digest_falls_back_to_a_normal_snapshot(
@@ -140,3 +156,25 @@ def test_wrong_toc_digest_falls_back_to_a_normal_snapshot(
     snap.commit(chain, key)
     with mounted(snap.view("v", chain), tmp_path / "v") as root:
         assert (root / "unpacked").read_text() == "by containerd"
+
+
+def test_removing_a_lazy_layer_unmounts_it_first(
+        snap: SnapClient, registry: Registry, coldstart_snapshotter: SnapshotterDaemon) -> None:
+    layer = push_files(registry.host, f"rm-{uuid.uuid4().hex[:8]}", sample_files(4, n=2))
+    chain = chain_id("", layer.diff_id)
+    assert code_of(lambda: snap.prepare(f"extract-3 {chain}", "", remote_labels(layer.spec,
+                                                                                chain))) \
+        == grpc.StatusCode.ALREADY_EXISTS
+    (view,) = snap.view("v", chain)
+    fs = view.source
+    assert is_mountpoint(fs)
+    fuse = FuseServerClient(str(coldstart_snapshotter.base / "f.sock"), 10.0)
+    assert fs in [m["mountpoint"] for m in fuse.status()]
+    snap.remove("v")
+    snap.remove(chain)  # containerd forgets it now and removes it from us in its GC
+    deadline = time.monotonic() + 30
+    while os.path.exists(fs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(os.path.dirname(fs))
+    assert not is_mountpoint(fs)
+    assert fs not in [m["mountpoint"] for m in fuse.status()]

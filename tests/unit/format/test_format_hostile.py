@@ -326,3 +326,36 @@ def test_writer_arguments() -> None:
 def test_normalize_name() -> None:
     assert normalize_name("./a//b/./c/") == "a/b/c"
     assert normalize_name(".") == "" and normalize_name("./") == ""
+
+
+def test_writer_refuses_entries_a_reader_would_refuse() -> None:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        add(tf, "f", b"1")
+        add(tf, "f/child", b"2")
+    with pytest.raises(FormatError, match="'f/child': parent 'f' is a reg"):
+        convert_layer(io.BytesIO(buf.getvalue()), io.BytesIO())
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        add(tf, "d/child", b"2")
+        add(tf, "d", b"1")
+    with pytest.raises(FormatError, match="'d' is a reg but other entries lie below it"):
+        convert_layer(io.BytesIO(buf.getvalue()), io.BytesIO())
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        add(tf, "link", type=tarfile.LNKTYPE, link="later")
+        add(tf, "later", b"1")
+    with pytest.raises(FormatError, match="hardlink 'link'"):
+        convert_layer(io.BytesIO(buf.getvalue()), io.BytesIO())
+
+
+def test_chunk_declared_over_the_decode_limit(layer: Converted) -> None:
+    """A signed TOC that declares a 2 GiB chunk over a small frame is refused before inflating."""
+    def mutate(d: dict[str, Any]) -> None:
+        e = entry(d, "dir/small")
+        e.update(size=2 << 30, chunkSize=0)
+        e.pop("digest", None)
+    blob, ann = lie(layer, mutate)
+    opened = reopen(blob, ann)
+    with pytest.raises(FormatError, match=r"'dir/small'.*over the \d+ byte limit"):
+        opened.read_file("dir/small", 0, 10)

@@ -182,3 +182,27 @@ def test_large_file_over_8gib_streams() -> None:
     e = layer.toc.entries["huge.bin"]
     assert e.size == size and len(e.chunks) == 33
     assert layer.read_file("huge.bin", size - 2, 10) == b"\x00\x01"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_converting_a_converted_layer_again(source_tar: bytes, fmt: str) -> None:
+    """An eStargz input's TOC and landmark are rewritten, not copied as files."""
+    first = convert(source_tar, "estargz", prefetch=["etc/hostname"])
+    again = convert(first.blob, fmt, prefetch=["usr/lib/libfoo.so"])
+    assert again.layer.toc.prefetch == ["usr/lib/libfoo.so"]  # no explicit parent dirs
+    assert "stargz.index.json" not in again.layer.toc.entries
+    assert_same_as_tar(again.layer, source_tar)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_toc_bigger_than_the_tail_read_costs_one_more_request(fmt: str) -> None:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for i in range(300):
+            add(tf, f"many/file-{i:04d}", b"%d" % i)
+    c = convert(buf.getvalue(), fmt)
+    for tail, want in ((512 << 10, 1), (2048, 2)):
+        counting = CountingReadAt(BytesReadAt(c.blob))
+        layer = open_layer(counting, annotations=c.result.annotations, tail_read=tail)
+        assert counting.requests == want
+        assert layer.read_file("many/file-0299") == b"299"

@@ -44,3 +44,6 @@ def test_coalesce() -> None:
     assert coalesce([(0, 10), (10, 10)], 0) == [(0, 20)]      # adjacent
     assert coalesce([(0, 10), (11, 10)], 0) == [(0, 10), (11, 10)]
     assert coalesce([(0, 0), (5, 1)], 0) == [(5, 1)]
+    # a cap on request size keeps far-reaching merges apart
+    assert coalesce([(0, 10), (10, 10), (20, 10)], 0, max_length=20) == [(0, 20), (20, 10)]
+    assert coalesce([(0, 50), (10, 5)], 0, max_length=20) == [(0, 50)]   # contained

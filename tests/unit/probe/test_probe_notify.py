@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from coldstart.errors import Unavailable
+from coldstart.errors import InvalidArgument, Unavailable
 from coldstart.probe.notify import NotifyListener, notify, parse_notice
 from coldstart.probe.states import Notice
 
@@ -58,7 +58,8 @@ def test_notify_to_a_missing_socket_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_listener_receives_what_notify_sends(tmp_path: Path) -> None:
     path = str(tmp_path / "n.sock")
-    Path(path).write_text("stale file from an earlier run")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as stale:
+        stale.bind(path)  # left behind by an earlier run
 
     async def main() -> list[Notice]:
         got: list[Notice] = []
@@ -82,3 +83,15 @@ def test_listener_receives_what_notify_sends(tmp_path: Path) -> None:
     got = asyncio.run(main())
     assert [n.progress for n in got] == [0.25, None] and got[1].ready
     assert not Path(path).exists()
+
+
+def test_listener_never_removes_a_file_that_is_not_a_socket(tmp_path: Path) -> None:
+    path = tmp_path / "data.txt"
+    path.write_text("precious")
+
+    async def main() -> None:
+        await NotifyListener(str(path), lambda n: None).start()
+
+    with pytest.raises(InvalidArgument, match="not a socket"):
+        asyncio.run(main())
+    assert path.read_text() == "precious"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from coldstart.errors import InvalidArgument
 from coldstart.probe.states import CheckResult, Notice, State, StateMachine, Thresholds
@@ -121,3 +123,24 @@ def test_status_document() -> None:
     doc = s.to_json("10.0.0.5:8000", "llama")
     assert doc["state"] == "LOADING" and doc["progress"] == 0.5 and doc["phase"] == "load"
     assert doc["target"] == "10.0.0.5:8000" and doc["service"] == "llama"
+
+
+@given(st.lists(st.booleans(), max_size=200), st.integers(1, 5), st.integers(1, 5))
+def test_hysteresis_holds_for_any_sequence(results: list[bool], failures: int,
+                                           successes: int) -> None:
+    """READY→DEGRADED only after `failures` bad tries in a row since the last change, and
+    DEGRADED→READY only after `successes` good ones; never a change otherwise."""
+    m = StateMachine(Thresholds(failures=failures, successes=successes), started=0.0)
+    m.on_check(OK, 0.0)
+    run_bad = run_good = 0
+    for i, ok in enumerate(results):
+        before = m.state
+        run_bad, run_good = (0, run_good + 1) if ok else (run_bad + 1, 0)
+        changed = m.on_check(OK if ok else BAD, float(i)) is not None
+        if before is State.READY:
+            assert changed == (not ok and run_bad == failures)
+        else:
+            assert changed == (ok and run_good == successes)
+        if changed:
+            run_bad = run_good = 0
+        assert m.state in (State.READY, State.DEGRADED)

@@ -26,10 +26,16 @@ def model(tmp_path_factory: pytest.TempPathFactory, tensors: dict[str, torch.Ten
     return save(tensors, tmp_path_factory.mktemp("w") / "model.safetensors")
 
 
-def test_every_dtype_bit_identical(model: Path) -> None:
+MODES = pytest.mark.parametrize("mode", ["read", "mmap"])
+
+
+@MODES
+def test_every_dtype_bit_identical(model: Path, mode: str) -> None:
     # Small chunks so reads split tensors and join several tensors in one preadv.
-    got = load(model, concurrency=4, chunk_bytes=8192)
+    stats = LoadStats()
+    got = load(model, concurrency=4, chunk_bytes=8192, cpu_mode=mode, stats=stats)
     assert_identical(load_file(str(model)), got)
+    assert ("mmap" in stats.path) == (mode == "mmap")
     assert {t.dtype for t in got.values()} >= {torch.bfloat16, torch.float8_e4m3fn,
                                               torch.float8_e8m0fnu, torch.bool}
 
@@ -40,15 +46,39 @@ def test_o_direct_path(model: Path, tensors: dict[str, torch.Tensor]) -> None:
     assert stats.path.startswith("cpu")
 
 
-def test_sharded_by_index_and_by_folder(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> None:
+@MODES
+def test_sharded_by_index_and_by_folder(tmp_path: Path, tensors: dict[str, torch.Tensor],
+                                        mode: str) -> None:
     index = save_sharded(tensors, tmp_path / "sharded")
     ref: dict[str, torch.Tensor] = {}
     for f in sorted((tmp_path / "sharded").glob("*.safetensors")):
         ref.update(load_file(str(f)))
     stats = LoadStats()
-    assert_identical(ref, load(index, stats=stats))
+    assert_identical(ref, load(index, stats=stats, cpu_mode=mode))
     assert stats.files == 3
-    assert_identical(ref, load(tmp_path / "sharded"))
+    assert_identical(ref, load(tmp_path / "sharded", cpu_mode=mode))
+
+
+def test_mmap_tensors_outlive_the_file_and_stay_private(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({"w": torch.arange(4096, dtype=torch.float32)}, str(path))
+    got = load(path, cpu_mode="mmap")
+    path.unlink()  # the mapping keeps the data
+    import gc
+
+    gc.collect()
+    assert torch.equal(got["w"], torch.arange(4096, dtype=torch.float32))
+    save_file({"w": torch.zeros(4)}, str(tmp_path / "n.safetensors"))
+    other = load(tmp_path / "n.safetensors", cpu_mode="mmap")
+    other["w"][0] = 5.0  # copy-on-write: the file is not changed
+    assert float(load(tmp_path / "n.safetensors", cpu_mode="read")["w"][0]) == 0.0
+
+
+def test_cpu_mode_checks(model: Path) -> None:
+    with pytest.raises(InvalidArgument, match="cpu_mode"):
+        load(model, cpu_mode="fast")
+    with pytest.raises(InvalidArgument, match="mmap needs"):
+        load(model, cpu_mode="mmap", direct=True)
 
 
 def test_folder_without_index_loads_every_file(tmp_path: Path) -> None:
@@ -79,11 +109,13 @@ def test_duplicate_tensor_across_files(tmp_path: Path) -> None:
         load(tmp_path)
 
 
-def test_iter_load_yields_each_tensor_when_complete(model: Path) -> None:
+@MODES
+def test_iter_load_yields_each_tensor_when_complete(model: Path, mode: str) -> None:
     seen: list[str] = []
     got: dict[str, torch.Tensor] = {}
     done_bytes: list[int] = []
-    for name, t in iter_load(model, chunk_bytes=4096, concurrency=2, progress=done_bytes.append):
+    for name, t in iter_load(model, chunk_bytes=4096, concurrency=2, progress=done_bytes.append,
+                             cpu_mode=mode):
         seen.append(name)
         got[name] = t.clone()  # a yielded tensor is final: no later write may change it
     assert len(seen) == len(set(seen))
@@ -122,10 +154,11 @@ def test_slices_match_indexing(tmp_path_factory: pytest.TempPathFactory, shape: 
     full = torch.arange(int(torch.Size(shape).numel()), dtype=torch.int32).reshape(shape)
     path = tmp_path_factory.mktemp("s") / "s.safetensors"
     save_file({"pad": torch.ones(5, dtype=torch.int8), "x": full}, str(path))
-    got = load(path, chunk_bytes=4096, select=lambda t: Slice(dim, start, stop)
-               if t.name == "x" else False)
-    assert list(got) == ["x"]
-    assert torch.equal(got["x"], full.narrow(dim, start, stop - start))
+    for mode in ("read", "mmap"):
+        got = load(path, chunk_bytes=4096, cpu_mode=mode,
+                   select=lambda t: Slice(dim, start, stop) if t.name == "x" else False)
+        assert list(got) == ["x"]
+        assert torch.equal(got["x"], full.narrow(dim, start, stop - start))
 
 
 def test_tensor_parallel_ranks_reassemble(tmp_path: Path) -> None:

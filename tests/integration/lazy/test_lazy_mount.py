@@ -1,0 +1,274 @@
+"""Lazy mounts through the real FUSE server, a real registry and a counting proxy."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import stat
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from coldstart.errors import FailedPrecondition, IntegrityError, NotFound
+from coldstart.format.layer import ESTARGZ_TOC_DIGEST, ZSTD_CHUNKED_MANIFEST_CHECKSUM, open_layer
+from coldstart.format.readat import BytesReadAt
+from coldstart.snapshotter.fuse_client import FuseServerClient
+from coldstart.snapshotter.layerspec import LayerSpec
+from coldstart.snapshotter.mountsys import is_mountpoint
+from tests.fixtures.registry import Registry
+from tests.integration.lazy.lazy_helpers import (
+    MTIME,
+    SourceTree,
+    convert,
+    fuse_server,
+    metadata_tar,
+    push_layer,
+)
+from tests.integration.lazy.lazy_proxy import Proxy, proxy_for
+
+pytestmark = pytest.mark.integration
+
+FORMATS = ["zstd:chunked", "estargz"]
+
+
+@pytest.fixture(scope="module")
+def proxy(registry: Registry) -> Iterator[Proxy]:
+    with proxy_for(registry.url) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, proxy: Proxy
+           ) -> Iterator[tuple[subprocess.Popen[bytes], FuseServerClient, Path]]:
+    tmp = tmp_path_factory.mktemp("lazyfuse")
+    with fuse_server(tmp, registry_host=proxy.host, read_deadline=3.0,
+                     request_timeout=2.0) as (proc, client, root):
+        yield proc, client, tmp
+
+
+@pytest.fixture(scope="module")
+def tree() -> SourceTree:
+    return metadata_tar()
+
+
+def _mount(server: tuple[subprocess.Popen[bytes], FuseServerClient, Path], proxy: Proxy,
+           tree: SourceTree, fmt: str, repo: str, **spec_changes: object
+           ) -> tuple[Path, LayerSpec, bytes]:
+    """Push ``tree`` as a ``fmt`` layer and mount it through the proxy."""
+    _, client, tmp = server
+    blob, res = convert(tree.tar, fmt)
+    spec = push_layer(proxy.upstream_host, repo, blob, res, pull_host=proxy.host)
+    if spec_changes:
+        spec = LayerSpec(**{**json.loads(spec.to_json()), **spec_changes})
+    mp = tmp / repo.replace("/", "_")
+    mp.mkdir()
+    client.mount(str(mp), spec)
+    return mp, spec, blob
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_files_and_metadata_through_the_mount(server, proxy: Proxy, tree: SourceTree,
+                                              fmt: str) -> None:
+    mp, spec, _ = _mount(server, proxy, tree, fmt, f"lazy/meta-{fmt.replace(':', '-')}")
+    for name, data in tree.files.items():
+        assert (mp / name).read_bytes() == data, name
+    st = os.lstat(mp / "usr/bin/sudo")
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o4755
+    assert st.st_mtime == MTIME
+    st = os.lstat(mp / "usr/bin/tool")
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (1000, 1001, 0o755)
+    link = os.lstat(mp / "usr/bin/tool-link")
+    assert link.st_ino == st.st_ino and st.st_nlink == 2
+    assert os.readlink(mp / "usr/bin/python") == "python3.11"
+    assert stat.S_ISLNK(os.lstat(mp / "usr/bin/python").st_mode)
+    assert os.getxattr(mp / "usr/bin/tool", "user.origin") == b"test"
+    assert "user.origin" in os.listxattr(mp / "usr/bin/tool")
+    null = os.lstat(mp / "dev/null")
+    assert stat.S_ISCHR(null.st_mode) and (os.major(null.st_rdev), os.minor(null.st_rdev)) == (1, 3)
+    sda = os.lstat(mp / "dev/sda")
+    assert stat.S_ISBLK(sda.st_mode) and os.major(sda.st_rdev) == 8 and sda.st_gid == 6
+    assert stat.S_ISFIFO(os.lstat(mp / "dev/pipe").st_mode)
+    assert stat.S_IMODE(os.lstat(mp / "tmp").st_mode) == 0o1777
+    assert stat.S_IMODE(os.lstat(mp / "etc/shadow").st_mode) == 0o640
+    # whiteouts as overlayfs expects them in a lower dir
+    old = os.lstat(mp / "var/old")
+    assert stat.S_ISCHR(old.st_mode) and old.st_rdev == os.makedev(0, 0)
+    assert sorted(os.listdir(mp / "var")) == ["cache", "old"]
+    assert os.listdir(mp / "var/cache") == ["fresh"]
+    assert os.getxattr(mp / "var/cache", "trusted.overlay.opaque") == b"y"
+    assert not any(n.startswith(".") for n in os.listdir(mp))    # landmarks hidden
+    with pytest.raises(OSError) as exc:
+        os.getxattr(mp / "etc", "user.none")
+    assert exc.value.errno == errno.ENODATA
+    with pytest.raises(OSError) as exc:
+        open(mp / "etc/new", "w")
+    assert exc.value.errno in (errno.EROFS, errno.EACCES)
+    vfs = os.statvfs(mp)
+    assert vfs.f_blocks > 0 and vfs.f_files > 0
+    assert os.lstat(mp / "usr/lib/zeros").st_size == 300_000
+
+
+def test_only_toc_and_read_chunks_are_fetched(server, proxy: Proxy) -> None:
+    _, client, _ = server
+    tree = metadata_tar(seed=1)  # no chunk in common with other tests' layers
+    repo = "lazy/counted"
+    before = len(proxy.blob_gets())
+    mp, spec, blob = _mount(server, proxy, tree, "zstd:chunked", repo)
+    mount_gets = proxy.blob_gets()[before:]
+    assert len(mount_gets) == 1                      # footer + TOC: one tail read
+    layer = open_layer(BytesReadAt(blob), annotations=spec.annotations)
+    small = ["etc/os-release", "usr/share/doc/f010.txt", "usr/bin/sudo"]
+    for name in small:
+        assert (mp / name).read_bytes() == tree.files[name]
+    big = layer.resolve("usr/lib/big.so")
+    off = 3 << 20
+    with open(mp / "usr/lib/big.so", "rb", buffering=0) as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)   # no kernel read-ahead
+        assert os.pread(f.fileno(), 4096, off) == tree.files["usr/lib/big.so"][off:off + 4096]
+    want = set()
+    for name in small:
+        want.update(layer.resolve(name).chunks)
+    want.update(layer.chunks_for(big, off, 4096))
+    expected = sum(c.compressed_size for c in want)
+    st = next(s for s in client.status() if s["digest"] == spec.digest)
+    assert st["fetched_bytes"] == expected
+    assert st["fetched_bytes"] < len(blob) / 4
+    gets = proxy.blob_gets()[before:]
+    assert len(gets) == 1 + len(small) + 1           # one request per file, one for big.so
+
+
+def test_spec_without_annotations_resolves_them_from_the_manifest(server, proxy: Proxy,
+                                                                  tree: SourceTree) -> None:
+    mp, _, _ = _mount(server, proxy, tree, "estargz", "lazy/by-manifest", annotations={})
+    assert (mp / "etc/os-release").read_bytes() == tree.files["etc/os-release"]
+
+
+def test_toc_that_does_not_match_its_digest_is_refused(server, proxy: Proxy,
+                                                       tree: SourceTree) -> None:
+    _, client, tmp = server
+    for fmt, key in (("estargz", ESTARGZ_TOC_DIGEST),
+                     ("zstd:chunked", ZSTD_CHUNKED_MANIFEST_CHECKSUM)):
+        blob, res = convert(tree.tar, fmt)
+        spec = push_layer(proxy.upstream_host, f"lazy/badtoc-{fmt[:4]}", blob, res,
+                          pull_host=proxy.host)
+        bad = dict(spec.annotations)
+        bad[key] = "sha256:" + "0" * 64
+        mp = tmp / f"badtoc-{fmt[:4]}"
+        mp.mkdir()
+        with pytest.raises(IntegrityError):
+            client.mount(str(mp), LayerSpec(**{**json.loads(spec.to_json()),
+                                               "annotations": bad, "manifest_digest": ""}))
+        assert not is_mountpoint(str(mp))
+        unverified = {k: v for k, v in spec.annotations.items() if k != key}
+        with pytest.raises(FailedPrecondition):
+            client.mount(str(mp), LayerSpec(**{**json.loads(spec.to_json()),
+                                               "annotations": unverified,
+                                               "manifest_digest": ""}))
+    with pytest.raises(NotFound):
+        client.check(str(tmp / "badtoc-estargz"))
+
+
+def test_corrupted_chunk_is_eio_not_cached_and_logged(server, proxy: Proxy) -> None:
+    _, client, tmp = server
+    tree = metadata_tar(big_size=1 << 20, seed=2)
+    mp, spec, blob = _mount(server, proxy, tree, "zstd:chunked", "lazy/corrupt")
+    layer = open_layer(BytesReadAt(blob), annotations=spec.annotations)
+    entry = layer.resolve("usr/share/doc/f020.txt")
+    chunk = entry.chunks[0]
+    proxy.flip = (chunk.offset + 3, chunk.offset + 40)
+    try:
+        with pytest.raises(OSError) as exc:
+            (mp / "usr/share/doc/f020.txt").read_bytes()
+        assert exc.value.errno == errno.EIO
+    finally:
+        proxy.flip = None
+    hexd = chunk.digest.split(":")[1]
+    assert not (tmp / "root/cache/sha256" / hexd[:2] / hexd).exists()
+    st = next(s for s in client.status() if s["digest"] == spec.digest)
+    assert chunk.digest in st["last_error"] and spec.digest in st["last_error"]
+    log = (tmp / "fuse-server.log").read_text()
+    assert any(spec.digest in line and chunk.digest in line and "usr/share/doc/f020.txt" in line
+               for line in log.splitlines())
+    # the proxy behaves again: the same read now succeeds and is cached
+    assert (mp / "usr/share/doc/f020.txt").read_bytes() == tree.files["usr/share/doc/f020.txt"]
+    assert (tmp / "root/cache/sha256" / hexd[:2] / hexd).exists()
+
+
+def test_hanging_registry_gives_eio_within_the_deadline(server, proxy: Proxy) -> None:
+    _, client, _ = server
+    tree = metadata_tar(big_size=1 << 20, seed=3)
+    mp, spec, _ = _mount(server, proxy, tree, "estargz", "lazy/hang")
+    proxy.hang = True
+    try:
+        with pytest.raises(OSError) as exc:
+            (mp / "usr/share/doc/f007.txt").read_bytes()
+        assert exc.value.errno == errno.EIO
+    finally:
+        proxy.hang = False
+    st = next(s for s in client.status() if s["digest"] == spec.digest)
+    assert "DeadlineExceeded" in st["last_error"]
+
+
+def test_unmount_and_check(server, proxy: Proxy, tree: SourceTree) -> None:
+    _, client, _ = server
+    mp, spec, _ = _mount(server, proxy, tree, "zstd:chunked", "lazy/unmount")
+    client.check(str(mp))
+    client.mount(str(mp), spec)                      # same layer again: a no-op
+    client.unmount(str(mp))
+    assert not is_mountpoint(str(mp))
+    with pytest.raises(NotFound):
+        client.check(str(mp))
+    with pytest.raises(NotFound):
+        client.unmount(str(mp))
+
+
+def test_kill_9_then_restart_restores_mounts(tmp_path: Path, registry: Registry,
+                                             tree: SourceTree) -> None:
+    blob, res = convert(tree.tar, "zstd:chunked")
+    spec = push_layer(registry.host, "lazy/restore", blob, res)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    with fuse_server(tmp_path, registry_host=registry.host) as (proc, client, root):
+        client.mount(str(mp), spec)
+        assert (mp / "etc/os-release").read_bytes() == tree.files["etc/os-release"]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        with pytest.raises(OSError):
+            os.listdir(mp)                            # the dead connection
+        with fuse_server(tmp_path, registry_host=registry.host,
+                         log_name="fuse-server-2.log") as (proc2, client2, _):
+            client2.check(str(mp))
+            assert (mp / "usr/bin/sudo").read_bytes() == tree.files["usr/bin/sudo"]
+            assert [s["mountpoint"] for s in client2.status()] == [str(mp)]
+            # SIGTERM: exit 0, mount gone, record kept for the next start
+            os.killpg(proc2.pid, signal.SIGTERM)
+            assert proc2.wait(30) == 0
+            assert not is_mountpoint(str(mp))
+            assert list((root / "fuse-state").glob("*.json"))
+        with fuse_server(tmp_path, registry_host=registry.host,
+                         log_name="fuse-server-3.log") as (_, client3, _):
+            client3.check(str(mp))
+            assert (mp / "usr/lib/big.so").read_bytes()[:100] == \
+                tree.files["usr/lib/big.so"][:100]
+            client3.unmount(str(mp))
+            assert not list((root / "fuse-state").glob("*.json"))
+
+
+def test_control_socket_rejects_bad_requests(server) -> None:
+    _, client, _ = server
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(client.socket_path)
+        s.sendall(b'{"op": "mount", "mountpoint": "relative"}\nnot json\n{"op":"nope"}\n')
+        buf = b""
+        while buf.count(b"\n") < 3:
+            buf += s.recv(65536)
+    replies = [json.loads(line) for line in buf.splitlines()]
+    assert [r["ok"] for r in replies] == [False, False, False]
+    assert all(r["error"]["kind"] == "InvalidArgument" for r in replies)
+    assert client.ping()["pid"] > 0

@@ -1,0 +1,129 @@
+"""The node chunk cache: content addressing, LRU limit, restarts, concurrent processes."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+from pathlib import Path
+
+import pytest
+
+from coldstart.cache import ChunkCache
+from coldstart.errors import IntegrityError, InvalidArgument
+
+
+def dg(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def blob(i: int, n: int = 1000) -> bytes:
+    return hashlib.sha256(str(i).encode()).digest() * (n // 32 + 1)
+
+
+def test_put_get_and_slices(tmp_path: Path) -> None:
+    c = ChunkCache(tmp_path, max_bytes=1 << 20)
+    data = blob(1)[:1000]
+    d = dg(data)
+    assert c.get(d) is None
+    c.put(d, data)
+    assert c.get(d) == data
+    assert c.read(d, 10, 20) == data[10:30]
+    assert c.read(d, 990, 100) == data[990:]
+    hexd = d.split(":")[1]
+    assert (tmp_path / "sha256" / hexd[:2] / hexd).read_bytes() == data
+    assert c.stats.hits == 3 and c.stats.misses == 1
+    assert list((tmp_path / "wip").iterdir()) == []
+
+
+def test_put_refuses_data_that_does_not_match(tmp_path: Path) -> None:
+    c = ChunkCache(tmp_path, max_bytes=1 << 20)
+    with pytest.raises(IntegrityError):
+        c.put(dg(b"abc"), b"abd")
+    assert c.get(dg(b"abc")) is None
+    assert len(c) == 0
+    with pytest.raises(InvalidArgument):
+        c.get("md5:abc")
+
+
+def test_wrong_size_file_is_a_miss_and_dropped(tmp_path: Path) -> None:
+    c = ChunkCache(tmp_path, max_bytes=1 << 20)
+    data = b"x" * 100
+    c.put(dg(data), data)
+    assert c.get(dg(data), expected_size=100) == data
+    assert c.get(dg(data), expected_size=99) is None
+    assert dg(data) not in c
+
+
+def test_verify_reads_catches_corruption_on_disk(tmp_path: Path) -> None:
+    c = ChunkCache(tmp_path, max_bytes=1 << 20, verify_reads=True)
+    data = b"y" * 100
+    c.put(dg(data), data)
+    hexd = dg(data).split(":")[1]
+    (tmp_path / "sha256" / hexd[:2] / hexd).write_bytes(b"z" * 100)
+    assert c.get(dg(data)) is None
+
+
+def test_lru_eviction_at_the_limit(tmp_path: Path) -> None:
+    c = ChunkCache(tmp_path, max_bytes=3500)
+    chunks = [blob(i)[:1000] for i in range(4)]
+    for ch in chunks[:3]:
+        c.put(dg(ch), ch)
+    assert c.get(dg(chunks[0])) == chunks[0]       # 0 is now the most recent
+    c.put(dg(chunks[3]), chunks[3])               # over the limit: 1 (least recent) goes
+    assert c.total_bytes <= 3500
+    assert dg(chunks[1]) not in c
+    for i in (0, 2, 3):
+        assert c.get(dg(chunks[i])) == chunks[i]
+    assert c.stats.evictions == 1
+
+
+def test_dedup_same_digest_stored_once(tmp_path: Path) -> None:
+    c = ChunkCache(tmp_path, max_bytes=1 << 20)
+    data = blob(7)[:500]
+    c.put(dg(data), data)
+    c.put(dg(data), data)
+    assert len(c) == 1 and c.total_bytes == 500
+    files = [p for p in (tmp_path / "sha256").rglob("*") if p.is_file()]
+    assert len(files) == 1
+
+
+def test_survives_restart_and_keeps_lru_order(tmp_path: Path) -> None:
+    c = ChunkCache(tmp_path, max_bytes=10_000)
+    chunks = [blob(i)[:1000] for i in range(3)]
+    for i, ch in enumerate(chunks):
+        c.put(dg(ch), ch)
+        hexd = dg(ch).split(":")[1]
+        os.utime(tmp_path / "sha256" / hexd[:2] / hexd, (1000 + i, 1000 + i))
+    (tmp_path / "wip" / "stale").write_bytes(b"half")
+    os.utime(tmp_path / "wip" / "stale", (1, 1))
+    c2 = ChunkCache(tmp_path, max_bytes=2500)     # smaller limit: the oldest goes at start
+    assert len(c2) == 2
+    assert dg(chunks[0]) not in c2
+    assert c2.get(dg(chunks[2])) == chunks[2]
+    assert not (tmp_path / "wip" / "stale").exists()
+
+
+def _writer(directory: str, seed: int, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    c = ChunkCache(directory, max_bytes=1 << 30)
+    for i in range(40):
+        data = blob(i % 25, 4000 + (i % 25))       # overlapping digests across processes
+        c.put(dg(data), data)
+    out.put(seed)
+
+
+def test_concurrent_writer_processes(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("fork")
+    q: multiprocessing.Queue = ctx.Queue()  # type: ignore[type-arg]
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), s, q)) for s in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    c = ChunkCache(tmp_path, max_bytes=1 << 30)
+    assert len(c) == 25
+    for i in range(25):
+        data = blob(i, 4000 + i)
+        assert c.get(dg(data)) == data
+    assert list((tmp_path / "wip").iterdir()) == []

@@ -1,0 +1,44 @@
+"""``coldstart snapshotter --print-config`` and config errors, through the real CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+from coldstart.config import Config, dump, load
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "coldstart.cli", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_print_config_is_loadable_and_applies_flags(tmp_path: Path) -> None:
+    conf = tmp_path / "c.toml"
+    conf.write_text('log_level = "debug"\n[fuse]\nspawn = false\nrequest_timeout = 5\n')
+    r = cli("snapshotter", "--config", str(conf), "--root", "/srv/cs", "--print-config")
+    assert r.returncode == 0, r.stderr
+    printed = tmp_path / "printed.toml"
+    printed.write_text(r.stdout)
+    cfg = load(printed)
+    assert cfg == dataclasses.replace(
+        Config(), root="/srv/cs", log_level="debug",
+        fuse=dataclasses.replace(Config().fuse, spawn=False, request_timeout=5.0))
+    assert load(None) == Config()
+    assert dump(Config()) in cli("snapshotter", "--print-config").stdout
+
+
+def test_a_bad_config_is_one_line_and_a_non_zero_exit(tmp_path: Path) -> None:
+    conf = tmp_path / "c.toml"
+    conf.write_text("[fuse]\nspwan = true\n")
+    r = cli("snapshotter", "--config", str(conf))
+    assert r.returncode == 2
+    assert r.stderr.strip() == "coldstart: error: config: unknown key 'fuse.spwan'"
+    conf.write_text('log_level = "chatty"\n')
+    r = cli("snapshotter", "--config", str(conf), "--root", str(tmp_path / "r"))
+    assert (r.returncode, r.stderr.strip()) == (
+        2, "coldstart: error: config: log_level 'chatty' is not a logging level")
+    r = cli("snapshotter", "--config", str(tmp_path / "missing.toml"), "--print-config")
+    assert r.returncode == 2 and "does not exist" in r.stderr
