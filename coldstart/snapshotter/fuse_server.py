@@ -39,6 +39,7 @@ from coldstart.errors import (
     AlreadyExists,
     ColdstartError,
     FailedPrecondition,
+    IntegrityError,
     InvalidArgument,
     NotFound,
 )
@@ -127,6 +128,7 @@ class FuseServer:
         self._generation = 0
         self._listener: trio.SocketListener | None = None
         self._stopping = False
+        self._restored: trio.Event | None = None
 
     # -- process lifecycle -----------------------------------------------------------------
 
@@ -135,6 +137,7 @@ class FuseServer:
         trio.run(self._main)
 
     async def _main(self) -> None:
+        self._restored = trio.Event()
         records = self.state.load()
         for rec in records:  # binds left by a dead predecessor point at a dead connection
             with contextlib.suppress(ColdstartError, OSError):
@@ -207,6 +210,13 @@ class FuseServer:
     # -- restore ---------------------------------------------------------------------------
 
     async def _restore(self, records: list[Any]) -> None:
+        try:
+            await self._restore_all(records)
+        finally:
+            if self._restored is not None:
+                self._restored.set()
+
+    async def _restore_all(self, records: list[Any]) -> None:
         for rec in records:
             try:
                 await self.mount(rec.mountpoint, rec.spec, restoring=True)
@@ -248,6 +258,8 @@ class FuseServer:
                 raise InvalidArgument("request must be a JSON object")
             op = req.get("op")
             result: Any = None
+            if op != "ping" and self._restored is not None:
+                await self._restored.wait()  # answer from the restored mount table
             if op == "ping":
                 result = {"pid": os.getpid(), "fuse_dir": str(self.fuse_dir)}
             elif op == "mount":
@@ -290,7 +302,12 @@ class FuseServer:
                 raise AlreadyExists(f"{mountpoint} already serves layer {cur.spec.digest}")
             layer = self.layers.get(spec.digest)
             created = False
-            if layer is None:
+            if layer is not None:
+                # the layer is served already: this spec must vouch for the same TOC
+                annotations = await trio.to_thread.run_sync(self._annotations, spec)
+                _check_same_toc(annotations, layer.tree.reader.layer.toc_digest,
+                                self.config.allow_unverified, spec.digest)
+            else:
                 reader = await trio.to_thread.run_sync(self._open_reader, spec)
                 self._generation += 1
                 key = f"{spec.digest.rpartition(':')[2][:16]}-{self._generation}"
@@ -355,8 +372,8 @@ class FuseServer:
                         **tree.reader.stats.as_dict()})
         return out
 
-    def _open_reader(self, spec: LayerSpec) -> LayerReader:
-        """Resolve a spec: blob source, annotations (from the manifest if needed), TOC."""
+    def _annotations(self, spec: LayerSpec) -> dict[str, str]:
+        """The layer's annotations: the spec's, or its manifest's (fetched, verified)."""
         ref = Reference.parse(spec.reference)
         annotations = dict(spec.annotations)
         if not any(k in annotations for k in _TOC_KEYS) and spec.manifest_digest:
@@ -368,12 +385,30 @@ class FuseServer:
                     break
             else:
                 raise NotFound(f"manifest {spec.manifest_digest} has no layer {spec.digest}")
+        return annotations
+
+    def _open_reader(self, spec: LayerSpec) -> LayerReader:
+        """Resolve a spec: blob source, annotations (from the manifest if needed), TOC."""
+        ref = Reference.parse(spec.reference)
+        annotations = self._annotations(spec)
         timeout = self.config.fetch.request_timeout
         source = RegistryRangeSource(self.client, ref, spec.digest, spec.size, timeout=timeout)
         layer = open_layer(source, annotations=annotations,
                            allow_unverified=self.config.allow_unverified)
         return LayerReader(spec.digest, layer, source, self.fetcher,
                            read_deadline=self.config.fetch.read_deadline)
+
+
+def _check_same_toc(annotations: dict[str, str], toc_digest: str, allow_unverified: bool,
+                    digest: str) -> None:
+    claimed = [annotations[k] for k in _TOC_KEYS if k in annotations]
+    if not claimed:
+        if allow_unverified:
+            return
+        raise FailedPrecondition(f"layer {digest}: no TOC digest annotation: cannot verify it")
+    if any(c != toc_digest for c in claimed):
+        raise IntegrityError(f"layer {digest}: annotated TOC digest {claimed[0]} does not "
+                             f"match the served layer's TOC {toc_digest}")
 
 
 def _mountpoint(req: dict[str, Any]) -> str:

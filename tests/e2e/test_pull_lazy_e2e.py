@@ -30,6 +30,7 @@ from tests.integration.pull.pull_env import (
     UNREAD,
     WORKLOAD,
     AccessLog,
+    Entry,
     LazyStack,
     PushedImage,
     coldstart_cli,
@@ -135,17 +136,20 @@ def test_lazy_pull_runs_without_downloading_the_layers(
     # the top layer holds a 3 MiB file nobody reads: most of that blob stayed in the registry
     top = image.layers[-1]
     assert log.blob_bytes(top.digest) < top.size - (2 << 20)
-    assert sum(log.blob_bytes(la.digest) for la in image.layers) < \
-        sum(la.size for la in image.layers) - (4 << 20)
 
 
-def test_gzip_image_runs_through_the_fallback(stack: LazyStack, registry: Registry,
-                                              base: PushedImage) -> None:
+def test_gzip_image_runs_through_the_fallback(stack: LazyStack, registry: Registry) -> None:
+    # layers of their own (a marker file in each), so that no snapshot of another test's image
+    # (ctr-remote's zstd:chunked keeps diff IDs) can stand in for them
+    layers = [[*layer, Entry(f"etc/fallback-{i}", data=b"fallback\n")]
+              for i, layer in enumerate(rich_layers())]
+    with RegistryClient() as reg:
+        image = push_image(reg, f"{registry.host}/e2e-pull/fallback:gzip", layers)
     log = AccessLog(registry.access_log)
-    proc = _pull(stack, base.ref, "gzip")
+    proc = _pull(stack, image.ref, "gzip")
     assert "3 layers: 0 lazy, 3 downloaded" in proc.stderr, proc.stderr
-    assert _run(stack, base.ref, "gzip", "run-gzip") == workload_expected(rich_layers())
-    for digest, size in zip(base.layer_digests, base.layer_sizes, strict=True):
+    assert _run(stack, image.ref, "gzip", "run-gzip") == workload_expected(layers)
+    for digest, size in zip(image.layer_digests, image.layer_sizes, strict=True):
         assert log.blob_bytes(digest) == size
 
 

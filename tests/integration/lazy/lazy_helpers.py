@@ -141,8 +141,8 @@ def push_layer(host: str, repo: str, blob: bytes, result: LayerResult, *,
             [Descriptor(media_type=result.media_type, digest=result.digest, size=result.size,
                         annotations=dict(result.annotations))])
         mdigest = client.push_manifest(ref, manifest.to_bytes(), manifest.media_type)
-    return LayerSpec(reference=f"{pull_host or host}/{repo}:v1", digest=result.digest, size=result.size,
-                     media_type=result.media_type, manifest_digest=mdigest,
+    return LayerSpec(reference=f"{pull_host or host}/{repo}:v1", digest=result.digest,
+                     size=result.size, media_type=result.media_type, manifest_digest=mdigest,
                      annotations=dict(result.annotations) if with_annotations else {})
 
 

@@ -33,6 +33,7 @@ from tests.integration.lazy.lazy_proxy import Proxy, proxy_for
 pytestmark = pytest.mark.integration
 
 FORMATS = ["zstd:chunked", "estargz"]
+Server = tuple[subprocess.Popen[bytes], FuseServerClient, Path]
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +43,10 @@ def proxy(registry: Registry) -> Iterator[Proxy]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, proxy: Proxy
-           ) -> Iterator[tuple[subprocess.Popen[bytes], FuseServerClient, Path]]:
+def server(tmp_path_factory: pytest.TempPathFactory, proxy: Proxy) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("lazyfuse")
     with fuse_server(tmp, registry_host=proxy.host, read_deadline=3.0,
-                     request_timeout=2.0) as (proc, client, root):
+                     request_timeout=2.0) as (proc, client, _root):
         yield proc, client, tmp
 
 
@@ -55,7 +55,7 @@ def tree() -> SourceTree:
     return metadata_tar()
 
 
-def _mount(server: tuple[subprocess.Popen[bytes], FuseServerClient, Path], proxy: Proxy,
+def _mount(server, proxy: Proxy,
            tree: SourceTree, fmt: str, repo: str, **spec_changes: object
            ) -> tuple[Path, LayerSpec, bytes]:
     """Push ``tree`` as a ``fmt`` layer and mount it through the proxy."""
@@ -73,7 +73,7 @@ def _mount(server: tuple[subprocess.Popen[bytes], FuseServerClient, Path], proxy
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_files_and_metadata_through_the_mount(server, proxy: Proxy, tree: SourceTree,
                                               fmt: str) -> None:
-    mp, spec, _ = _mount(server, proxy, tree, fmt, f"lazy/meta-{fmt.replace(':', '-')}")
+    mp, _spec, _ = _mount(server, proxy, tree, fmt, f"lazy/meta-{fmt.replace(':', '-')}")
     for name, data in tree.files.items():
         assert (mp / name).read_bytes() == data, name
     st = os.lstat(mp / "usr/bin/sudo")
@@ -104,15 +104,15 @@ def test_files_and_metadata_through_the_mount(server, proxy: Proxy, tree: Source
     with pytest.raises(OSError) as exc:
         os.getxattr(mp / "etc", "user.none")
     assert exc.value.errno == errno.ENODATA
-    with pytest.raises(OSError) as exc:
-        open(mp / "etc/new", "w")
+    with pytest.raises(OSError) as exc, open(mp / "etc/new", "w"):
+        pass
     assert exc.value.errno in (errno.EROFS, errno.EACCES)
     vfs = os.statvfs(mp)
     assert vfs.f_blocks > 0 and vfs.f_files > 0
     assert os.lstat(mp / "usr/lib/zeros").st_size == 300_000
 
 
-def test_only_toc_and_read_chunks_are_fetched(server, proxy: Proxy) -> None:
+def test_only_toc_and_read_chunks_are_fetched(server: Server, proxy: Proxy) -> None:
     _, client, _ = server
     tree = metadata_tar(seed=1)  # no chunk in common with other tests' layers
     repo = "lazy/counted"
@@ -141,13 +141,13 @@ def test_only_toc_and_read_chunks_are_fetched(server, proxy: Proxy) -> None:
     assert len(gets) == 1 + len(small) + 1           # one request per file, one for big.so
 
 
-def test_spec_without_annotations_resolves_them_from_the_manifest(server, proxy: Proxy,
+def test_spec_without_annotations_resolves_them_from_the_manifest(server: Server, proxy: Proxy,
                                                                   tree: SourceTree) -> None:
     mp, _, _ = _mount(server, proxy, tree, "estargz", "lazy/by-manifest", annotations={})
     assert (mp / "etc/os-release").read_bytes() == tree.files["etc/os-release"]
 
 
-def test_toc_that_does_not_match_its_digest_is_refused(server, proxy: Proxy,
+def test_toc_that_does_not_match_its_digest_is_refused(server: Server, proxy: Proxy,
                                                        tree: SourceTree) -> None:
     _, client, tmp = server
     for fmt, key in (("estargz", ESTARGZ_TOC_DIGEST),
@@ -172,7 +172,7 @@ def test_toc_that_does_not_match_its_digest_is_refused(server, proxy: Proxy,
         client.check(str(tmp / "badtoc-estargz"))
 
 
-def test_corrupted_chunk_is_eio_not_cached_and_logged(server, proxy: Proxy) -> None:
+def test_corrupted_chunk_is_eio_not_cached_and_logged(server: Server, proxy: Proxy) -> None:
     _, client, tmp = server
     tree = metadata_tar(big_size=1 << 20, seed=2)
     mp, spec, blob = _mount(server, proxy, tree, "zstd:chunked", "lazy/corrupt")
@@ -198,7 +198,7 @@ def test_corrupted_chunk_is_eio_not_cached_and_logged(server, proxy: Proxy) -> N
     assert (tmp / "root/cache/sha256" / hexd[:2] / hexd).exists()
 
 
-def test_hanging_registry_gives_eio_within_the_deadline(server, proxy: Proxy) -> None:
+def test_hanging_registry_gives_eio_within_the_deadline(server: Server, proxy: Proxy) -> None:
     _, client, _ = server
     tree = metadata_tar(big_size=1 << 20, seed=3)
     mp, spec, _ = _mount(server, proxy, tree, "estargz", "lazy/hang")
@@ -213,7 +213,7 @@ def test_hanging_registry_gives_eio_within_the_deadline(server, proxy: Proxy) ->
     assert "DeadlineExceeded" in st["last_error"]
 
 
-def test_unmount_and_check(server, proxy: Proxy, tree: SourceTree) -> None:
+def test_unmount_and_check(server: Server, proxy: Proxy, tree: SourceTree) -> None:
     _, client, _ = server
     mp, spec, _ = _mount(server, proxy, tree, "zstd:chunked", "lazy/unmount")
     client.check(str(mp))
@@ -258,7 +258,7 @@ def test_kill_9_then_restart_restores_mounts(tmp_path: Path, registry: Registry,
             assert not list((root / "fuse-state").glob("*.json"))
 
 
-def test_control_socket_rejects_bad_requests(server) -> None:
+def test_control_socket_rejects_bad_requests(server: Server) -> None:
     _, client, _ = server
     import socket
 

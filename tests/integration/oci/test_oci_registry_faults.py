@@ -263,3 +263,27 @@ def test_range_reads_reuse_one_connection() -> None:
                 BLOB[i * 1000:i * 1000 + 100]
         # every 206 body is read to its end, so the pooled connection is reused
         assert len({s.peer for s in srv.seen}) == 1
+
+
+def test_identity_token_uses_oauth2_refresh_flow(tmp_path: Path) -> None:
+    forms: list[dict[str, list[str]]] = []
+
+    def handler(h: BaseHTTPRequestHandler) -> None:
+        if h.path.startswith("/oauth"):
+            body = h.rfile.read(int(h.headers["Content-Length"]))
+            forms.append(parse_qs(body.decode()))
+            reply(h, 200, json.dumps({"access_token": "acc-1", "expires_in": 60}).encode())
+        elif h.headers.get("Authorization") == "Bearer acc-1":
+            _serve_blob(h)
+        else:
+            reply(h, 401, b"", {"WWW-Authenticate": f'Bearer realm="http://'
+                                f'{h.headers["Host"]}/oauth",service="reg"'})
+
+    config = tmp_path / "config.json"
+    with scripted_server(handler) as srv:
+        config.write_text(json.dumps({"auths": {srv.host: {"identitytoken": "refresh-xyz"}}}))
+        with RegistryClient(docker_config=config, timeout=10) as client:
+            assert client.get_blob(Reference.parse(f"{srv.host}/app:v1"), DIGEST) == BLOB
+    assert forms == [{"grant_type": ["refresh_token"], "refresh_token": ["refresh-xyz"],
+                      "service": ["reg"], "scope": ["repository:app:pull"],
+                      "client_id": ["coldstart"]}]

@@ -163,14 +163,17 @@ def tcp_open_quiet(port: int) -> bool:
 
 def test_sidecar_kubelet_endpoint(tmp_path: Path) -> None:
     app_port, listen = free_port(), free_port()
-    app = [sys.executable, APP, "--port", str(app_port), "--load", "1.0"]
+    app = [sys.executable, APP, "--port", str(app_port), "--load", "4.0"]
     with daemon(app, log=tmp_path / "app.log", ready=tcp_open(app_port), what="app"):
         args = ["--target", f"http://127.0.0.1:{app_port}/health", "--listen",
                 f"127.0.0.1:{listen}", "--service", "side", "--grace", "0.5"]
         with coldstart_probe(args, tmp_path / "probe.log") as proc:
             wait_for(tcp_open(listen), timeout=20, what="probe endpoint", proc=proc)
-            code, body = get(f"http://127.0.0.1:{listen}/ready")
-            assert (code, body) == (503, b"LOADING\n")
+            # the endpoint opens before the first try: STARTING, then LOADING, both 503
+            first = get(f"http://127.0.0.1:{listen}/ready")
+            assert first in ((503, b"STARTING\n"), (503, b"LOADING\n"))
+            wait_for(lambda: get(f"http://127.0.0.1:{listen}/ready") == (503, b"LOADING\n"),
+                     timeout=20, what="LOADING", proc=proc)
             status = json.loads(get(f"http://127.0.0.1:{listen}/status")[1])
             assert status["state"] == "LOADING" and status["target"] == f"127.0.0.1:{app_port}"
             deadline = time.monotonic() + 20

@@ -473,7 +473,9 @@ def rich_layers(seed: int = 7) -> list[list[Entry]]:
                                                        "user.empty": ""}),
         Entry("data/link-to-a", "hardlink", target="data/a.txt"),
         Entry("data/b.txt", data=b"b\n" * 3000, mode=0o640, uid=1000),
-        Entry("data/link-to-b", "hardlink", target="data/b.txt"),
+        # a hardlink header carries its target's metadata, as tar writes it (containerd applies
+        # a link header's mode and owner to the shared inode)
+        Entry("data/link-to-b", "hardlink", target="data/b.txt", mode=0o640, uid=1000),
         Entry("data/empty", data=b""),
         Entry("data/emptydir", "dir", mode=0o700, uid=1000, gid=1000),
         Entry("data/abs-link", "symlink", target="/etc/hello.txt"),
@@ -490,11 +492,16 @@ def rich_layers(seed: int = 7) -> list[list[Entry]]:
         Entry("rmdir/file", data=b"in a dir that layer 3 deletes\n"),
         Entry("etc/owned-by-nobody", data=b"n\n", uid=65534, gid=65534),
     ]
+    # like docker/buildkit, every parent directory is in the tar with its metadata (a lazily
+    # mounted layer cannot copy up a parent's xattrs from the layers below it)
     third = [
+        Entry("etc", "dir", mode=0o755),
+        Entry("data", "dir", mode=0o755, xattrs={"user.dir": "on a dir"}),
         Entry("data/unread.bin", data=blob(3 << 20)),
         Entry("data/small.txt", data=SMALL),
         Entry("etc/gone.txt", "whiteout"),
         Entry("rmdir", "whiteout"),
+        Entry("opq", "dir", mode=0o755),
         Entry("opq", "opaque"),
         Entry("opq/z", data=b"z\n"),
         Entry("data/a.txt", data=b"a replaced in layer 3\n", xattrs={"user.new": "1"}),

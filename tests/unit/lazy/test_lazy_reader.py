@@ -169,7 +169,7 @@ def test_identical_chunks_of_two_layers_are_fetched_once(tmp_path: Path) -> None
 
 def test_prefetch_fetches_the_landmarked_files(tmp_path: Path) -> None:
     tree = metadata_tar()
-    reader, src, fetcher = make(tmp_path, "zstd:chunked", tar=tree.tar,
+    reader, src, _fetcher = make(tmp_path, "zstd:chunked", tar=tree.tar,
                                 prefetch=["usr/bin/sudo", "etc/os-release"])
     assert set(reader.layer.toc.prefetch) >= {"usr/bin/sudo", "etc/os-release"}
     assert reader.prefetch() > 0
@@ -183,7 +183,7 @@ def test_digest_mismatch_after_decoding_is_integrity_error(tmp_path: Path) -> No
     """A chunk that decodes fine but to other bytes: caught by its digest, not cached."""
     import dataclasses
 
-    reader, src, fetcher = make(tmp_path, "zstd:chunked")
+    reader, _src, fetcher = make(tmp_path, "zstd:chunked")
     entry = reader.layer.resolve("etc/os-release")
     real = entry.chunks[0]
     forged = dataclasses.replace(real, digest="sha256:" + hashlib.sha256(b"other").hexdigest())
