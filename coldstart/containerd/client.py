@@ -32,6 +32,7 @@ from coldstart._proto.containerd.types import descriptor_pb2, mount_pb2
 from coldstart.containerd._errors import map_rpc_error
 from coldstart.errors import (
     AlreadyExists,
+    ColdstartError,
     IntegrityError,
     InvalidArgument,
     NotFound,
@@ -195,10 +196,16 @@ class Containerd:
         self.lease_id = lease_id
         try:
             yield lease_id
-        finally:
+        except BaseException:
             self.lease_id = None
-            self._call(self._leases.Delete, leases_pb2.DeleteRequest(id=lease_id),
-                       f"delete lease {lease_id}")
+            # the original failure matters more; the lease expires by itself anyway
+            with contextlib.suppress(ColdstartError):
+                self._call(self._leases.Delete, leases_pb2.DeleteRequest(id=lease_id),
+                           f"delete lease {lease_id}")
+            raise
+        self.lease_id = None
+        self._call(self._leases.Delete, leases_pb2.DeleteRequest(id=lease_id),
+                   f"delete lease {lease_id}")
 
     def list_leases(self) -> list[str]:
         resp = self._call(self._leases.List, leases_pb2.ListRequest(), "list leases")

@@ -42,6 +42,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: Missing chunks this close in the blob share a request (the gap is fetched and dropped):
+#: between two small files lie only their tar header frames.
+MAX_GAP = 32 << 10
+
 
 class RangeSource(Protocol):
     """Where a layer's compressed bytes come from: a ReadAt whose reads take a timeout."""
@@ -154,19 +158,23 @@ class FetchTarget:
     stats: LayerStats
 
 
-def coalesce(chunks: Iterable[Chunk], max_bytes: int) -> list[list[Chunk]]:
-    """Group chunks (non-hole) into runs whose compressed ranges touch, each ≤ ``max_bytes``.
+def coalesce(chunks: Iterable[Chunk], max_bytes: int, max_gap: int = 0) -> list[list[Chunk]]:
+    """Group chunks into runs fetched by one range request each, each ≤ ``max_bytes``.
 
-    Chunks sharing one gzip member (eStargz small files) share its range.
+    Chunks whose compressed ranges touch (or are at most ``max_gap`` bytes apart: the tar
+    header frames between two files' data) share a run. Chunks sharing one gzip member
+    (eStargz small files) share its range.
 
     >>> a = Chunk(0, 10, 0, 5, "d1"); b = Chunk(10, 20, 0, 5, "d2"); c = Chunk(30, 40, 0, 5, "d3")
     >>> [[x.offset for x in g] for g in coalesce([c, a, b], 100)]
     [[0, 10], [30]]
+    >>> [[x.offset for x in g] for g in coalesce([c, a, b], 100, max_gap=10)]
+    [[0, 10, 30]]
     """
     groups: list[list[Chunk]] = []
     start = end = -1
     for c in sorted(chunks, key=lambda c: (c.offset, c.inner_offset)):
-        if groups and c.offset <= end and max(end, c.end_offset) - start <= max_bytes:
+        if groups and c.offset <= end + max_gap and max(end, c.end_offset) - start <= max_bytes:
             groups[-1].append(c)
             end = max(end, c.end_offset)
         else:
@@ -186,9 +194,10 @@ class ChunkFetcher:
 
     def __init__(self, cache: ChunkCache | None, *, concurrency: int = 8,
                  max_coalesce_bytes: int = 16 << 20, request_timeout: float = 10.0,
-                 telemetry: FetchTelemetry | None = None) -> None:
+                 max_gap: int = MAX_GAP, telemetry: FetchTelemetry | None = None) -> None:
         self.cache = cache
         self.max_coalesce_bytes = max(1, max_coalesce_bytes)
+        self.max_gap = max(0, max_gap)
         self.request_timeout = request_timeout
         self.telemetry = telemetry
         self._pool = ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="fetch")
@@ -229,7 +238,7 @@ class ChunkFetcher:
                     self._inflight[k] = fut
                     new.append(c)
                 out[c] = fut
-            groups = coalesce(new, self.max_coalesce_bytes)
+            groups = coalesce(new, self.max_coalesce_bytes, self.max_gap)
             if not background:
                 self._foreground += len(groups)
         for g in groups:

@@ -7,13 +7,15 @@ read raises :class:`DeadlineExceeded` (the FUSE layer answers ``EIO``) instead o
 
 Round trips are what cost on a cold start, so:
 
-- a small file (``SMALL_FILE_BYTES``) is fetched whole on its first read (one request);
+- a small file (``SMALL_FILE_BYTES``) is fetched whole on its first read, together with the
+  small files stored after it (``NEIGHBOR_BYTES``), in one request;
 - a file read sequentially gets its next chunks fetched ahead, in the background;
 - :meth:`LayerReader.prefetch` fetches the TOC's prefetch list in bulk after mounting.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
@@ -39,6 +41,9 @@ log = logging.getLogger(__name__)
 SMALL_FILE_BYTES = 1 << 20
 #: Compressed bytes fetched ahead of a sequential reader.
 READAHEAD_BYTES = 8 << 20
+#: A small file's miss also fetches the small files stored after it, up to this many
+#: compressed bytes, in the same request (a package's modules are read together).
+NEIGHBOR_BYTES = 256 << 10
 #: Bytes per background prefetch batch.
 PREFETCH_BATCH = 32 << 20
 
@@ -53,7 +58,8 @@ class LayerReader:
     def __init__(self, digest: str, layer: SeekableLayer, source: RangeSource,
                  fetcher: ChunkFetcher, *, read_deadline: float = 30.0,
                  small_file_bytes: int = SMALL_FILE_BYTES,
-                 readahead_bytes: int = READAHEAD_BYTES) -> None:
+                 readahead_bytes: int = READAHEAD_BYTES,
+                 neighbor_bytes: int = NEIGHBOR_BYTES) -> None:
         self.digest = digest
         self.layer = layer
         self.fetcher = fetcher
@@ -61,6 +67,13 @@ class LayerReader:
         self.read_deadline = read_deadline
         self.small_file_bytes = small_file_bytes
         self.readahead_bytes = readahead_bytes
+        self.neighbor_bytes = neighbor_bytes
+        small = sorted((c for e in layer.toc.entries.values()
+                        if e.type == "reg" and e.size <= small_file_bytes
+                        for c in e.chunks if not c.zeros),
+                       key=lambda c: (c.offset, c.inner_offset))
+        self._small = small
+        self._small_offsets = [c.offset for c in small]
         self.stats = LayerStats()
         self.target = FetchTarget(digest, layer, source, self.stats)
         self._last_end: dict[str, int] = {}
@@ -131,10 +144,8 @@ class LayerReader:
                 missing.append(i)
         if missing:
             want = [chunks[i] for i in missing]
-            if entry.size <= self.small_file_bytes and len(entry.chunks) > len(want):
-                extra = set(want)
-                want += [c for c in entry.chunks
-                         if c not in extra and not self._is_cached(c)]
+            if entry.size <= self.small_file_bytes:
+                want = self._whole_and_neighbors(entry, want)
             futures = self.fetcher.request(self.target, want)
             for i in missing:
                 c = chunks[i]
@@ -148,6 +159,27 @@ class LayerReader:
         self._read_ahead(entry, offset, end, chunks)
         out = [p for p in pieces if p is not None]
         return out[0] if len(out) == 1 else b"".join(out)
+
+    def _whole_and_neighbors(self, entry: Entry, want: list[Chunk]) -> list[Chunk]:
+        """A small file's missing chunks, plus the small files' chunks stored after it."""
+        seen = set(want)
+        out = list(want)
+        for c in entry.chunks:
+            if c not in seen and not self._is_cached(c):
+                seen.add(c)
+                out.append(c)
+        if self.neighbor_bytes <= 0 or not out:
+            return out
+        last = max(c.end_offset for c in out)
+        limit = last + self.neighbor_bytes
+        i = bisect.bisect_left(self._small_offsets, last)
+        while i < len(self._small) and self._small[i].offset < limit:
+            c = self._small[i]
+            i += 1
+            if c not in seen and not self._is_cached(c):
+                seen.add(c)
+                out.append(c)
+        return out
 
     def _read_ahead(self, entry: Entry, offset: int, end: int, chunks: list[Chunk]) -> None:
         """Sequential reader of a big file: fetch the next chunks in the background."""

@@ -139,8 +139,8 @@ def test_lazy_pull_runs_without_downloading_the_layers(
 
 
 def test_gzip_image_runs_through_the_fallback(stack: LazyStack, registry: Registry) -> None:
-    # layers of their own (a marker file in each), so that no snapshot of another test's image
-    # (ctr-remote's zstd:chunked keeps diff IDs) can stand in for them
+    # layers of their own (a marker file in each), so that no lazily mounted snapshot
+    # with the same chain ID (a conversion may keep a layer's diff ID) can stand in for them
     layers = [[*layer, Entry(f"etc/fallback-{i}", data=b"fallback\n")]
               for i, layer in enumerate(rich_layers())]
     with RegistryClient() as reg:

@@ -16,9 +16,11 @@ import pytest
 from coldstart.errors import FailedPrecondition, IntegrityError, NotFound
 from coldstart.format.layer import ESTARGZ_TOC_DIGEST, ZSTD_CHUNKED_MANIFEST_CHECKSUM, open_layer
 from coldstart.format.readat import BytesReadAt
+from coldstart.snapshotter.fetcher import MAX_GAP
 from coldstart.snapshotter.fuse_client import FuseServerClient
 from coldstart.snapshotter.layerspec import LayerSpec
 from coldstart.snapshotter.mountsys import is_mountpoint
+from coldstart.snapshotter.reader import NEIGHBOR_BYTES
 from tests.fixtures.registry import Registry
 from tests.integration.lazy.lazy_helpers import (
     MTIME,
@@ -55,7 +57,7 @@ def tree() -> SourceTree:
     return metadata_tar()
 
 
-def _mount(server, proxy: Proxy,
+def _mount(server: Server, proxy: Proxy,
            tree: SourceTree, fmt: str, repo: str, **spec_changes: object
            ) -> tuple[Path, LayerSpec, bytes]:
     """Push ``tree`` as a ``fmt`` layer and mount it through the proxy."""
@@ -71,7 +73,7 @@ def _mount(server, proxy: Proxy,
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_files_and_metadata_through_the_mount(server, proxy: Proxy, tree: SourceTree,
+def test_files_and_metadata_through_the_mount(server: Server, proxy: Proxy, tree: SourceTree,
                                               fmt: str) -> None:
     mp, _spec, _ = _mount(server, proxy, tree, fmt, f"lazy/meta-{fmt.replace(':', '-')}")
     for name, data in tree.files.items():
@@ -118,27 +120,37 @@ def test_only_toc_and_read_chunks_are_fetched(server: Server, proxy: Proxy) -> N
     repo = "lazy/counted"
     before = len(proxy.blob_gets())
     mp, spec, blob = _mount(server, proxy, tree, "zstd:chunked", repo)
-    mount_gets = proxy.blob_gets()[before:]
-    assert len(mount_gets) == 1                      # footer + TOC: one tail read
     layer = open_layer(BytesReadAt(blob), annotations=spec.annotations)
-    small = ["etc/os-release", "usr/share/doc/f010.txt", "usr/bin/sudo"]
-    for name in small:
-        assert (mp / name).read_bytes() == tree.files[name]
+
+    def gets() -> int:
+        return len(proxy.blob_gets()) - before
+
+    def fetched() -> int:
+        st = next(s for s in client.status() if s["digest"] == spec.digest)
+        return int(st["fetched_bytes"])
+
+    assert gets() == 1 and fetched() == 0            # footer + TOC: one tail read
+    # a small file: one request for it and the small files stored after it (sudo among them)
+    assert (mp / "etc/os-release").read_bytes() == tree.files["etc/os-release"]
+    assert gets() == 2
+    first = fetched()
+    assert first >= sum(c.compressed_size for c in layer.resolve("usr/bin/sudo").chunks)
+    assert first <= NEIGHBOR_BYTES + 2 * MAX_GAP + 4096
+    assert (mp / "usr/bin/sudo").read_bytes() == tree.files["usr/bin/sudo"]
+    assert gets() == 2                               # already fetched with its neighbour
+    assert (mp / "usr/share/doc/f010.txt").read_bytes() == tree.files["usr/share/doc/f010.txt"]
+    assert gets() == 3
+    # 4 KiB in the middle of a 5 MiB file: exactly the chunk holding it, nothing else
     big = layer.resolve("usr/lib/big.so")
     off = 3 << 20
+    before_big = fetched()
     with open(mp / "usr/lib/big.so", "rb", buffering=0) as f:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)   # no kernel read-ahead
         assert os.pread(f.fileno(), 4096, off) == tree.files["usr/lib/big.so"][off:off + 4096]
-    want = set()
-    for name in small:
-        want.update(layer.resolve(name).chunks)
-    want.update(layer.chunks_for(big, off, 4096))
-    expected = sum(c.compressed_size for c in want)
-    st = next(s for s in client.status() if s["digest"] == spec.digest)
-    assert st["fetched_bytes"] == expected
-    assert st["fetched_bytes"] < len(blob) / 4
-    gets = proxy.blob_gets()[before:]
-    assert len(gets) == 1 + len(small) + 1           # one request per file, one for big.so
+    assert gets() == 4
+    assert fetched() - before_big == sum(c.compressed_size
+                                         for c in layer.chunks_for(big, off, 4096))
+    assert fetched() < len(blob) / 4
 
 
 def test_spec_without_annotations_resolves_them_from_the_manifest(server: Server, proxy: Proxy,

@@ -44,7 +44,7 @@ def test_wrapper_http_start_drift_and_drain(redis_server: str, tmp_path: Path) -
     args = ["--service", service, "--advertise", target, "--sink", redis_server,
             "--target", f"http://127.0.0.1:{port}/health", "--interval", "0.02",
             "--failures", "3", "--successes", "2", "--grace", "10", "--", sys.executable, APP,
-            "--port", str(port), "--load", "0.5", "--exit-code", "7", "--redis", redis_server,
+            "--port", str(port), "--load", "1.0", "--exit-code", "7", "--redis", redis_server,
             "--service", service, "--target", target, "--sigterm-file", str(marker)]
     try:
         with coldstart_probe(args, tmp_path / "probe.log") as proc:

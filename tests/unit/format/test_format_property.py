@@ -21,10 +21,11 @@ _node = st.one_of(
 
 
 @st.composite
-def trees(draw: st.DrawFn) -> bytes:
+def trees(draw: st.DrawFn) -> tuple[bytes, list[str]]:
     nodes = draw(st.dictionaries(_path, _node, min_size=1, max_size=12))
     buf = io.BytesIO()
     taken: set[str] = set()
+    files: list[str] = []
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
         for path, (kind, value) in sorted(nodes.items()):
             # A path below a non-directory cannot exist in a file system.
@@ -37,6 +38,7 @@ def trees(draw: st.DrawFn) -> bytes:
                 assert isinstance(value, bytes)
                 add(tf, path, value, mode=mode, mtime=mtime)
                 taken.add(path)
+                files.append(path)
             elif kind == "dir":
                 add(tf, path, type=tarfile.DIRTYPE, mode=mode, mtime=mtime)
             elif kind == "symlink":
@@ -46,11 +48,16 @@ def trees(draw: st.DrawFn) -> bytes:
             else:
                 add(tf, path, type=tarfile.FIFOTYPE, mtime=mtime)
                 taken.add(path)
-    return buf.getvalue()
+    prefetch = draw(st.lists(st.sampled_from(files), unique=True)) if files else []
+    return buf.getvalue(), prefetch
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(tar=trees(), fmt=st.sampled_from(FORMATS), chunk=st.sampled_from([4096, 16384]))
-def test_random_trees_round_trip(tar: bytes, fmt: str, chunk: int) -> None:
-    c = convert(tar, fmt, chunk_size=chunk, threads=2)
+@given(tree=trees(), fmt=st.sampled_from(FORMATS), chunk=st.sampled_from([4096, 16384]))
+def test_random_trees_round_trip(tree: tuple[bytes, list[str]], fmt: str, chunk: int) -> None:
+    tar, prefetch = tree
+    c = convert(tar, fmt, chunk_size=chunk, threads=2, prefetch=prefetch or None)
     assert_same_as_tar(c.layer, tar)
+    # Prefetched files come first, in the order asked (their parents may precede them).
+    placed = [n for n in c.layer.toc.prefetch if n in prefetch]
+    assert placed == prefetch
