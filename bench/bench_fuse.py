@@ -161,6 +161,8 @@ def main() -> None:
     registry = next(reg_gen)
     try:
         print(f"building layers in {work} ...", flush=True)
+        if big_size <= 0:
+            raise SystemExit("--big-mib must be positive")
         big_tar(work / "big.tar", big_size)
         tmpfs_tree = shm / "tree"
         tmpfs_tree.mkdir()

@@ -353,7 +353,7 @@ def main() -> None:
         if mode not in results:
             continue
         for name, s in results[mode]["loaders"].items():
-            table.append(f"| {mode} | {name} | {s['median_gb_per_s']:.2f} | "
+            table.append(f"| {mode} | {name} | {s['median_gb_per_s']:.3f} | "
                          f"{s['peak_rss_bytes'] / 1e9:.2f} | {s['rss_before_bytes'] / 1e9:.2f} |")
         for key, value in results[mode].items():
             if key.startswith("ratio"):

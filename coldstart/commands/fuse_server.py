@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import click
 
@@ -26,7 +27,8 @@ def fuse_server(config_path: str | None, root: str | None, socket_path: str | No
     if root:
         cfg = dataclasses.replace(cfg, root=root)
     logging.basicConfig(
-        level=getattr(logging, cfg.log_level.upper(), logging.INFO),
+        level=(logging.DEBUG if os.environ.get("COLDSTART_FUSE_DEBUG") == "1"
+               else getattr(logging, cfg.log_level.upper(), logging.INFO)),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # one line per range request would drown the data path's own log lines
     logging.getLogger("httpx").setLevel(logging.WARNING)

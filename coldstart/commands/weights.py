@@ -24,30 +24,37 @@ def _source_help() -> str:
 
 
 def _options(f: Any) -> Any:
-    f = click.option("--device", default="cpu", show_default=True, metavar="cpu|cuda[:N]",
-                     help="Where the tensors go. cuda streams through pinned staging buffers "
-                          "with async host-to-device copies.")(f)
-    f = click.option("--dtype", type=click.Choice(sorted(_DTYPES)),
-                     help="Convert floating-point tensors to this dtype (on the device).")(f)
-    f = click.option("--concurrency", type=click.IntRange(1, 256), default=16, show_default=True,
-                     help="Parallel reads (threads; each read is one preadv or ranged GET).")(f)
-    f = click.option("--chunk-mb", type=click.FloatRange(0.01), default=16.0, show_default=True,
-                     help="Largest single read, MiB.")(f)
+    # Applied last-first, so --help lists them in this file's order.
+    f = click.option("--timeout", type=click.FloatRange(0.1), default=30.0, show_default=True,
+                     help="Deadline of each network request, seconds.")(f)
+    f = click.option("--only", "only", multiple=True, metavar="NAME",
+                     help="Load only this tensor (repeat for several).")(f)
+    f = click.option("--cpu-mode", type=click.Choice(["auto", "mmap", "read"]), default="auto",
+                     show_default=True,
+                     help="Local files to cpu: mmap = copy-on-write map populated in parallel "
+                          "(page cache views, no copy); read = preadv into fresh private "
+                          "tensors; auto = mmap unless --direct.")(f)
+    f = click.option("--direct", is_flag=True,
+                     help="Local files: read with O_DIRECT (bypass the page cache).")(f)
     f = click.option("--max-host-mb", type=click.FloatRange(1), default=512.0,
                      show_default=True,
                      help="Cap on pinned staging memory for --device cuda, MiB.")(f)
-    f = click.option("--direct", is_flag=True,
-                     help="Local files: read with O_DIRECT (bypass the page cache).")(f)
-    f = click.option("--only", "only", multiple=True, metavar="NAME",
-                     help="Load only this tensor (repeat for several).")(f)
-    f = click.option("--timeout", type=click.FloatRange(0.1), default=30.0, show_default=True,
-                     help="Deadline of each network request, seconds.")(f)
+    f = click.option("--chunk-mb", type=click.FloatRange(0.01), default=16.0, show_default=True,
+                     help="Largest single read, MiB.")(f)
+    f = click.option("--concurrency", type=click.IntRange(1, 256),
+                     help="Parallel reads (threads; each read is one preadv, populate or ranged "
+                          "GET). Default: 16 for network sources, a few per core for files.")(f)
+    f = click.option("--dtype", type=click.Choice(sorted(_DTYPES)),
+                     help="Convert floating-point tensors to this dtype (on the device).")(f)
+    f = click.option("--device", default="cpu", show_default=True, metavar="cpu|cuda[:N]",
+                     help="Where the tensors go. cuda streams through pinned staging buffers "
+                          "with async host-to-device copies.")(f)
     return f
 
 
-def _kwargs(device: str, dtype: str | None, concurrency: int, chunk_mb: float,
+def _kwargs(device: str, dtype: str | None, concurrency: int | None, chunk_mb: float,
             max_host_mb: float, direct: bool, only: tuple[str, ...], timeout: float,
-            ) -> dict[str, Any]:
+            cpu_mode: str) -> dict[str, Any]:
     import torch
 
     return {
@@ -57,6 +64,7 @@ def _kwargs(device: str, dtype: str | None, concurrency: int, chunk_mb: float,
         "chunk_bytes": max(4096, int(chunk_mb * (1 << 20))),
         "max_host_bytes": int(max_host_mb * (1 << 20)),
         "direct": direct,
+        "cpu_mode": cpu_mode,
         "select": list(only) or None,
         "timeout": timeout,
     }
@@ -97,14 +105,16 @@ def weights() -> None:
 @click.option("--list", "list_tensors", is_flag=True, help="Also print each tensor's name, "
               "dtype and shape.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def load_cmd(source: str, device: str, dtype: str | None, concurrency: int, chunk_mb: float,
-             max_host_mb: float, direct: bool, only: tuple[str, ...], timeout: float,
-             as_json: bool, list_tensors: bool, quiet: bool) -> None:
+def load_cmd(source: str, device: str, dtype: str | None, concurrency: int | None,
+             chunk_mb: float, max_host_mb: float, direct: bool, cpu_mode: str,
+             only: tuple[str, ...], timeout: float, as_json: bool, list_tensors: bool,
+             quiet: bool) -> None:
     """Load SOURCE once and report tensors, bytes, time and GB/s.
 
     Example: coldstart weights load s3://models/llama/3/ --device cuda
     """
-    kwargs = _kwargs(device, dtype, concurrency, chunk_mb, max_host_mb, direct, only, timeout)
+    kwargs = _kwargs(device, dtype, concurrency, chunk_mb, max_host_mb, direct, only, timeout,
+                     cpu_mode)
     tensors, stats = _load_once(source, kwargs, show_progress=not quiet and not as_json)
     report = {"source": source, "path": stats.path, "files": stats.files,
               "tensors": stats.tensors, "bytes": stats.bytes, "seconds": round(stats.seconds, 4),
@@ -132,14 +142,16 @@ def load_cmd(source: str, device: str, dtype: str | None, concurrency: int, chun
               help="Local files: drop them from the page cache before each run "
                    "(posix_fadvise DONTNEED) to measure cold reads.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
-def bench_cmd(source: str, device: str, dtype: str | None, concurrency: int, chunk_mb: float,
-              max_host_mb: float, direct: bool, only: tuple[str, ...], timeout: float, runs: int,
-              evict: bool, as_json: bool) -> None:
+def bench_cmd(source: str, device: str, dtype: str | None, concurrency: int | None,
+              chunk_mb: float, max_host_mb: float, direct: bool, cpu_mode: str,
+              only: tuple[str, ...], timeout: float, runs: int, evict: bool,
+              as_json: bool) -> None:
     """Load SOURCE --runs times; report each run's GB/s and the median.
 
     Example: coldstart weights bench ./model.safetensors --runs 5 --evict
     """
-    kwargs = _kwargs(device, dtype, concurrency, chunk_mb, max_host_mb, direct, only, timeout)
+    kwargs = _kwargs(device, dtype, concurrency, chunk_mb, max_host_mb, direct, only, timeout,
+                     cpu_mode)
     if evict and "://" in source:
         raise InvalidArgument("--evict works on local files only")
     rates: list[float] = []

@@ -7,6 +7,8 @@ mapping, verified chunk decoding). Write: ``convert_layer(src, dst, format=...)`
 from coldstart.format.layer import (
     ESTARGZ_TOC_DIGEST,
     ESTARGZ_UNCOMPRESSED_SIZE,
+    MEDIA_TYPE_GZIP,
+    MEDIA_TYPE_ZSTD,
     ZSTD_CHUNKED_MANIFEST_CHECKSUM,
     ZSTD_CHUNKED_MANIFEST_POSITION,
     ZSTD_CHUNKED_TARSPLIT_POSITION,
@@ -15,12 +17,15 @@ from coldstart.format.layer import (
     open_layer,
 )
 from coldstart.format.readat import BytesReadAt, CountingReadAt, FileReadAt, ReadAt
-from coldstart.format.toc import TOC, Chunk, Entry
-from coldstart.format.writer import LayerResult, convert_layer
+from coldstart.format.toc import TOC, Chunk, Entry, normalize_name
+from coldstart.format.writer import DEFAULT_CHUNK_SIZE, LayerResult, convert_layer
 
 __all__ = [
+    "DEFAULT_CHUNK_SIZE",
     "ESTARGZ_TOC_DIGEST",
     "ESTARGZ_UNCOMPRESSED_SIZE",
+    "MEDIA_TYPE_GZIP",
+    "MEDIA_TYPE_ZSTD",
     "TOC",
     "ZSTD_CHUNKED_MANIFEST_CHECKSUM",
     "ZSTD_CHUNKED_MANIFEST_POSITION",
@@ -35,5 +40,6 @@ __all__ = [
     "SeekableLayer",
     "convert_layer",
     "is_seekable",
+    "normalize_name",
     "open_layer",
 ]

@@ -29,12 +29,14 @@ def gunzip_member(data: bytes, limit: int, *, what: str) -> tuple[bytes, bool]:
     buf = data
     try:
         while len(out) < limit:
+            before = len(buf)
             piece = d.decompress(buf, min(_STEP, limit - len(out)))
             out += piece
             buf = d.unconsumed_tail
             if d.eof:
                 return bytes(out), False
-            if not piece and not buf:
+            if not piece and (not buf or len(buf) == before):
+                # No input left, or none consumed: the member ends early (never spin).
                 raise FormatError(f"{what}: gzip member is truncated "
                                   f"({len(out)} of at least {limit} bytes)")
         more = bool(d.decompress(buf, 1)) if not d.eof else False

@@ -251,9 +251,10 @@ def entry_json(e: Entry, *, offset: int = 0, end_offset: int | None = None) -> d
     out["modtime"] = format_rfc3339(e.mtime_ns)
     if e.link_name:
         out["linkName"] = e.link_name
-    out["mode"] = e.mode
-    out["uid"] = e.uid
-    out["gid"] = e.gid
+    # Zero values are left out, as Go's omitempty does: the reader's defaults are zero.
+    for key, value in (("mode", e.mode), ("uid", e.uid), ("gid", e.gid)):
+        if value:
+            out[key] = value
     if e.uname:
         out["userName"] = e.uname
     if e.gname:

@@ -166,7 +166,7 @@ class _ZstdFrames(io.RawIOBase):
 class _Readahead(io.RawIOBase):
     """Decompress the input in a background thread (zlib/zstd release the GIL), 1 MiB ahead.
 
-    Errors raised there are re-raised in the reader; ``close`` stops the thread.
+    Errors raised there are re-raised in the reader; ``close`` stops and joins the thread.
     """
 
     _BLOCK = 1 << 20
@@ -217,7 +217,10 @@ class _Readahead(io.RawIOBase):
         return n
 
     def close(self) -> None:
+        # Join, so that nothing reads the caller's stream once convert_layer has returned
+        # (a caller may go on reading it, e.g. to hash the rest).
         self._stop.set()
+        self._thread.join()
         super().close()
 
 

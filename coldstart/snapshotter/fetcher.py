@@ -221,10 +221,15 @@ class ChunkFetcher:
             return len(self._inflight)
 
     def request(self, target: FetchTarget, chunks: Iterable[Chunk], *,
-                background: bool = False) -> dict[Chunk, Future[bytes]]:
-        """Start fetching ``chunks`` (those not already in flight); a future for each."""
+                background: bool = False,
+                max_bytes: int | None = None) -> dict[Chunk, Future[bytes]]:
+        """Start fetching ``chunks`` (those not already in flight); a future for each.
+
+        ``max_bytes`` lowers the coalescing limit (read-ahead splits its chunks over several
+        requests so that the pool fetches and decodes them in parallel).
+        """
         out: dict[Chunk, Future[bytes]] = {}
-        new: list[Chunk] = []
+        mine: dict[Chunk, Future[bytes]] = {}
         with self._lock:
             if self._closed:
                 raise Unavailable("the FUSE server is shutting down")
@@ -236,26 +241,43 @@ class ChunkFetcher:
                 if fut is None:
                     fut = Future()
                     self._inflight[k] = fut
-                    new.append(c)
+                    mine[c] = fut
                 out[c] = fut
-            groups = coalesce(new, self.max_coalesce_bytes, self.max_gap)
-            if not background:
+        # A chunk not in flight may have been cached since the caller looked (a fetch stores
+        # its chunks before it leaves the in-flight table): serve those from the cache.
+        new: list[Chunk] = []
+        for c, fut in mine.items():
+            data = None
+            if c.digest and self.cache is not None:
+                data = self.cache.get(c.digest, expected_size=c.chunk_size)
+            if data is None:
+                new.append(c)
+                continue
+            self._release(target, c, fut)
+            fut.set_result(data)
+        limit = self.max_coalesce_bytes if max_bytes is None else \
+            max(1, min(max_bytes, self.max_coalesce_bytes))
+        groups = coalesce(new, limit, self.max_gap)
+        if not background:
+            with self._lock:
                 self._foreground += len(groups)
         for g in groups:
+            owned = {c: mine[c] for c in g}
             run: Callable[[], None]
             if background:
-                def run(g: list[Chunk] = g) -> None:
+                def run(owned: dict[Chunk, Future[bytes]] = owned) -> None:
                     self._wait_foreground_idle()
-                    self._fetch_group(target, g, False)
+                    self._fetch_group(target, owned, False)
                 pool = self._bg_pool
             else:
-                def run(g: list[Chunk] = g) -> None:
-                    self._fetch_group(target, g, True)
+                def run(owned: dict[Chunk, Future[bytes]] = owned) -> None:
+                    self._fetch_group(target, owned, True)
                 pool = self._pool
             try:
                 pool.submit(run)
             except RuntimeError as exc:  # pool shut down under us
-                self._fail(target, g, Unavailable(f"fetch not started: {exc}"), not background)
+                self._settle_all(target, owned, Unavailable(f"fetch not started: {exc}"),
+                                 not background)
         return out
 
     def _wait_foreground_idle(self) -> None:
@@ -263,18 +285,27 @@ class ChunkFetcher:
             while self._foreground > 0 and not self._closed:
                 self._idle.wait(0.5)
 
-    def _fail(self, target: FetchTarget, group: list[Chunk], exc: BaseException,
-              foreground: bool) -> None:
+    def _release(self, target: FetchTarget, c: Chunk, fut: Future[bytes]) -> None:
+        """Leave the in-flight table (only if the entry is still this fetch's)."""
+        k = _key(target, c)
         with self._lock:
-            futs = [self._inflight.pop(_key(target, c), None) for c in group]
-            if foreground:
+            if self._inflight.get(k) is fut:
+                del self._inflight[k]
+
+    def _settle_all(self, target: FetchTarget, owned: dict[Chunk, Future[bytes]],
+                    exc: BaseException, foreground: bool) -> None:
+        for c, fut in owned.items():
+            self._release(target, c, fut)
+            if not fut.done():
+                fut.set_exception(exc)
+        if foreground:
+            with self._lock:
                 self._foreground -= 1
                 self._idle.notify_all()
-        for f in futs:
-            if f is not None and not f.done():
-                f.set_exception(exc)
 
-    def _fetch_group(self, target: FetchTarget, group: list[Chunk], foreground: bool) -> None:
+    def _fetch_group(self, target: FetchTarget, owned: dict[Chunk, Future[bytes]],
+                     foreground: bool) -> None:
+        group = sorted(owned, key=lambda c: (c.offset, c.inner_offset))
         start = group[0].offset
         end = max(c.end_offset for c in group)
         try:
@@ -288,7 +319,7 @@ class ChunkFetcher:
             if self.telemetry is not None:
                 self.telemetry.error(kind)
             err = exc if isinstance(exc, ColdstartError) else Unavailable(msg)
-            self._fail(target, group, err, foreground)
+            self._settle_all(target, owned, err, foreground)
             return
         with target.stats._lock:
             target.stats.fetched_bytes += len(raw)
@@ -296,40 +327,43 @@ class ChunkFetcher:
             target.stats.chunks_fetched += len(group)
         if self.telemetry is not None:
             self.telemetry.fetched(target.digest, len(raw))
-        results: list[tuple[Chunk, bytes | BaseException]] = []
-        for c in group:
-            try:
-                data = target.layer.decode_chunk(c, raw[c.offset - start : c.end_offset - start])
-            except BaseException as exc:
-                kind = type(exc).__name__
-                msg = (f"layer {target.digest}: {kind}: {exc} (chunk {c.digest or '-'} "
-                       f"at blob offset {c.offset}); not cached")
-                log.error("%s", msg)
-                target.stats.record_error(msg)
-                if self.telemetry is not None:
-                    self.telemetry.error(kind)
-                results.append((c, type(exc)(msg) if isinstance(exc, ColdstartError)
-                                else Unavailable(msg)))
-                continue
+        try:
+            for c in group:
+                self._finish_chunk(target, c, owned[c], raw, start)
+        finally:
+            # normally all settled already; this only catches an unexpected failure
+            self._settle_all(target, owned,
+                             Unavailable(f"layer {target.digest}: fetch aborted"), foreground)
+
+    def _finish_chunk(self, target: FetchTarget, c: Chunk, fut: Future[bytes], raw: bytes,
+                      start: int) -> None:
+        """Decode and verify one fetched chunk, cache it, and wake its readers right away."""
+        res: bytes | BaseException
+        try:
+            res = target.layer.decode_chunk(c, raw[c.offset - start : c.end_offset - start])
+        except Exception as exc:
+            kind = type(exc).__name__
+            msg = (f"layer {target.digest}: {kind}: {exc} (chunk {c.digest or '-'} "
+                   f"at blob offset {c.offset}); not cached")
+            log.error("%s", msg)
+            target.stats.record_error(msg)
+            if self.telemetry is not None:
+                self.telemetry.error(kind)
+            res = type(exc)(msg) if isinstance(exc, ColdstartError) else Unavailable(msg)
+        else:
             if c.digest and self.cache is not None:
                 try:
-                    self.cache.put(c.digest, data, verified=True)
+                    self.cache.put_async(c.digest, res, verified=True)
                 except (OSError, ColdstartError) as exc:
                     log.warning("layer %s: caching chunk %s failed: %s", target.digest,
                                 c.digest, exc)
-            results.append((c, data))
-        with self._lock:
-            futs = [self._inflight.pop(_key(target, c), None) for c, _ in results]
-            if foreground:
-                self._foreground -= 1
-                self._idle.notify_all()
-        for f, (_, res) in zip(futs, results, strict=True):
-            if f is None or f.done():
-                continue
-            if isinstance(res, BaseException):
-                f.set_exception(res)
-            else:
-                f.set_result(res)
+        self._release(target, c, fut)   # after the put: a later reader finds it cached
+        if fut.done():
+            return
+        if isinstance(res, BaseException):
+            fut.set_exception(res)
+        else:
+            fut.set_result(res)
 
 
 def wait_for(fut: Future[bytes], deadline: float, what: str) -> bytes:

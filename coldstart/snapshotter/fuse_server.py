@@ -151,7 +151,6 @@ class FuseServer:
         self.fuse_dir.mkdir(parents=True, exist_ok=True)
         listener = self._listen()
         fuse_init(self.fs, str(self.fuse_dir))
-        set_read_ahead(str(self.fuse_dir), self.config.fuse.read_ahead_kb)
         if self.metrics_address:
             self.metrics.serve(self.metrics_address)
         log.info("FUSE server pid %d: %s mounted, control socket %s", os.getpid(),
@@ -170,6 +169,8 @@ class FuseServer:
                 nursery.cancel_scope.cancel()
         finally:
             self.fetcher.close()
+            with contextlib.suppress(Exception):
+                self.cache.close()
             with contextlib.suppress(Exception):
                 fuse_close(unmount=True)
             with contextlib.suppress(Exception):
@@ -211,6 +212,11 @@ class FuseServer:
 
     async def _restore(self, records: list[Any]) -> None:
         try:
+            # The kernel caps read-ahead at what FUSE_INIT negotiated (128 KiB); once INIT is
+            # done (a stat of the mount waits for it), the bdi setting may be raised.
+            await trio.to_thread.run_sync(os.stat, self.fuse_dir)
+            if not set_read_ahead(str(self.fuse_dir), self.config.fuse.read_ahead_kb):
+                log.warning("read_ahead_kb of %s not set", self.fuse_dir)
             await self._restore_all(records)
         finally:
             if self._restored is not None:
@@ -218,6 +224,11 @@ class FuseServer:
 
     async def _restore_all(self, records: list[Any]) -> None:
         for rec in records:
+            if not await trio.to_thread.run_sync(os.path.isdir, rec.mountpoint):
+                # the snapshot was removed while we were down: nothing to restore
+                log.warning("restore %s: the mountpoint is gone; record dropped", rec.mountpoint)
+                await trio.to_thread.run_sync(self.state.remove, rec.mountpoint)
+                continue
             try:
                 await self.mount(rec.mountpoint, rec.spec, restoring=True)
                 log.info("restored %s (%s)", rec.mountpoint, rec.spec.digest)

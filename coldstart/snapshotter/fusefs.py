@@ -54,6 +54,7 @@ _HIDDEN = {PREFETCH_LANDMARK, NO_PREFETCH_LANDMARK}
 #: Top-level (per layer) names come and go; the kernel re-checks them after this long.
 _TOP_ENTRY_TIMEOUT = 1.0
 _BLKSIZE = 128 << 10
+_DEBUG = os.environ.get("COLDSTART_FUSE_DEBUG") == "1"
 
 
 def mount_options(fsname: str = "coldstart-lazy") -> set[str]:
@@ -403,6 +404,16 @@ class FuseFS(pyfuse3.Operations):
         entry = tree.entries[fh - tree.base]
         if off >= entry.size:
             return b""
+        if _DEBUG:
+            log.debug("read size %d at %d of %r", size, off, entry.name)
+        # Fast path, in the loop: every chunk is in the local chunk cache (a pread each). A
+        # thread hop costs more than that; only fetches go to worker threads.
+        try:
+            cached = tree.reader.read_cached(entry, off, size)
+        except ColdstartError:
+            cached = None
+        if cached is not None:
+            return cached
         try:
             data: bytes = await trio.to_thread.run_sync(
                 tree.reader.read, entry, off, size, limiter=self._limiter)
@@ -415,7 +426,9 @@ class FuseFS(pyfuse3.Operations):
         return data
 
     async def flush(self, fh: int) -> None:
-        return None
+        # Read-only: nothing to flush. ENOSYS makes the kernel stop sending FLUSH on every
+        # close (one request per file saved).
+        raise pyfuse3.FUSEError(errno.ENOSYS)
 
     async def release(self, fh: int) -> None:
         return None

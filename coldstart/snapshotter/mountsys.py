@@ -64,8 +64,10 @@ def mounted_paths() -> list[tuple[str, str]]:
 
 
 def is_mountpoint(path: str) -> bool:
-    """Whether ``path`` is a mount point (read from mountinfo; the path is not touched)."""
-    target = os.path.abspath(path)
+    """Whether ``path`` is a mount point (read from mountinfo; ``path`` itself is not
+    touched, only its parent is resolved)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    target = os.path.join(os.path.realpath(parent), name)
     return any(p == target for p, _ in mounted_paths())
 
 

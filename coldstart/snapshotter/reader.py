@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 SMALL_FILE_BYTES = 1 << 20
 #: Compressed bytes fetched ahead of a sequential reader.
 READAHEAD_BYTES = 8 << 20
+#: Read-ahead is split into requests of about this size, fetched and decoded in parallel.
+READAHEAD_REQUEST = 1 << 20
 #: A small file's miss also fetches the small files stored after it, up to this many
 #: compressed bytes, in the same request (a package's modules are read together).
 NEIGHBOR_BYTES = 256 << 10
@@ -77,6 +79,7 @@ class LayerReader:
         self.stats = LayerStats()
         self.target = FetchTarget(digest, layer, source, self.stats)
         self._last_end: dict[str, int] = {}
+        self._chunk_starts: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -102,6 +105,40 @@ class LayerReader:
 
     def _is_cached(self, c: Chunk) -> bool:
         return c.zeros or (bool(c.digest) and self.cache is not None and c.digest in self.cache)
+
+    def read_cached(self, entry: Entry, offset: int, length: int) -> bytes | None:
+        """The bytes if every chunk they need is local (cache or hole), else None; no fetch."""
+        if entry.type != "reg":
+            return None
+        end = min(entry.size, offset + length)
+        if offset >= end:
+            return b""
+        t0 = time.monotonic()
+        pieces: list[bytes] = []
+        chunks = self.layer.chunks_for(entry, offset, length)
+        for c in chunks:
+            lo = max(offset, c.chunk_offset) - c.chunk_offset
+            hi = min(end, c.chunk_offset + c.chunk_size) - c.chunk_offset
+            if c.zeros:
+                pieces.append(bytes(hi - lo))
+                continue
+            if not c.digest or self.cache is None:
+                return None
+            data = self.cache.read(c.digest, lo, hi - lo, expected_size=c.chunk_size)
+            if data is None:
+                return None
+            pieces.append(data)
+        tel = self.fetcher.telemetry
+        if tel is not None:
+            tel.cache_hit(end - offset)
+            tel.read_done(time.monotonic() - t0)
+        if any(offset <= c.chunk_offset < end for c in chunks):
+            # entering a new chunk: keep the read-ahead window ahead of a sequential reader
+            self._read_ahead(entry, offset, end, chunks)
+        else:
+            with self._lock:
+                self._last_end[entry.name] = end
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     def read(self, entry: Entry, offset: int, length: int) -> bytes:
         """Bytes ``[offset, offset+length)`` of regular file ``entry`` (short at its end).
@@ -192,24 +229,29 @@ class LayerReader:
                 self._last_end.clear()
         if not sequential:
             return
-        last = chunks[-1]
+        i = bisect.bisect_right(self._starts(entry), chunks[-1].chunk_offset)
         ahead: list[Chunk] = []
         budget = self.readahead_bytes
-        started = False
-        for c in entry.chunks:
-            if not started:
-                started = c is last or c == last
-                continue
-            if budget <= 0:
-                break
+        while i < len(entry.chunks) and budget > 0:
+            c = entry.chunks[i]
+            i += 1
             budget -= c.compressed_size
             if not self._is_cached(c):
                 ahead.append(c)
         if ahead:
             try:
-                self.fetcher.request(self.target, ahead)
+                self.fetcher.request(self.target, ahead, max_bytes=READAHEAD_REQUEST)
             except ColdstartError:
                 pass
+
+    def _starts(self, entry: Entry) -> list[int]:
+        starts = self._chunk_starts.get(entry.name)
+        if starts is None:
+            starts = [c.chunk_offset for c in entry.chunks]
+            if len(self._chunk_starts) > 1024:
+                self._chunk_starts.clear()
+            self._chunk_starts[entry.name] = starts
+        return starts
 
     # -- prefetch --------------------------------------------------------------------------
 

@@ -123,7 +123,7 @@ class Opener:
         """Open one file."""
         scheme = self._scheme(location)
         if scheme == "s3":
-            return S3Source(location, client=self.s3())
+            return S3Source(location, client=self.s3(), timeout=self.timeout)
         if scheme in ("http", "https"):
             return HttpSource(location, client=self.http(), timeout=self.timeout)
         if scheme == "oci":

@@ -86,7 +86,10 @@ class ModelWatcher(Generic[T]):
             self._record(exc, None)
             return False
         current = self._current
-        if wanted is None or (current is not None and current.version == wanted):
+        if current is not None and current.version == wanted:
+            self._failed = None  # the pointer came back: a refused version may be tried again
+            return False
+        if wanted is None:
             return False
         if wanted == self._failed:
             return False  # already refused; wait for the pointer to move again

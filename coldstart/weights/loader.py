@@ -22,7 +22,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -281,7 +281,7 @@ def iter_load(
     timeout: float = 30.0,
     progress: Callable[[int], None] | None = None,
     stats: LoadStats | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> Generator[tuple[str, torch.Tensor], None, None]:
     """Yield ``(name, tensor)`` as soon as each tensor's bytes are in place.
 
     ``source``: a ``.safetensors`` file, a ``model.safetensors.index.json``, or a folder holding
@@ -475,6 +475,10 @@ def _run(ckpt: Checkpoint, reads: list[_Read], dev: torch.device, dtype: torch.d
         for f in futures:
             f.cancel()
         pool.shutdown(wait=True)
+        if cuda:
+            # On an early stop, copies may still target tensors about to be freed: let them land
+            # before the allocator can hand that memory out again.
+            torch.cuda.synchronize(dev)
 
 
 def load(

@@ -11,15 +11,19 @@ Third-party errors are mapped here, once, to :mod:`coldstart.errors`.
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
+import random
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from coldstart.errors import (
     DeadlineExceeded,
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     Unavailable,
@@ -38,6 +42,7 @@ __all__ = [
 _IOV_MAX = 1024
 _NET_PIECE = 1 << 20
 _ALIGN = 4096
+log = logging.getLogger(__name__)
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
 
 
@@ -79,6 +84,23 @@ def _fill_from_chunks(name: str, offset: int, buffers: Sequence[memoryview],
         idx, pos = idx + 1, 0
     if idx != len(buffers):
         raise Unavailable(f"{name}: short read at offset {offset} (connection closed early)")
+
+
+def _with_retries(what: str, budget: float, attempt_fn: Callable[[], None],
+                  retries: int = 3) -> None:
+    """Run ``attempt_fn``; retry :class:`Unavailable` (not NotFound) with jittered backoff
+    while the total ``budget`` (seconds) lasts. A retry rewrites the whole range: idempotent."""
+    deadline = time.monotonic() + budget
+    for attempt in range(retries + 1):
+        try:
+            attempt_fn()
+            return
+        except Unavailable as exc:
+            pause = min(2.0, 0.1 * 2**attempt) * (0.5 + random.random())
+            if attempt == retries or time.monotonic() + pause >= deadline:
+                raise
+            log.warning("%s: %s; retrying in %.2f s", what, exc, pause)
+            time.sleep(pause)
 
 
 def _bytes_view(buf: memoryview) -> memoryview:
@@ -255,6 +277,7 @@ class HttpSource:
 
         self.name = url
         self._httpx = httpx
+        self._timeout = timeout
         self._own = client is None
         self._client: httpx.Client = client or httpx.Client(
             timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
@@ -279,16 +302,27 @@ class HttpSource:
     def size(self) -> int:
         with self._lock:
             if self._size is None:
-                try:
-                    resp = self._client.head(self.name)
-                except self._httpx.HTTPError as exc:
-                    raise self._map(exc, "HEAD") from exc
-                self._check(resp.status_code, "HEAD")
-                length = resp.headers.get("content-length")
-                if length is None:
-                    raise Unavailable(f"{self.name}: server gave no Content-Length")
-                self._size = int(length)
+                self._size = self._probe_size()
             return self._size
+
+    def _probe_size(self) -> int:
+        try:
+            resp = self._client.head(self.name)
+            if resp.status_code in (403, 405):
+                # Presigned URLs sign one method: ask for the first byte and read Content-Range.
+                with self._client.stream("GET", self.name, headers={"Range": "bytes=0-0"}) as r:
+                    self._check(r.status_code, "GET bytes=0-0")
+                    total = r.headers.get("content-range", "").rpartition("/")[2]
+                    if r.status_code == 206 and total.isdigit():
+                        return int(total)
+                    resp = r
+        except self._httpx.HTTPError as exc:
+            raise self._map(exc, "HEAD") from exc
+        self._check(resp.status_code, "HEAD")
+        length = resp.headers.get("content-length")
+        if length is None or not length.isdigit():
+            raise Unavailable(f"{self.name}: server gave no Content-Length")
+        return int(length)
 
     def read_into(self, offset: int, buffers: Sequence[memoryview]) -> None:
         total = sum(b.nbytes for b in buffers)
@@ -296,16 +330,21 @@ class HttpSource:
             return
         headers = {"Range": f"bytes={offset}-{offset + total - 1}",
                    "Accept-Encoding": "identity"}
-        try:
-            with self._client.stream("GET", self.name, headers=headers) as resp:
-                self._check(resp.status_code, "range GET")
-                if resp.status_code != 206:
-                    raise Unavailable(f"{self.name}: server ignored Range "
-                                      f"(HTTP {resp.status_code}, expected 206)")
-                _fill_from_chunks(self.name, offset, [_bytes_view(b) for b in buffers],
-                                  resp.iter_raw(_NET_PIECE))
-        except self._httpx.HTTPError as exc:
-            raise self._map(exc, f"range GET at {offset}") from exc
+        views = [_bytes_view(b) for b in buffers]
+
+        def attempt() -> None:
+            try:
+                with self._client.stream("GET", self.name, headers=headers) as resp:
+                    self._check(resp.status_code, "range GET")
+                    if resp.status_code != 206:
+                        raise FailedPrecondition(
+                            f"{self.name}: server ignored Range (HTTP {resp.status_code}, "
+                            "expected 206)")
+                    _fill_from_chunks(self.name, offset, views, resp.iter_raw(_NET_PIECE))
+            except self._httpx.HTTPError as exc:
+                raise self._map(exc, f"range GET at {offset}") from exc
+
+        _with_retries(f"{self.name} at {offset}", self._timeout * 2, attempt)
 
     def close(self) -> None:
         if self._own:
@@ -383,6 +422,7 @@ class S3Source:
         self.bucket, self.key = split_s3_url(url)
         self._errors = (BotoCoreError, ClientError)
         self._client = client or s3_client(concurrency=concurrency, timeout=timeout)
+        self._timeout = timeout
         self._size: int | None = None
         self._lock = threading.Lock()
 
@@ -400,17 +440,23 @@ class S3Source:
         total = sum(b.nbytes for b in buffers)
         if total == 0:
             return
-        try:
-            resp = self._client.get_object(Bucket=self.bucket, Key=self.key,
-                                           Range=f"bytes={offset}-{offset + total - 1}")
-            body = resp["Body"]
+        views = [_bytes_view(b) for b in buffers]
+
+        def attempt() -> None:
             try:
-                _fill_from_chunks(self.name, offset, [_bytes_view(b) for b in buffers],
-                                  iter(lambda: body.read(_NET_PIECE), b""))
-            finally:
-                body.close()
-        except self._errors as exc:
-            raise map_s3_error(exc, f"{self.name} at {offset}") from exc
+                resp = self._client.get_object(Bucket=self.bucket, Key=self.key,
+                                               Range=f"bytes={offset}-{offset + total - 1}")
+                body = resp["Body"]
+                try:
+                    _fill_from_chunks(self.name, offset, views,
+                                      iter(lambda: body.read(_NET_PIECE), b""))
+                finally:
+                    body.close()
+            except self._errors as exc:
+                raise map_s3_error(exc, f"{self.name} at {offset}") from exc
+
+        # botocore retries failed requests; this covers a body cut off mid-stream.
+        _with_retries(f"{self.name} at {offset}", self._timeout * 2, attempt)
 
     def close(self) -> None:
         pass

@@ -169,8 +169,8 @@ def write_config(path: Path, root: Path, *, registry_host: str, read_deadline: f
 
 @contextlib.contextmanager
 def fuse_server(tmp: Path, *, registry_host: str, log_name: str = "fuse-server.log",
-                **config: float | int) -> Iterator[tuple[subprocess.Popen[bytes], FuseServerClient,
-                                                         Path]]:
+                extra_args: tuple[str, ...] = (), **config: float | int
+                ) -> Iterator[tuple[subprocess.Popen[bytes], FuseServerClient, Path]]:
     """Start ``coldstart fuse-server`` for a test; stop it and unmount everything after."""
     root = tmp / "root"
     root.mkdir(exist_ok=True)
@@ -181,7 +181,8 @@ def fuse_server(tmp: Path, *, registry_host: str, log_name: str = "fuse-server.l
         sock.unlink()
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     try:
-        with daemon([sys.executable, "-m", "coldstart.cli", "fuse-server", "--config", str(cfg)],
+        with daemon([sys.executable, "-m", "coldstart.cli", "fuse-server", "--config", str(cfg),
+                     *extra_args],
                     log=tmp / log_name, ready=unix_open(sock), what="fuse-server",
                     env=env, cwd=REPO_ROOT) as proc:
             yield proc, FuseServerClient(str(sock), timeout=30.0), root

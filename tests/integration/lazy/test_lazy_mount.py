@@ -11,6 +11,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from coldstart.errors import FailedPrecondition, IntegrityError, NotFound
@@ -19,8 +20,15 @@ from coldstart.format.readat import BytesReadAt
 from coldstart.snapshotter.fetcher import MAX_GAP
 from coldstart.snapshotter.fuse_client import FuseServerClient
 from coldstart.snapshotter.layerspec import LayerSpec
+from coldstart.snapshotter.metrics import (
+    CACHE_HITS,
+    FETCHED_BYTES,
+    LAYER_FETCHED_BYTES,
+    READ_SECONDS,
+)
 from coldstart.snapshotter.mountsys import is_mountpoint
 from coldstart.snapshotter.reader import NEIGHBOR_BYTES
+from tests.fixtures.procs import free_port, wait_for
 from tests.fixtures.registry import Registry
 from tests.integration.lazy.lazy_helpers import (
     MTIME,
@@ -207,7 +215,8 @@ def test_corrupted_chunk_is_eio_not_cached_and_logged(server: Server, proxy: Pro
                for line in log.splitlines())
     # the proxy behaves again: the same read now succeeds and is cached
     assert (mp / "usr/share/doc/f020.txt").read_bytes() == tree.files["usr/share/doc/f020.txt"]
-    assert (tmp / "root/cache/sha256" / hexd[:2] / hexd).exists()
+    wait_for(lambda: (tmp / "root/cache/sha256" / hexd[:2] / hexd).exists(), timeout=30,
+             what="the chunk written to the cache")     # written by the cache's writer thread
 
 
 def test_hanging_registry_gives_eio_within_the_deadline(server: Server, proxy: Proxy) -> None:
@@ -261,13 +270,33 @@ def test_kill_9_then_restart_restores_mounts(tmp_path: Path, registry: Registry,
             assert proc2.wait(30) == 0
             assert not is_mountpoint(str(mp))
             assert list((root / "fuse-state").glob("*.json"))
-        with fuse_server(tmp_path, registry_host=registry.host,
-                         log_name="fuse-server-3.log") as (_, client3, _):
+        port = free_port()
+        with fuse_server(tmp_path, registry_host=registry.host, log_name="fuse-server-3.log",
+                         extra_args=("--metrics-address", f"127.0.0.1:{port}")
+                         ) as (_, client3, _):
             client3.check(str(mp))
-            assert (mp / "usr/lib/big.so").read_bytes()[:100] == \
-                tree.files["usr/lib/big.so"][:100]
+            # fetched by the first server: served from the node's chunk cache
+            assert (mp / "etc/os-release").read_bytes() == tree.files["etc/os-release"]
+            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            assert _metric(metrics, CACHE_HITS + "_total") > 0
+            assert _metric(metrics, FETCHED_BYTES + "_total") == 0
+            assert (mp / "usr/lib/big.so").read_bytes() == tree.files["usr/lib/big.so"]
+            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            fetched = _metric(metrics, FETCHED_BYTES + "_total")
+            assert fetched > 0
+            assert _metric(metrics, LAYER_FETCHED_BYTES + "_total",
+                           f'layer="{spec.digest}"') == fetched
+            assert _metric(metrics, READ_SECONDS + "_count") > 0
             client3.unmount(str(mp))
             assert not list((root / "fuse-state").glob("*.json"))
+
+
+def _metric(text: str, name: str, labels: str = "") -> float:
+    want = f"{name}{{{labels}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith(want + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"metric {want} not exported")
 
 
 def test_control_socket_rejects_bad_requests(server: Server) -> None:

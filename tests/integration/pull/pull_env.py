@@ -1,7 +1,10 @@
-"""Helpers for the pull tests: a private containerd, tiny busybox images built in Python.
+"""Helpers for the pull tests: private daemons, tiny busybox images built in Python, the
+registry's access log, and a file-by-file walk of mounted snapshots.
 
-containerd gets its own root, state and socket in a short directory under /tmp (unix socket
-paths are limited to 108 bytes; /tmp is ext4 here, so overlayfs works on it).
+containerd and the coldstart snapshotter are started with the factories of
+tests/fixtures/containerd.py, each test module getting its own (a fresh snapshotter root, so
+byte counts and lazy/downloaded outcomes do not depend on other modules), in short directories
+under /tmp (unix socket paths are limited to 108 bytes; /tmp is ext4 here, so overlayfs works).
 """
 
 from __future__ import annotations
@@ -14,13 +17,10 @@ import json
 import os
 import re
 import shutil
-import signal
 import stat
 import subprocess
-import sys
 import tarfile
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,154 +30,64 @@ from coldstart.containerd import Containerd
 from coldstart.oci.manifest import OCI_CONFIG, OCI_INDEX, OCI_LAYER_GZIP, OCI_MANIFEST, digest_of
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
-from tests.fixtures.procs import daemon, unix_open
+from tests.fixtures.containerd import Containerd as ContainerdProc
+from tests.fixtures.containerd import (
+    SnapshotterDaemon,
+    snapshotter_config,
+    start_containerd,
+    unmount_under,
+)
 
-CONTAINERD = shutil.which("containerd") or "/usr/bin/containerd"
-CTR = shutil.which("ctr") or "/usr/bin/ctr"
 BUSYBOX = Path("/bin/busybox") if Path("/bin/busybox").exists() else Path("/usr/bin/busybox")
 
 
-@dataclass(frozen=True)
-class ContainerdProc:
-    address: str
-    root: Path
-    log: Path
-
-    def ctr(self, *args: str, namespace: str = "default", timeout: float = 120.0,
-            check: bool = True) -> subprocess.CompletedProcess[str]:
-        """Run ``ctr`` against this containerd; raise with its output on failure."""
-        proc = subprocess.run([CTR, "--address", self.address, "--namespace", namespace, *args],
-                              capture_output=True, text=True, timeout=timeout)
-        if check and proc.returncode != 0:
-            raise AssertionError(f"ctr {' '.join(args)} failed ({proc.returncode}):\n"
-                                 f"{proc.stdout}\n{proc.stderr}")
-        return proc
-
-
-def _unmount_under(base: Path) -> None:
-    """Lazily unmount everything mounted below ``base`` (deepest first)."""
-    for line in reversed(Path("/proc/self/mounts").read_text().splitlines()):
-        target = line.split()[1].replace("\\040", " ")
-        if target.startswith(str(base)):
-            subprocess.run(["umount", "-l", target], check=False, capture_output=True)
-
-
 @contextlib.contextmanager
-def containerd(proxy_snapshotters: dict[str, str] | None = None,
-               base: Path | None = None) -> Iterator[ContainerdProc]:
-    """Start a private containerd; ``proxy_snapshotters`` maps names to snapshotter sockets."""
-    own = base is None
-    base = base or Path(tempfile.mkdtemp(prefix="cs-ctd-", dir="/tmp"))
-    sock = base / "c.sock"
-    config = [
-        "version = 2",
-        f'root = "{base}/root"',
-        f'state = "{base}/state"',
-        'disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.snapshotter.v1.btrfs",'
-        ' "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper",'
-        ' "io.containerd.snapshotter.v1.aufs", "io.containerd.tracing.processor.v1.otlp"]',
-        "[grpc]",
-        f'  address = "{sock}"',
-        "[ttrpc]",
-        f'  address = "{base}/t.sock"',
-        "[debug]",
-        '  level = "info"',
-    ]
-    for name, address in (proxy_snapshotters or {}).items():
-        config += [f"[proxy_plugins.{name}]", '  type = "snapshot"', f'  address = "{address}"']
-    (base / "containerd.toml").write_text("\n".join(config) + "\n")
-    log = base / "containerd.log"
+def containerd(proxy_socket: str | None = None) -> Iterator[ContainerdProc]:
+    """A private containerd (the shared fixture module's factory) in a short /tmp directory;
+    ``ctr`` runs in namespace ``default`` unless told otherwise, like ``coldstart pull``."""
+    base = Path(tempfile.mkdtemp(prefix="cs-ctd-", dir="/tmp"))
     try:
-        with daemon([CONTAINERD, "--config", str(base / "containerd.toml")], log=log,
-                    ready=unix_open(sock), what="containerd", timeout=60):
-            yield ContainerdProc(address=str(sock), root=base / "root", log=log)
+        with start_containerd(base, proxy_socket) as proc:
+            proc.namespace = "default"
+            yield proc
     finally:
-        _unmount_under(base / "root")
-        _unmount_under(base / "state")
-        if own:
-            shutil.rmtree(base, ignore_errors=True)
-
-
-@dataclass(frozen=True)
-class SnapshotterProc:
-    socket: Path
-    root: Path
-    log: Path
-
-    @property
-    def fuse_log(self) -> Path:
-        return self.root / "fuse-server.log"
-
-
-def _stop_pid_file(pid_file: Path) -> None:
-    """SIGTERM the process named in ``pid_file`` (one we started), SIGKILL it after 10 s."""
-    try:
-        pid = int(pid_file.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-
-
-@contextlib.contextmanager
-def coldstart_snapshotter(base: Path, *, insecure: Sequence[str] = ()) -> Iterator[
-        SnapshotterProc]:
-    """Run ``coldstart snapshotter`` (which spawns its FUSE server) with its root in ``base``."""
-    root = base / "sn"
-    root.mkdir(parents=True, exist_ok=True)
-    sock = base / "sn.sock"
-    hosts = ", ".join(json.dumps(h) for h in insecure)
-    (base / "coldstart.toml").write_text(
-        f'root = "{root}"\n'
-        f'socket = "{sock}"\n'
-        'log_level = "info"\n'
-        "[registry]\n"
-        f"insecure_hosts = [{hosts}]\n"
-        f'hosts_dir = "{base}/certs.d"\n'
-        "[cache]\n"
-        f'dir = "{root}/cache"\n'
-        "[fuse]\n"
-        f'socket = "{base}/fuse.sock"\n')
-    log = base / "snapshotter.log"
-    python = Path(__file__).resolve().parents[3] / ".venv" / "bin" / "python"
-    try:
-        with daemon([str(python) if python.exists() else sys.executable, "-m", "coldstart.cli",
-                     "snapshotter", "--config", str(base / "coldstart.toml")],
-                    log=log, ready=unix_open(sock), what="coldstart snapshotter", timeout=60):
-            yield SnapshotterProc(socket=sock, root=root, log=log)
-    finally:
-        _stop_pid_file(root / "fuse-server.pid")
-        _unmount_under(root)
+        unmount_under(base)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @dataclass(frozen=True)
 class LazyStack:
     ctd: ContainerdProc
-    snapshotter: SnapshotterProc
+    snapshotter: SnapshotterDaemon
+
+    @property
+    def fuse_log(self) -> Path:
+        return self.snapshotter.root / "fuse-server.log"
 
 
 @contextlib.contextmanager
-def lazy_stack(insecure: Sequence[str] = ()) -> Iterator[LazyStack]:
-    """The coldstart snapshotter (+ FUSE server) and a containerd that knows it as
-    ``coldstart``, all under one temporary directory."""
+def lazy_stack(log_level: str = "info") -> Iterator[LazyStack]:
+    """``coldstart snapshotter`` (which spawns its FUSE server) and a containerd that knows it
+    as ``coldstart``, fresh, under one temporary directory; stopped by PID, mounts undone.
+
+    The snapshotter's config is the fixture module's, at ``log_level`` (its default, debug,
+    costs CPU on every FUSE request, which a benchmark must not pay)."""
     base = Path(tempfile.mkdtemp(prefix="cs-lz-", dir="/tmp"))
+    sn_base = base / "sn"
+    sn_base.mkdir()
+    config = sn_base / "config.toml"
+    config.write_text(snapshotter_config(sn_base).replace('log_level = "debug"',
+                                                          f'log_level = "{log_level}"'))
+    sn = SnapshotterDaemon(base=sn_base, root=sn_base / "root", socket=str(sn_base / "s.sock"),
+                           config=config, log=sn_base / "snapshotter.log")
     try:
-        with coldstart_snapshotter(base, insecure=insecure) as sn, \
-                containerd({"coldstart": str(sn.socket)}, base=base) as ctd:
+        sn.start()
+        with start_containerd(base / "ctrd", proxy_socket=sn.socket) as ctd:
+            ctd.namespace = "default"
             yield LazyStack(ctd=ctd, snapshotter=sn)
     finally:
-        _unmount_under(base)
+        sn.stop()
+        unmount_under(base)
         shutil.rmtree(base, ignore_errors=True)
 
 

@@ -12,10 +12,10 @@ from coldstart.containerd import Containerd
 from coldstart.containerd.pull import chain_ids, pull_image
 from coldstart.errors import InvalidArgument, NotFound, Unavailable
 from coldstart.oci.registry import RegistryClient
+from tests.fixtures.containerd import Containerd as ContainerdProc
 from tests.fixtures.registry import Registry
 from tests.integration.pull.pull_env import (
     AccessLog,
-    ContainerdProc,
     Entry,
     PushedImage,
     busybox_entries,

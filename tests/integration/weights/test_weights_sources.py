@@ -1,4 +1,4 @@
-"""Every source (local, S3 via moto_server, HTTP with Range, registry blob) loads bit-identically."""
+"""Every source (local, S3 on moto_server, HTTP with Range, registry blob) loads identically."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from coldstart.errors import FormatError, NotFound, Unavailable
+from coldstart.errors import FailedPrecondition, FormatError, NotFound, Unavailable
 from coldstart.weights import LoadStats, Slice, load
+from tests.fixtures.registry import Registry
 from tests.fixtures.s3 import s3_client
 from tests.integration.weights.conftest import RangeServer, url_of
 from tests.unit.weights.weights_data import assert_identical, every_dtype, save, save_sharded
@@ -39,7 +40,7 @@ def _reference(files: Path) -> dict[str, torch.Tensor]:
 def bucket(s3: str, files: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest,
            ) -> str:
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3)
-    name = "weights-" + request.node.name.lower().replace("_", "-")[:40]
+    name: str = "weights-" + str(request.node.name).lower().replace("_", "-")[:40]
     client = s3_client(s3)
     client.create_bucket(Bucket=name)
     for path in files.rglob("*"):
@@ -79,8 +80,38 @@ def test_http_server_without_range_is_refused(http_files: RangeServer, files: Pa
         original(self)
 
     monkeypatch.setattr(conftest._Handler, "do_GET", no_range)
-    with pytest.raises(Unavailable, match="ignored Range"):
+    with pytest.raises(FailedPrecondition, match="ignored Range"):
         load(url_of(http_files, "m.safetensors"))
+
+
+def test_http_connection_cut_mid_body_is_retried(http_files: RangeServer, files: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    (http_files.root / "m.safetensors").write_bytes((files / "model.safetensors").read_bytes())
+    from tests.integration.weights import conftest
+
+    original = conftest._Handler.do_GET
+    cuts: list[str] = []
+    size = (http_files.root / "m.safetensors").stat().st_size
+
+    def flaky(self: conftest._Handler) -> None:
+        spec = self.headers.get("Range", "")
+        if not cuts and spec and not spec.startswith("bytes=0-"):
+            cuts.append(spec)  # first data range: promise the bytes, send half, hang up
+            start, end = (int(x) for x in spec[len("bytes="):].split("-"))
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+            self.send_header("Content-Length", str(end - start + 1))
+            self.end_headers()
+            self.wfile.write(b"\0" * ((end - start + 1) // 2))
+            self.wfile.flush()
+            self.close_connection = True
+            return
+        original(self)
+
+    monkeypatch.setattr(conftest._Handler, "do_GET", flaky)
+    got = load(url_of(http_files, "m.safetensors"), chunk_bytes=1 << 20, concurrency=1)
+    assert cuts, "the cut was not exercised"
+    assert_identical(_reference(files), got)
 
 
 def test_s3_file_prefix_and_index(bucket: str, files: Path) -> None:
@@ -117,7 +148,7 @@ def test_s3_unreachable_endpoint_is_unavailable(files: Path, monkeypatch: pytest
         load("s3://b/model.safetensors", timeout=2.0)
 
 
-def test_registry_blob(registry: object, files: Path) -> None:
+def test_registry_blob(registry: Registry, files: Path) -> None:
     import hashlib
 
     from coldstart.oci.reference import Reference
@@ -125,7 +156,7 @@ def test_registry_blob(registry: object, files: Path) -> None:
 
     data = (files / "model.safetensors").read_bytes()
     digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    host = getattr(registry, "host")
+    host = registry.host
     ref = Reference.parse(f"{host}/weights/model")
     client = RegistryClient()
     try:
@@ -142,3 +173,17 @@ def test_registry_blob(registry: object, files: Path) -> None:
 def test_local_o_direct_read_matches(files: Path) -> None:
     got = load(os.fspath(files / "model.safetensors"), direct=True)
     assert_identical(_reference(files), got)
+
+
+def test_http_server_that_never_answers_hits_the_deadline() -> None:
+    """A listener that accepts and stays silent: the load fails within its deadline, no hang."""
+    import socket
+
+    from coldstart.errors import DeadlineExceeded
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        with pytest.raises(DeadlineExceeded):
+            load(f"http://127.0.0.1:{port}/m.safetensors", timeout=0.5)

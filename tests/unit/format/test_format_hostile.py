@@ -359,3 +359,24 @@ def test_chunk_declared_over_the_decode_limit(layer: Converted) -> None:
     opened = reopen(blob, ann)
     with pytest.raises(FormatError, match=r"'dir/small'.*over the \d+ byte limit"):
         opened.read_file("dir/small", 0, 10)
+
+
+def test_corrupt_data_area_never_serves_wrong_bytes(layer: Converted) -> None:
+    """Flip bytes in the chunk data only: every read returns the right bytes or raises."""
+    rng = random.Random(99)
+    want = {"dir/file": DATA, "dir/small": b"small"}
+    failures = 0
+    for _ in range(60):
+        blob = bytearray(layer.blob)
+        pos = rng.randrange(layer.layer.toc_offset)
+        blob[pos] ^= 1 << rng.randrange(8)
+        opened = reopen(bytes(blob), layer.result.annotations)  # the TOC is intact
+        for name, data in want.items():
+            for off, ln in ((0, None), (9000, 20000)):
+                try:
+                    got = opened.read_file(name, off, ln)
+                except (IntegrityError, FormatError):
+                    failures += 1
+                    continue
+                assert got == data[off : None if ln is None else off + ln]
+    assert failures > 0

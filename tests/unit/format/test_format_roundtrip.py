@@ -9,12 +9,14 @@ import os
 import shutil
 import subprocess
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
 import zstandard
 
-from coldstart.format import BytesReadAt, CountingReadAt, open_layer
+from coldstart.errors import FormatError
+from coldstart.format import BytesReadAt, CountingReadAt, convert_layer, open_layer
 from coldstart.format.toc import NO_PREFETCH_LANDMARK, PREFETCH_LANDMARK
 from tests.unit.format.layers import (
     FORMATS,
@@ -175,8 +177,6 @@ def test_large_file_over_8gib_streams() -> None:
             return n
 
     out = io.BytesIO()
-    from coldstart.format import convert_layer
-
     res = convert_layer(io.BufferedReader(Gen(), 1 << 20), out, chunk_size=256 << 20, level=1)
     layer = open_layer(BytesReadAt(out.getvalue()), annotations=res.annotations)
     e = layer.toc.entries["huge.bin"]
@@ -206,3 +206,37 @@ def test_toc_bigger_than_the_tail_read_costs_one_more_request(fmt: str) -> None:
         layer = open_layer(counting, annotations=c.result.annotations, tail_read=tail)
         assert counting.requests == want
         assert layer.read_file("many/file-0299") == b"299"
+
+
+def test_source_stream_is_left_alone_after_return() -> None:
+    """convert_layer reads src sequentially and no longer once it returns (even on error)."""
+    class Src(io.RawIOBase):
+        def __init__(self, data: bytes) -> None:
+            self.data = data
+            self.pos = 0
+            self.closed_for_us = False
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, b: memoryview) -> int:  # type: ignore[override]
+            assert not self.closed_for_us, "read after convert_layer returned"
+            n = min(len(b), len(self.data) - self.pos, 7000)
+            b[:n] = self.data[self.pos : self.pos + n]
+            self.pos += n
+            return n
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        add(tf, "a", os.urandom(300_000))
+    tar = buf.getvalue() + bytes(5 << 20)  # trailing padding the caller may still read
+    for data in (tar, tar[:100_000]):
+        src = Src(data)
+        try:
+            convert_layer(src, io.BytesIO())  # type: ignore[arg-type]
+        except FormatError:
+            pass
+        src.closed_for_us = True
+        pos = src.pos
+        time.sleep(0.3)
+        assert src.pos == pos

@@ -127,3 +127,20 @@ def test_concurrent_writer_processes(tmp_path: Path) -> None:
         data = blob(i, 4000 + i)
         assert c.get(dg(data)) == data
     assert list((tmp_path / "wip").iterdir()) == []
+
+
+def test_put_async_is_readable_at_once_and_lands_on_disk(tmp_path: Path) -> None:
+    c = ChunkCache(tmp_path, max_bytes=1 << 20)
+    chunks = [blob(i)[:3000] for i in range(50)]
+    for ch in chunks:
+        c.put_async(dg(ch), ch, verified=True)
+    for ch in chunks:                                 # from memory or disk, whichever
+        assert dg(ch) in c
+        assert c.read(dg(ch), 100, 50) == ch[100:150]
+    assert c.flush(30)
+    c.close()
+    c2 = ChunkCache(tmp_path, max_bytes=1 << 20)
+    assert len(c2) == 50
+    assert all(c2.get(dg(ch)) == ch for ch in chunks)
+    with pytest.raises(IntegrityError):
+        c2.put_async(dg(b"a"), b"b")

@@ -126,7 +126,8 @@ class RepositorySuite:
     def test_watch_thread_follows_activation(self, repo: ModelRepository,
                                              tmp_path: Path) -> None:
         repo.publish(make_version(tmp_path / "a", 1.0), "bg", activate=True)
-        with ModelWatcher(repo, "bg", poll_interval=0.05) as watcher:
+        bg: ModelWatcher[dict[str, torch.Tensor]] = ModelWatcher(repo, "bg", poll_interval=0.05)
+        with bg as watcher:
             first = watcher.current()
             assert first is not None and first.version == "1"
             repo.publish(make_version(tmp_path / "b", 2.0), "bg", activate=True)
@@ -158,10 +159,11 @@ class RepositorySuite:
         assert marker is not None
         marker["files"]["model.safetensors"]["size"] -= 64
         self.corrupt(repo, "keep/2/_complete.yaml", yaml.safe_dump(marker).encode())
+        assert watcher.poll_once() is False  # still refused: the pointer did not move
         repo.activate("keep", "1")
+        assert watcher.poll_once() is False  # back on the serving version
         repo.activate("keep", "2")
-        watcher._failed = None  # the pointer moved away and back
-        assert watcher.poll_once() is False
+        assert watcher.poll_once() is False  # tried again, refused again
         assert isinstance(watcher.last_error, FormatError)
         served = watcher.current()
         assert served is not None and served.version == "1"
