@@ -416,8 +416,12 @@ class _Writer:
             else:
                 chunk = {"name": entry.name, "type": "chunk"}
                 self.toc.append(chunk)
-            chunk["chunkOffset"] = done
-            chunk["chunkSize"] = n
+            # Zero chunkOffset, and eStargz's chunkSize of a one-chunk file, are implied (as
+            # the Go writer leaves them out); ~30 bytes per file in the TOC.
+            if done:
+                chunk["chunkOffset"] = done
+            if not (whole and self.gzip):
+                chunk["chunkSize"] = n
             self._submit(data, chunk, whole)
             done += n
         self.add_meta(bytes(-entry.size % _BLOCK))

@@ -137,6 +137,9 @@ def test_lazy_pull_runs_without_downloading_the_layers(
     log = AccessLog(registry.access_log)
     proc = _pull(stack, image.ref, variant)
     assert "3 layers: 3 lazy, 0 downloaded" in proc.stderr, proc.stderr
+    # a synchronous GC first: the labels the pull wrote must keep the remote snapshots alive
+    stack.ctd.ctr("leases", "create", "--id", "gc", namespace=variant)
+    stack.ctd.ctr("leases", "delete", "--sync", "gc", namespace=variant)
     assert _run(stack, image.ref, variant, f"run-{variant}") == workload_expected(rich_layers())
     for layer in image.layers:
         served = log.blob_bytes(layer.digest)

@@ -256,6 +256,10 @@ def test_kill_9_then_restart_restores_mounts(tmp_path: Path, registry: Registry,
     with fuse_server(tmp_path, registry_host=registry.host) as (proc, client, root):
         client.mount(str(mp), spec)
         assert (mp / "etc/os-release").read_bytes() == tree.files["etc/os-release"]
+        layer = open_layer(BytesReadAt(blob), annotations=spec.annotations)
+        hexd = layer.resolve("etc/os-release").chunks[0].digest.split(":")[1]
+        wait_for(lambda: (root / "cache/sha256" / hexd[:2] / hexd).exists(), timeout=30,
+                 what="the chunk written to the cache")
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
         with pytest.raises(OSError):
