@@ -149,8 +149,11 @@ class ChunkCache:
     def __len__(self) -> int:
         return len(self._index)
 
-    def __contains__(self, digest: str) -> bool:
-        hexd = _hex_of(digest)
+    def __contains__(self, digest: object) -> bool:
+        m = _DIGEST_RE.match(digest) if isinstance(digest, str) else None
+        if m is None:
+            return False
+        hexd = m.group(1)
         with self._lock:
             if hexd in self._index or hexd in self._pending:
                 return True
@@ -159,7 +162,8 @@ class ChunkCache:
     # -- reads ---------------------------------------------------------------------------------
 
     def get(self, digest: str, expected_size: int | None = None) -> bytes | None:
-        """The whole chunk, or None on a miss (a file of the wrong size counts as a miss)."""
+        """The whole chunk, or None on a miss (a file of the wrong size counts as a miss; a
+        digest other than sha256 is never cached)."""
         return self.read(digest, 0, -1, expected_size=expected_size)
 
     def read(self, digest: str, offset: int, length: int, *,
@@ -169,7 +173,10 @@ class ChunkCache:
         Reading a slice costs one ``pread``: the FUSE read path asks for 128 KiB to 1 MiB of a
         4 MiB chunk at a time.
         """
-        hexd = _hex_of(digest)
+        m = _DIGEST_RE.match(digest)
+        if m is None:  # not a digest this cache stores (sha512…): never cached
+            return None
+        hexd = m.group(1)
         with self._lock:
             pending = self._pending.get(hexd)
             if pending is not None:

@@ -73,6 +73,12 @@ from coldstart.format.tocjson import encode_toc, entry_json
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "FORMATS", "LayerResult", "convert_layer"]
 
+#: Measured by bench/bench_convert.py (1.08 GB layer, zstd:chunked, 2 cores): 1/4/16 MiB chunks
+#: give 0.979/0.975/0.974 of the gzip size at the same conversion speed (within noise), while a
+#: random 1 MiB read fetches 1.7/3.4/13.4 MB and a random 4 KiB read 0.4/1.6/6.2 MB. 4 MiB keeps
+#: most of 16 MiB's compression with a quarter of its read amplification, needs 4x fewer chunk
+#: fetches, cache entries and TOC records than 1 MiB for whole-file reads (model weights), and
+#: matches ctr-remote's eStargz chunking, so chunk digests (the cache key) agree across both.
 DEFAULT_CHUNK_SIZE = 4 << 20
 FORMATS = ("zstd:chunked", "estargz")
 _TYPES = {

@@ -202,6 +202,8 @@ class ChunkFetcher:
         self.telemetry = telemetry
         self._pool = ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="fetch")
         self._bg_pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+        # plans read-ahead off the FUSE loop (choosing chunks costs a stat per chunk)
+        self._planner = ThreadPoolExecutor(1, thread_name_prefix="plan")
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._inflight: dict[str, Future[bytes]] = {}
@@ -214,7 +216,15 @@ class ChunkFetcher:
             self._closed = True
             self._idle.notify_all()
         self._bg_pool.shutdown(wait=False, cancel_futures=True)
+        self._planner.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def plan(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` (which usually calls :meth:`request`) in the planner thread."""
+        try:
+            self._planner.submit(fn)
+        except RuntimeError:  # shutting down
+            pass
 
     def inflight(self) -> int:
         with self._lock:

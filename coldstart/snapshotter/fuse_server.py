@@ -329,6 +329,10 @@ class FuseServer:
                 self.fs.add(tree)
                 created = True
             try:
+                if await trio.to_thread.run_sync(is_mountpoint, mountpoint):
+                    # not ours (we checked): a dead bind left by a crashed predecessor
+                    log.warning("%s: lazily unmounting a stale mount first", mountpoint)
+                    await trio.to_thread.run_sync(lazy_unmount, mountpoint)
                 await trio.to_thread.run_sync(bind_mount, str(self.fuse_dir / layer.key),
                                               mountpoint)
             except BaseException:

@@ -8,7 +8,8 @@ read raises :class:`DeadlineExceeded` (the FUSE layer answers ``EIO``) instead o
 Round trips are what cost on a cold start, so:
 
 - a small file (``SMALL_FILE_BYTES``) is fetched whole on its first read, together with the
-  small files stored after it (``NEIGHBOR_BYTES``), in one request;
+  small files stored after it (``NEIGHBOR_BYTES``), in one request; a reader that goes on
+  into that window gets the next window fetched in the background;
 - a file read sequentially gets its next chunks fetched ahead, in the background;
 - :meth:`LayerReader.prefetch` fetches the TOC's prefetch list in bulk after mounting.
 """
@@ -80,6 +81,7 @@ class LayerReader:
         self.target = FetchTarget(digest, layer, source, self.stats)
         self._last_end: dict[str, int] = {}
         self._chunk_starts: dict[str, list[int]] = {}
+        self._window = (0, 0)   # blob range of the last small-file window fetched
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -132,6 +134,8 @@ class LayerReader:
         if tel is not None:
             tel.cache_hit(end - offset)
             tel.read_done(time.monotonic() - t0)
+        if entry.size <= self.small_file_bytes:
+            self._follow_window(chunks)
         if any(offset <= c.chunk_offset < end for c in chunks):
             # entering a new chunk: keep the read-ahead window ahead of a sequential reader
             self._read_ahead(entry, offset, end, chunks)
@@ -209,14 +213,48 @@ class LayerReader:
             return out
         last = max(c.end_offset for c in out)
         limit = last + self.neighbor_bytes
-        i = bisect.bisect_left(self._small_offsets, last)
-        while i < len(self._small) and self._small[i].offset < limit:
+        out += self._small_between(last, limit, seen)
+        with self._lock:
+            self._window = (last, limit)
+        return out
+
+    def _small_between(self, start: int, end: int, seen: set[Chunk]) -> list[Chunk]:
+        """Small files' chunks stored in ``[start, end)`` that are neither cached nor in
+        ``seen``."""
+        out: list[Chunk] = []
+        i = bisect.bisect_left(self._small_offsets, start)
+        while i < len(self._small) and self._small[i].offset < end:
             c = self._small[i]
             i += 1
             if c not in seen and not self._is_cached(c):
                 seen.add(c)
                 out.append(c)
         return out
+
+    def _follow_window(self, chunks: list[Chunk]) -> None:
+        """A reader walking through the small files fetched together: once it reads inside
+        that window, fetch the next one in the background (a cold ``find | xargs cat`` then
+        streams instead of waiting at each window's start). Costs at most one window of
+        bytes nobody reads."""
+        if self.neighbor_bytes <= 0 or not chunks:
+            return
+        pos = chunks[0].offset
+        with self._lock:
+            start, end = self._window
+            if not start <= pos < end:
+                return
+            self._window = (end, end + self.neighbor_bytes)
+        new_start, new_end = end, end + self.neighbor_bytes
+
+        def plan() -> None:
+            ahead = self._small_between(new_start, new_end, set())
+            if ahead:
+                try:
+                    self.fetcher.request(self.target, ahead)
+                except ColdstartError:
+                    pass
+
+        self.fetcher.plan(plan)
 
     def _read_ahead(self, entry: Entry, offset: int, end: int, chunks: list[Chunk]) -> None:
         """Sequential reader of a big file: fetch the next chunks in the background."""

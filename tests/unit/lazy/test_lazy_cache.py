@@ -42,8 +42,10 @@ def test_put_refuses_data_that_does_not_match(tmp_path: Path) -> None:
         c.put(dg(b"abc"), b"abd")
     assert c.get(dg(b"abc")) is None
     assert len(c) == 0
+    assert c.get("sha512:" + "a" * 128) is None       # only sha256 chunks are cached
+    assert ("sha512:" + "a" * 128) not in c
     with pytest.raises(InvalidArgument):
-        c.get("md5:abc")
+        c.put("md5:abc", b"abc")
 
 
 def test_wrong_size_file_is_a_miss_and_dropped(tmp_path: Path) -> None:
