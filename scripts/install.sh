@@ -30,12 +30,23 @@ if [ ! -x .venv/bin/python ]; then
   echo "install: creating .venv" >&2
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+LOG=$(mktemp /tmp/coldstart-install.XXXXXX.log)
+pip_install() {
+  # pip's output goes to a log; it is shown only when pip fails
+  if ! .venv/bin/python -m pip install "$@" >>"$LOG" 2>&1; then
+    tail -n 40 "$LOG" >&2
+    echo "install: pip install $* failed (full log: $LOG)" >&2
+    exit 1
+  fi
+}
+pip_install --upgrade pip
 if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   echo "install: torch 2.13.0 (CPU)" >&2
-  .venv/bin/python -m pip install -q torch==2.13.0
+  pip_install torch==2.13.0
 fi
 echo "install: coldstart and its extras" >&2
-.venv/bin/python -m pip install -q -e '.[snapshotter,weights,probe,test,bench]'
-.venv/bin/python -m coldstart._proto.build
+pip_install -e '.[snapshotter,weights,probe,test,bench]'
+.venv/bin/python -m coldstart._proto.build >>"$LOG" 2>&1 || {
+  tail -n 40 "$LOG" >&2; echo "install: compiling the protos failed" >&2; exit 1; }
+rm -f "$LOG"
 echo "install: done (.venv/bin/coldstart)" >&2

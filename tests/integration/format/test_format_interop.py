@@ -59,10 +59,13 @@ class Ctr:
         path.write_bytes(archive)
         self.run("ctr", "images", "import", *([] if unpack else ["--no-unpack"]), str(path))
 
-    def ingest(self, blob: bytes) -> str:
+    def store_layer(self, blob: bytes, media_type: str, diff_id: str) -> str:
+        """Put ``blob`` in the content store, held by an image (bare ``ctr content ingest``
+        content is unreferenced once ctr's lease ends, and containerd's GC may drop it)."""
         digest = sha(blob)
-        self.run("ctr", "content", "ingest", "--expected-digest", digest,
-                 "--expected-size", str(len(blob)), f"ingest-{digest[7:19]}", stdin=blob)
+        archive = oci_archive(f"example.com/fmt/blob-{digest[7:19]}:v1",
+                              [(blob, media_type, {})], [diff_id])
+        self.import_image(archive, unpack=False)
         return digest
 
 
@@ -118,7 +121,7 @@ def test_ctr_remote_reads_our_toc(ctr: Ctr, source: bytes, fmt: str, legacy: boo
     out = io.BytesIO()
     res = convert_layer(io.BytesIO(source), out, format=fmt, chunk_size=64 << 10,
                         legacy_footer=legacy)
-    digest = ctr.ingest(out.getvalue())
+    digest = ctr.store_layer(out.getvalue(), res.media_type, res.diff_id)
     got = ctr.run("ctr-remote", "images", "get-toc-digest",
                   *(["--zstdchunked"] if zstd_flag else []), digest).strip()
     assert got == res.annotations[ESTARGZ_TOC_DIGEST]

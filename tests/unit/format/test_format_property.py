@@ -17,6 +17,9 @@ _node = st.one_of(
     st.tuples(st.just("dir"), st.none()),
     st.tuples(st.just("symlink"), st.text(max_size=30)),
     st.tuples(st.just("fifo"), st.none()),
+    st.tuples(st.just("char"), st.tuples(st.integers(0, 255), st.integers(0, 255))),
+    st.tuples(st.just("xattr"), st.dictionaries(st.sampled_from(["user.a", "user.b", "trusted.x"]),
+                                                st.text(max_size=20), min_size=1)),
 )
 
 
@@ -45,6 +48,18 @@ def trees(draw: st.DrawFn) -> tuple[bytes, list[str]]:
                 assert isinstance(value, str)
                 add(tf, path, type=tarfile.SYMTYPE, link=value, mtime=mtime)
                 taken.add(path)
+            elif kind == "char":
+                assert isinstance(value, tuple)
+                add(tf, path, type=tarfile.CHRTYPE, dev=value, mtime=mtime)
+                taken.add(path)
+            elif kind == "xattr":
+                assert isinstance(value, dict)
+                add(tf, path, b"x", xattrs=value, uid=draw(st.integers(0, 70000)))
+                taken.add(path)
+                link = draw(st.booleans())
+                if link and files:
+                    add(tf, path + ".hard", type=tarfile.LNKTYPE, link=files[-1])
+                    taken.add(path + ".hard")
             else:
                 add(tf, path, type=tarfile.FIFOTYPE, mtime=mtime)
                 taken.add(path)

@@ -240,3 +240,25 @@ def test_source_stream_is_left_alone_after_return() -> None:
         pos = src.pos
         time.sleep(0.3)
         assert src.pos == pos
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_chunk_from_many_threads(fmt: str) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = os.urandom(1 << 20)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        add(tf, "f", data)
+    c = convert(buf.getvalue(), fmt, chunk_size=64 << 10)
+    chunks = c.layer.toc.entries["f"].chunks * 8
+
+    def decode(ch: object) -> bytes:
+        assert ch in chunks
+        k = chunks[chunks.index(ch)]
+        return c.layer.decode_chunk(k, c.blob[k.offset : k.end_offset])
+
+    with ThreadPoolExecutor(8) as pool:
+        out = list(pool.map(decode, chunks))
+    for ch, got in zip(chunks, out, strict=True):
+        assert got == data[ch.chunk_offset : ch.chunk_offset + ch.chunk_size]
