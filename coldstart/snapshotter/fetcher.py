@@ -127,6 +127,7 @@ class LayerStats:
     last_error: str = ""
     last_error_at: float = 0.0
     prefetch_done: bool = False
+    background_done: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record_error(self, message: str) -> None:
@@ -145,6 +146,7 @@ class LayerStats:
                 "last_error": self.last_error,
                 "last_error_at": self.last_error_at,
                 "prefetch_done": self.prefetch_done,
+                "background_done": self.background_done,
             }
 
 

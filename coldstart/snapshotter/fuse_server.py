@@ -342,8 +342,9 @@ class FuseServer:
             layer.mountpoints.add(mountpoint)
             self.mounts[mountpoint] = _Mount(mountpoint, spec, layer)
             await trio.to_thread.run_sync(self.state.save, mountpoint, spec)
-            if created and layer.tree.reader.layer.toc.prefetch:
-                threading.Thread(target=layer.tree.reader.prefetch, daemon=True,
+            reader = layer.tree.reader
+            if created and (reader.layer.toc.prefetch or reader.background_rate > 0):
+                threading.Thread(target=reader.prefetch_then_rest, daemon=True,
                                  name=f"prefetch-{layer.key}").start()
             log.info("mounted layer %s (%s) at %s%s", spec.digest, spec.reference, mountpoint,
                      " (restored)" if restoring else "")
@@ -411,7 +412,8 @@ class FuseServer:
         layer = open_layer(source, annotations=annotations,
                            allow_unverified=self.config.allow_unverified)
         return LayerReader(spec.digest, layer, source, self.fetcher,
-                           read_deadline=self.config.fetch.read_deadline)
+                           read_deadline=self.config.fetch.read_deadline,
+                           background_rate=self.config.fetch.background_rate)
 
 
 def _check_same_toc(annotations: dict[str, str], toc_digest: str, allow_unverified: bool,

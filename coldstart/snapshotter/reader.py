@@ -11,7 +11,10 @@ Round trips are what cost on a cold start, so:
   small files stored after it (``NEIGHBOR_BYTES``), in one request; a reader that goes on
   into that window gets the next window fetched in the background;
 - a file read sequentially gets its next chunks fetched ahead, in the background;
-- :meth:`LayerReader.prefetch` fetches the TOC's prefetch list in bulk after mounting.
+- :meth:`LayerReader.prefetch` fetches the TOC's prefetch list in bulk after mounting;
+- :meth:`LayerReader.fetch_rest` then fetches every other chunk of the layer in blob order, in
+  large requests, at a bounded rate, yielding to on-demand reads, so the node ends with the
+  whole layer local and a start-up that reads widely waits on few round trips.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import bisect
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from coldstart.cache.chunks import ChunkCache
@@ -49,6 +53,11 @@ READAHEAD_REQUEST = 1 << 20
 NEIGHBOR_BYTES = 256 << 10
 #: Bytes per background prefetch batch.
 PREFETCH_BATCH = 32 << 20
+#: Compressed bytes per request of the background fetch of the rest of a layer: large enough
+#: that requests are few, small enough that a read waiting on one is not held up long.
+BACKGROUND_REQUEST = 4 << 20
+#: The background fetch keeps this many requests outstanding.
+BACKGROUND_DEPTH = 2
 
 
 class LayerReader:
@@ -60,6 +69,7 @@ class LayerReader:
 
     def __init__(self, digest: str, layer: SeekableLayer, source: RangeSource,
                  fetcher: ChunkFetcher, *, read_deadline: float = 30.0,
+                 background_rate: int = 0,
                  small_file_bytes: int = SMALL_FILE_BYTES,
                  readahead_bytes: int = READAHEAD_BYTES,
                  neighbor_bytes: int = NEIGHBOR_BYTES) -> None:
@@ -68,6 +78,7 @@ class LayerReader:
         self.fetcher = fetcher
         self.cache: ChunkCache | None = fetcher.cache
         self.read_deadline = read_deadline
+        self.background_rate = max(0, background_rate)
         self.small_file_bytes = small_file_bytes
         self.readahead_bytes = readahead_bytes
         self.neighbor_bytes = neighbor_bytes
@@ -324,6 +335,78 @@ class LayerReader:
             fetched += _settle(futures, self.read_deadline * 4)
         self.stats.prefetch_done = True
         return fetched
+
+
+    def fetch_rest(self, *, clock: Callable[[], float] = time.monotonic,
+                   sleep: Callable[[float], object] = time.sleep) -> int:
+        """Fetch every chunk not yet local, in blob order, at most ``background_rate`` bytes a
+        second (0: do nothing); blocks, returns the compressed bytes fetched.
+
+        Requests are ``BACKGROUND_REQUEST`` bytes, ``BACKGROUND_DEPTH`` outstanding, and wait
+        while on-demand fetches are in flight. A read that needs a chunk already in one of them
+        joins that fetch (single flight) instead of asking again. Errors are logged and
+        counted; the chunks they concern are simply left for on-demand reads.
+        """
+        rate = self.background_rate
+        if rate <= 0:
+            return 0
+        seen: set[tuple[int, int]] = set()
+        todo: list[Chunk] = []
+        for e in self.layer.toc.entries.values():
+            if e.type != "reg":
+                continue
+            for c in e.chunks:
+                k = (c.offset, c.inner_offset)
+                if c.zeros or k in seen:
+                    continue
+                seen.add(k)
+                todo.append(c)
+        todo.sort(key=lambda c: (c.offset, c.inner_offset))
+        batches: list[list[Chunk]] = [[]]
+        size = 0
+        for c in todo:
+            if size >= BACKGROUND_REQUEST:
+                batches.append([])
+                size = 0
+            batches[-1].append(c)
+            size += c.compressed_size
+        fetched = 0
+        start = clock()
+        window: list[tuple[int, dict[Chunk, Future[bytes]]]] = []
+        for batch in batches:
+            if self._stop.is_set():
+                break
+            batch = [c for c in batch if not self._is_cached(c)]
+            if not batch:
+                continue
+            try:
+                futures = self.fetcher.request(self.target, batch, background=True,
+                                               max_bytes=BACKGROUND_REQUEST)
+            except ColdstartError:
+                break
+            window.append((sum(c.compressed_size for c in batch), futures))
+            if len(window) >= BACKGROUND_DEPTH:
+                nbytes, oldest = window.pop(0)
+                _settle(oldest, self.read_deadline * 4)
+                fetched += nbytes
+                # token bucket with no burst: never ahead of rate x elapsed
+                ahead = fetched / rate - (clock() - start)
+                if ahead > 0:
+                    sleep(ahead)
+        for nbytes, futures in window:
+            _settle(futures, self.read_deadline * 4)
+            fetched += nbytes
+        self.stats.background_done = True
+        log.info("layer %s: background fetch done, %d bytes in %.1f s", self.digest, fetched,
+                 clock() - start)
+        return fetched
+
+    def prefetch_then_rest(self) -> None:
+        """What the FUSE server runs in a thread after mounting: the prefetch list in bulk,
+        then the rest of the layer in the background."""
+        if self.layer.toc.prefetch:
+            self.prefetch()
+        self.fetch_rest()
 
 
 def _settle(futures: dict[Chunk, Future[bytes]], timeout: float) -> int:

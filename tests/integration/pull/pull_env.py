@@ -66,7 +66,8 @@ class LazyStack:
 
 
 @contextlib.contextmanager
-def lazy_stack(log_level: str = "info") -> Iterator[LazyStack]:
+def lazy_stack(log_level: str = "info", background_rate: int | None = None
+               ) -> Iterator[LazyStack]:
     """``coldstart snapshotter`` (which spawns its FUSE server) and a containerd that knows it
     as ``coldstart``, fresh, under one temporary directory; stopped by PID, mounts undone.
 
@@ -76,8 +77,10 @@ def lazy_stack(log_level: str = "info") -> Iterator[LazyStack]:
     sn_base = base / "sn"
     sn_base.mkdir()
     config = sn_base / "config.toml"
-    config.write_text(snapshotter_config(sn_base).replace('log_level = "debug"',
-                                                          f'log_level = "{log_level}"'))
+    text = snapshotter_config(sn_base).replace('log_level = "debug"', f'log_level = "{log_level}"')
+    if background_rate is not None:
+        text += f"[fetch]\nbackground_rate = {background_rate}\n"
+    config.write_text(text)
     sn = SnapshotterDaemon(base=sn_base, root=sn_base / "root", socket=str(sn_base / "s.sock"),
                            config=config, log=sn_base / "snapshotter.log")
     try:
