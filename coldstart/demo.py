@@ -199,12 +199,12 @@ def run_demo(echo: Echo, *, workdir: Path | None = None, scale: float = 1.0) -> 
         echo(f"3. pushed it as {src}")
         results: dict[str, object] = {"uncompressed_bytes": raw_size}
         reads = startup_reads(app)
-        for fmt in ("zstd:chunked", "estargz"):
+        for step, fmt in ((4, "zstd:chunked"), (6, "estargz")):
             dst = f"{host}/demo/app:{fmt.replace(':', '-')}"
             t1 = time.monotonic()
             summary = convert_image(src, dst, format=fmt, client=client)
             secs = time.monotonic() - t1
-            echo(f"4. converted to {fmt} in {secs:.1f} s "
+            echo(f"{step}. converted to {fmt} in {secs:.1f} s "
                  f"({raw_size / 1e6 / max(secs, 1e-9):.0f} MB/s): {dst}")
             image = summary.images[0]
             fetched = 0
@@ -213,7 +213,8 @@ def run_demo(echo: Echo, *, workdir: Path | None = None, scale: float = 1.0) -> 
                      f"  -> {fmt} {_mb(layer.size_after)}")
                 fetched += _lazy_startup_bytes(client, Reference.parse(dst), layer.output, reads)
             full = image.size_after
-            echo(f"5. a lazy start-up that reads {len(reads)} files fetches {_mb(fetched).strip()}"
+            echo(f"{step + 1}. a lazy start-up that reads {len(reads)} files fetches "
+                 f"{_mb(fetched).strip()}"
                  f" of {_mb(full).strip()} ({100 * fetched / full:.1f}% of the image; a full pull"
                  f" downloads and unpacks all of it)")
             results[fmt] = {"convert_seconds": secs, "size_before": image.size_before,
