@@ -66,12 +66,17 @@ def demo_files(scale: float = 1.0) -> tuple[list[DemoFile], list[DemoFile]]:
     base = [DemoFile("bin/busybox", BUSYBOX.read_bytes(), 0o755),
             DemoFile("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n"),
             DemoFile("etc/group", b"root:x:0:\n")]
-    app = [DemoFile("app/start.sh", b"#!/bin/sh\necho ready\n", 0o755),
-           DemoFile("app/lib/libbig.so", _semi_random(rng, int(48 * MiB * scale)), 0o755),
+    app = [DemoFile("app/lib/libbig.so", _semi_random(rng, int(48 * MiB * scale)), 0o755),
            DemoFile("app/model/weights.bin", rng.randbytes(int(24 * MiB * scale)))]
     for i in range(int(2000 * scale)):
         body = (f"# module {i}\n" + f"def f(x):\n    return x * {i}\n" * 20).encode()
         app.append(DemoFile(f"app/site-packages/pkg{i // 100}/mod_{i}.py", body))
+    # the start script reads what startup_reads() lists, like an interpreter importing modules
+    modules = [f"/{f.name}" for f in app if f.name.endswith(".py")][::10]
+    script = ("#!/bin/sh\ncat " + " ".join(modules) + " > /dev/null\n"
+              "dd if=/app/lib/libbig.so of=/dev/null bs=1M count=1 2>/dev/null\n"
+              "echo ready\n")
+    app.insert(0, DemoFile("app/start.sh", script.encode(), 0o755))
     return base, app
 
 
@@ -219,8 +224,55 @@ def run_demo(echo: Echo, *, workdir: Path | None = None, scale: float = 1.0) -> 
                  f" downloads and unpacks all of it)")
             results[fmt] = {"convert_seconds": secs, "size_before": image.size_before,
                             "size_after": full, "startup_fetched_bytes": fetched}
+        results["containerd"] = _containerd_step(echo, workdir, client, src,
+                                                 f"{host}/demo/app:zstd-chunked")
         echo(f"done in {time.monotonic() - t0:.1f} s")
         return results
+
+
+def _containerd_step(echo: Echo, workdir: Path, client: RegistryClient, gzip_ref: str,
+                     lazy_ref: str) -> dict[str, object] | None:
+    """Step 8: run the image in a private containerd, pulled lazily, and pulled in full."""
+    from coldstart.benchmark.stack import local_stack, missing_tools
+
+    missing = missing_tools()
+    if missing:
+        echo(f"8. (skipped the containerd step: missing {', '.join(missing)})")
+        return None
+    from coldstart.containerd import Containerd, pull_image
+    from coldstart.snapshotter.fuse_client import FuseServerClient
+
+    with local_stack(workdir / "stack") as st:
+        echo("8. started a private containerd with the coldstart snapshotter")
+        t1 = time.monotonic()
+        result = pull_image(Containerd(st.containerd, "default"), client, lazy_ref)
+        lazy_pull = time.monotonic() - t1
+        t1 = time.monotonic()
+        run = st.ctr("run", "--rm", "--snapshotter", "coldstart", lazy_ref, "demo-lazy",
+                     "/app/start.sh")
+        lazy_run = time.monotonic() - t1
+        if run.returncode != 0 or "ready" not in run.stdout:
+            raise Unavailable(f"the lazily pulled container failed: {run.stderr.strip()}")
+        fetched = sum(int(m.get("fetched_bytes", 0))
+                      for m in FuseServerClient(st.fuse_socket).status())
+        echo(f"   coldstart pull + run: {lazy_pull:.2f} s + {lazy_run:.2f} s "
+             f"({result.lazy_layers} of {len(result.layers)} layers lazy), "
+             f"fetched {_mb(fetched).strip()} of the layers' data")
+        t1 = time.monotonic()
+        pulled = st.ctr("image", "pull", "--plain-http", gzip_ref)
+        full_pull = time.monotonic() - t1
+        if pulled.returncode != 0:
+            raise Unavailable(f"ctr image pull failed: {pulled.stderr.strip()}")
+        t1 = time.monotonic()
+        run = st.ctr("run", "--rm", "--snapshotter", "overlayfs", gzip_ref, "demo-full",
+                     "/app/start.sh")
+        full_run = time.monotonic() - t1
+        if run.returncode != 0 or "ready" not in run.stdout:
+            raise Unavailable(f"the fully pulled container failed: {run.stderr.strip()}")
+        echo(f"   ctr image pull + run (overlayfs, full pull): {full_pull:.2f} s + "
+             f"{full_run:.2f} s")
+    return {"lazy_pull_s": lazy_pull, "lazy_run_s": lazy_run, "lazy_fetched_bytes": fetched,
+            "full_pull_s": full_pull, "full_run_s": full_run}
 
 
 def _push_layout(layout_dir: Path, dst: str, client: RegistryClient) -> None:

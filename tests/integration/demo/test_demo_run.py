@@ -22,6 +22,12 @@ def test_demo_converts_and_lazy_startup_fetches_a_fraction(tmp_path: Path) -> No
         # and more than nothing (the TOCs and the files it reads)
         assert 0 < r["startup_fetched_bytes"] < r["size_after"]
     assert any("converted to zstd:chunked" in line for line in lines)
+    # step 8 ran the image in containerd, lazily and in full (this suite runs as root)
+    ctd = results["containerd"]
+    assert isinstance(ctd, dict)
+    lazy = results["zstd:chunked"]
+    assert isinstance(lazy, dict)
+    assert 0 < ctd["lazy_fetched_bytes"] < lazy["size_after"]
 
 
 def test_demo_cli_help_explains() -> None:
