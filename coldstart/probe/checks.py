@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import shlex
+import signal
 import socket
 import time
 import urllib.parse
@@ -230,9 +232,11 @@ class ExecCheck:
     async def run(self, timeout: float) -> CheckResult:
         start = time.monotonic()
         try:
+            # its own process group, so that a timeout kills the command's children too
+            # (a grandchild holding the output pipe would otherwise hold up the wait)
             proc = await asyncio.create_subprocess_exec(
                 *self.argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                stdin=asyncio.subprocess.DEVNULL,
+                stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
             )
         except OSError as exc:
             return CheckResult(False, time.monotonic() - start, f"cannot run {self.argv[0]}: {exc}")
@@ -240,8 +244,11 @@ class ExecCheck:
             async with asyncio.timeout(timeout):
                 out, _ = await proc.communicate()
         except TimeoutError:
-            proc.kill()
-            await proc.wait()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await proc.wait()
             return CheckResult(False, time.monotonic() - start, f"no exit in {timeout:g} s")
         lines = out.decode(errors="replace").strip().splitlines()
         phase, progress = _report_from_body(lines[-1].encode() if lines else b"")

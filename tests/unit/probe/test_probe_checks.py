@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -179,6 +180,17 @@ def test_exec_check() -> None:
     assert not bad.ok and bad.detail.startswith("exit 3")
     assert not slow.ok and "no exit" in slow.detail
     assert not missing.ok and "cannot run" in missing.detail
+
+
+def test_exec_check_timeout_kills_the_commands_children() -> None:
+    # a grandchild that keeps the output pipe open must not outlive the deadline
+    marker = "61.4159"
+    check = ExecCheck(["sh", "-c", f"sleep {marker} & sleep {marker}"])
+    # bound on the whole check (not a timing assertion): it must not wait for the children
+    result = asyncio.run(asyncio.wait_for(check.run(0.3), 30))
+    assert not result.ok and "no exit" in result.detail
+    left = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", f"children left running: {left.stdout}"
 
 
 def test_parse_target() -> None:
