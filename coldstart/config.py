@@ -38,8 +38,26 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 
+# Numbers in the tree must be positive, except these, which may also be 0.
+_MAY_BE_ZERO = frozenset({"retries", "background_rate", "shutdown_grace"})
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class _Checked:
+    """Range checks of every numeric key, run however the config is built."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                continue
+            if v < 0 or (v == 0 and f.name not in _MAY_BE_ZERO):
+                want = ">= 0" if f.name in _MAY_BE_ZERO else "> 0"
+                raise InvalidArgument(f"config: {f.name} must be {want}, not {v}")
+
+
 @dataclass(frozen=True)
-class RegistryConfig:
+class RegistryConfig(_Checked):
     # hosts reached over plain HTTP (loopback is always allowed)
     insecure_hosts: tuple[str, ...] = ()
     # containerd-style mirrors and TLS: <hosts_dir>/<host>/hosts.toml
@@ -53,7 +71,7 @@ class RegistryConfig:
 
 
 @dataclass(frozen=True)
-class FetchConfig:
+class FetchConfig(_Checked):
     # deadline of one range request, seconds
     request_timeout: float = 10.0
     # a FUSE read not served within this many seconds returns EIO (never a hang)
@@ -67,7 +85,7 @@ class FetchConfig:
 
 
 @dataclass(frozen=True)
-class CacheConfig:
+class CacheConfig(_Checked):
     # node-wide chunk cache directory; "" means <root>/cache
     dir: str = ""
     # size limit; least-recently-used chunks are evicted beyond it
@@ -75,7 +93,7 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
-class FuseConfig:
+class FuseConfig(_Checked):
     # control socket of the FUSE server process (outlives the gRPC process)
     socket: str = "/run/coldstart/fuse.sock"
     # kernel entry / attribute cache timeouts, seconds (layers are immutable)
@@ -92,7 +110,7 @@ class FuseConfig:
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(_Checked):
     # metadata, snapshot directories and (by default) the chunk cache live here
     root: str = "/var/lib/coldstart"
     # gRPC socket containerd's proxy_plugins.coldstart.address points at
@@ -110,6 +128,12 @@ class Config:
     fetch: FetchConfig = field(default_factory=FetchConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     fuse: FuseConfig = field(default_factory=FuseConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.log_level not in _LOG_LEVELS:
+            raise InvalidArgument(f"config: log_level must be one of {', '.join(_LOG_LEVELS)}, "
+                                  f"not {self.log_level!r}")
 
     @property
     def cache_dir(self) -> str:
@@ -167,6 +191,10 @@ def load(path: str | Path | None) -> Config:
         data = tomllib.loads(Path(path).read_text())
     except FileNotFoundError as exc:
         raise InvalidArgument(f"config file {path} does not exist") from exc
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument(f"config file {path} is not UTF-8 text: {exc}") from exc
+    except OSError as exc:
+        raise InvalidArgument(f"config file {path} cannot be read: {exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise InvalidArgument(f"config file {path}: {exc}") from exc
     return from_dict(Config, data)

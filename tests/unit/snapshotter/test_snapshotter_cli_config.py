@@ -39,6 +39,28 @@ def test_a_bad_config_is_one_line_and_a_non_zero_exit(tmp_path: Path) -> None:
     conf.write_text('log_level = "chatty"\n')
     r = cli("snapshotter", "--config", str(conf), "--root", str(tmp_path / "r"))
     assert (r.returncode, r.stderr.strip()) == (
-        2, "coldstart: error: config: log_level 'chatty' is not a logging level")
+        2, "coldstart: error: config: log_level must be one of debug, info, warning, error, "
+           "not 'chatty'")
     r = cli("snapshotter", "--config", str(tmp_path / "missing.toml"), "--print-config")
     assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_out_of_range_values_and_unreadable_files_are_one_line(tmp_path: Path) -> None:
+    conf = tmp_path / "c.toml"
+    for text, message in [
+        ("grpc_workers = 0\n", "config: grpc_workers must be > 0, not 0"),
+        ("[fetch]\nrequest_timeout = -3\n", "config: request_timeout must be > 0, not -3.0"),
+        ("[fetch]\nbackground_rate = -5\n", "config: background_rate must be >= 0, not -5"),
+        ("shutdown_grace = -1\n", "config: shutdown_grace must be >= 0, not -1.0"),
+    ]:
+        conf.write_text(text)
+        r = cli("snapshotter", "--config", str(conf), "--root", str(tmp_path / "r"))
+        assert (r.returncode, r.stderr.strip()) == (2, f"coldstart: error: {message}"), text
+    conf.write_bytes(b"root = \"\xff\xfe\"\n")
+    for command in ("snapshotter", "fuse-server"):
+        r = cli(command, "--config", str(conf), "--root", str(tmp_path / "r"))
+        assert r.returncode == 2 and "is not UTF-8 text" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    # zero is allowed where it means "off"
+    conf.write_text("[fetch]\nbackground_rate = 0\n")
+    assert load(conf).fetch.background_rate == 0
