@@ -459,13 +459,16 @@ def convert_image(src: str, dst: str, *, format: str = "zstd:chunked",
     t0 = time.monotonic()
     try:
         source = open_store(src, reg)
+        # read the source before touching the destination: a typo in SRC must not leave an
+        # empty layout behind at DST
+        root = source.get_root()
         dest = open_store(dst, reg, create=True)
         with tempfile.TemporaryDirectory(prefix="coldstart-convert-", dir=workdir) as tmp:
             conv = _Converter(source, dest, format=fmt, chunk_size=chunk_size,
                               prefetch=prefetch, level=level, workdir=Path(tmp),
                               workers=workers, on_layer=on_layer)
             try:
-                return _run(conv, source, dest, fmt, wanted_platforms, t0)
+                return _run(conv, source, root, dest, fmt, wanted_platforms, t0)
             finally:
                 conv.pool.shutdown(wait=True, cancel_futures=True)
     finally:
@@ -473,9 +476,10 @@ def convert_image(src: str, dst: str, *, format: str = "zstd:chunked",
             reg.close()
 
 
-def _run(conv: _Converter, source: ImageStore, dest: ImageStore, fmt: str,
-         platforms: Sequence[Platform], t0: float) -> ConvertSummary:
-    body, media, digest = source.get_root()
+def _run(conv: _Converter, source: ImageStore, source_root: tuple[bytes, str, str],
+         dest: ImageStore, fmt: str, platforms: Sequence[Platform],
+         t0: float) -> ConvertSummary:
+    body, media, digest = source_root
     root = parse_any(body, media or None)
     skipped: list[str] = []
     if isinstance(root, Index) or media in INDEX_TYPES:

@@ -75,12 +75,16 @@ class OciLayout:
         if not (root / "oci-layout").exists():
             if root.exists() and not root.is_dir():
                 raise InvalidArgument(f"{root} exists and is not a directory")
-            (root / "blobs" / "sha256").mkdir(parents=True, exist_ok=True)
-            (root / "oci-layout").write_text(_LAYOUT_FILE)
-            if not (root / "index.json").exists():
-                _atomic_write(root / "index.json",
-                              canonical_json({"schemaVersion": 2, "mediaType": OCI_INDEX,
-                                              "manifests": []}))
+            try:
+                (root / "blobs" / "sha256").mkdir(parents=True, exist_ok=True)
+                (root / "oci-layout").write_text(_LAYOUT_FILE)
+                if not (root / "index.json").exists():
+                    _atomic_write(root / "index.json",
+                                  canonical_json({"schemaVersion": 2, "mediaType": OCI_INDEX,
+                                                  "manifests": []}))
+            except OSError as exc:
+                raise InvalidArgument(
+                    f"cannot create an OCI layout in {root}: {exc.strerror or exc}") from exc
         return cls(root)
 
     # -- blobs -----------------------------------------------------------------------------
