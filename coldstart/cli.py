@@ -23,12 +23,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "pull": ("coldstart.commands.pull", "pull"),
     "snapshotter": ("coldstart.commands.snapshotter", "snapshotter"),
     "fuse-server": ("coldstart.commands.fuse_server", "fuse_server"),
-    "bench": ("coldstart.commands.bench", "bench"),
     "weights": ("coldstart.commands.weights", "weights"),
     "models": ("coldstart.commands.models", "models"),
     "probe": ("coldstart.commands.probe", "probe"),
     "router": ("coldstart.commands.router", "router"),
-    "node": ("coldstart.commands.node", "node"),
 }
 
 
@@ -71,8 +69,15 @@ def main(argv: list[str] | None = None) -> NoReturn:
     except click.exceptions.Abort:
         click.echo("coldstart: aborted", err=True)
         sys.exit(130)
+    except click.exceptions.NoArgsIsHelpError as exc:
+        click.echo(exc.format_message())
+        sys.exit(0)
+    except click.UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else "coldstart"
+        click.echo(f"coldstart: error: {exc.format_message()} (see '{where} --help')", err=True)
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:
-        exc.show()
+        click.echo(f"coldstart: error: {exc.format_message()}", err=True)
         sys.exit(exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)

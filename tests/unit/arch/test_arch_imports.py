@@ -21,14 +21,12 @@ ALLOWED: dict[str, set[str]] = {
     "oci": BASE | {"format", "remote"},
     "remote": BASE | {"format", "oci"},
     "cache": BASE | {"format"},
-    "snapshotter": BASE | {"format", "oci", "remote", "cache", "prefetch", "_proto"},
-    "prefetch": BASE | {"format", "oci", "remote", "cache"},
+    "snapshotter": BASE | {"format", "oci", "remote", "cache", "_proto"},
     "containerd": BASE | {"format", "oci", "remote", "snapshotter", "_proto"},
     "weights": BASE | {"remote", "oci"},
     "probe": BASE,
     "benchmark": BASE | {"format", "oci", "remote", "cache", "snapshotter", "containerd",
-                         "prefetch", "weights", "probe"},
-    "node": BASE,
+                         "weights", "probe"},
     "_proto": set(),
 }
 # Third-party modules only some places may import.
