@@ -107,7 +107,7 @@ def _unmount_under(base: Path) -> None:
             if mp.startswith(prefix):
                 points.append(mp)
     for mp in sorted(points, key=len, reverse=True):
-        subprocess.run(["umount", "-l", mp], capture_output=True, check=False)
+        subprocess.run(["umount", "-l", mp], capture_output=True, check=False, timeout=30)
 
 
 @contextlib.contextmanager
