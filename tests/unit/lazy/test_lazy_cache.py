@@ -1,4 +1,8 @@
-"""The node chunk cache: content addressing, LRU limit, restarts, concurrent processes."""
+"""The node chunk cache: content addressing, LRU limit, restarts, concurrent processes.
+
+Tests that look at ``sha256/`` files use ``pack_threshold=0`` (every chunk a file); the rest
+run with both layouts (see also test_lazy_cache_packs.py).
+"""
 
 from __future__ import annotations
 
@@ -21,8 +25,11 @@ def blob(i: int, n: int = 1000) -> bytes:
     return hashlib.sha256(str(i).encode()).digest() * (n // 32 + 1)
 
 
+LAYOUTS = pytest.mark.parametrize("threshold", [0, 256 << 10], ids=["files", "packs"])
+
+
 def test_put_get_and_slices(tmp_path: Path) -> None:
-    c = ChunkCache(tmp_path, max_bytes=1 << 20)
+    c = ChunkCache(tmp_path, max_bytes=1 << 20, pack_threshold=0)
     data = blob(1)[:1000]
     d = dg(data)
     assert c.get(d) is None
@@ -36,8 +43,9 @@ def test_put_get_and_slices(tmp_path: Path) -> None:
     assert list((tmp_path / "wip").iterdir()) == []
 
 
-def test_put_refuses_data_that_does_not_match(tmp_path: Path) -> None:
-    c = ChunkCache(tmp_path, max_bytes=1 << 20)
+@LAYOUTS
+def test_put_refuses_data_that_does_not_match(tmp_path: Path, threshold: int) -> None:
+    c = ChunkCache(tmp_path, max_bytes=1 << 20, pack_threshold=threshold)
     with pytest.raises(IntegrityError):
         c.put(dg(b"abc"), b"abd")
     assert c.get(dg(b"abc")) is None
@@ -48,8 +56,9 @@ def test_put_refuses_data_that_does_not_match(tmp_path: Path) -> None:
         c.put("md5:abc", b"abc")
 
 
-def test_wrong_size_file_is_a_miss_and_dropped(tmp_path: Path) -> None:
-    c = ChunkCache(tmp_path, max_bytes=1 << 20)
+@LAYOUTS
+def test_wrong_size_file_is_a_miss_and_dropped(tmp_path: Path, threshold: int) -> None:
+    c = ChunkCache(tmp_path, max_bytes=1 << 20, pack_threshold=threshold)
     data = b"x" * 100
     c.put(dg(data), data)
     assert c.get(dg(data), expected_size=100) == data
@@ -58,7 +67,7 @@ def test_wrong_size_file_is_a_miss_and_dropped(tmp_path: Path) -> None:
 
 
 def test_verify_reads_catches_corruption_on_disk(tmp_path: Path) -> None:
-    c = ChunkCache(tmp_path, max_bytes=1 << 20, verify_reads=True)
+    c = ChunkCache(tmp_path, max_bytes=1 << 20, verify_reads=True, pack_threshold=0)
     data = b"y" * 100
     c.put(dg(data), data)
     hexd = dg(data).split(":")[1]
@@ -67,7 +76,7 @@ def test_verify_reads_catches_corruption_on_disk(tmp_path: Path) -> None:
 
 
 def test_lru_eviction_at_the_limit(tmp_path: Path) -> None:
-    c = ChunkCache(tmp_path, max_bytes=3500)
+    c = ChunkCache(tmp_path, max_bytes=3500, pack_threshold=0)
     chunks = [blob(i)[:1000] for i in range(4)]
     for ch in chunks[:3]:
         c.put(dg(ch), ch)
@@ -81,7 +90,7 @@ def test_lru_eviction_at_the_limit(tmp_path: Path) -> None:
 
 
 def test_dedup_same_digest_stored_once(tmp_path: Path) -> None:
-    c = ChunkCache(tmp_path, max_bytes=1 << 20)
+    c = ChunkCache(tmp_path, max_bytes=1 << 20, pack_threshold=0)
     data = blob(7)[:500]
     c.put(dg(data), data)
     c.put(dg(data), data)
@@ -91,7 +100,7 @@ def test_dedup_same_digest_stored_once(tmp_path: Path) -> None:
 
 
 def test_survives_restart_and_keeps_lru_order(tmp_path: Path) -> None:
-    c = ChunkCache(tmp_path, max_bytes=10_000)
+    c = ChunkCache(tmp_path, max_bytes=10_000, pack_threshold=0)
     chunks = [blob(i)[:1000] for i in range(3)]
     for i, ch in enumerate(chunks):
         c.put(dg(ch), ch)
@@ -99,31 +108,35 @@ def test_survives_restart_and_keeps_lru_order(tmp_path: Path) -> None:
         os.utime(tmp_path / "sha256" / hexd[:2] / hexd, (1000 + i, 1000 + i))
     (tmp_path / "wip" / "stale").write_bytes(b"half")
     os.utime(tmp_path / "wip" / "stale", (1, 1))
-    c2 = ChunkCache(tmp_path, max_bytes=2500)     # smaller limit: the oldest goes at start
+    # smaller limit: the oldest goes at start
+    c2 = ChunkCache(tmp_path, max_bytes=2500, pack_threshold=0)
     assert len(c2) == 2
     assert dg(chunks[0]) not in c2
     assert c2.get(dg(chunks[2])) == chunks[2]
     assert not (tmp_path / "wip" / "stale").exists()
 
 
-def _writer(directory: str, seed: int, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
-    c = ChunkCache(directory, max_bytes=1 << 30)
+def _writer(directory: str, seed: int, out: multiprocessing.Queue,  # type: ignore[type-arg]
+            threshold: int) -> None:
+    c = ChunkCache(directory, max_bytes=1 << 30, pack_threshold=threshold)
     for i in range(40):
         data = blob(i % 25, 4000 + (i % 25))       # overlapping digests across processes
         c.put(dg(data), data)
     out.put(seed)
 
 
-def test_concurrent_writer_processes(tmp_path: Path) -> None:
+@LAYOUTS
+def test_concurrent_writer_processes(tmp_path: Path, threshold: int) -> None:
     ctx = multiprocessing.get_context("fork")
     q: multiprocessing.Queue = ctx.Queue()  # type: ignore[type-arg]
-    procs = [ctx.Process(target=_writer, args=(str(tmp_path), s, q)) for s in range(4)]
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), s, q, threshold))
+             for s in range(4)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
-    c = ChunkCache(tmp_path, max_bytes=1 << 30)
+    c = ChunkCache(tmp_path, max_bytes=1 << 30, pack_threshold=threshold)
     assert len(c) == 25
     for i in range(25):
         data = blob(i, 4000 + i)
@@ -131,8 +144,9 @@ def test_concurrent_writer_processes(tmp_path: Path) -> None:
     assert list((tmp_path / "wip").iterdir()) == []
 
 
-def test_put_async_is_readable_at_once_and_lands_on_disk(tmp_path: Path) -> None:
-    c = ChunkCache(tmp_path, max_bytes=1 << 20)
+@LAYOUTS
+def test_put_async_is_readable_at_once_and_lands_on_disk(tmp_path: Path, threshold: int) -> None:
+    c = ChunkCache(tmp_path, max_bytes=1 << 20, pack_threshold=threshold)
     chunks = [blob(i)[:3000] for i in range(50)]
     for ch in chunks:
         c.put_async(dg(ch), ch, verified=True)
@@ -141,7 +155,7 @@ def test_put_async_is_readable_at_once_and_lands_on_disk(tmp_path: Path) -> None
         assert c.read(dg(ch), 100, 50) == ch[100:150]
     assert c.flush(30)
     c.close()
-    c2 = ChunkCache(tmp_path, max_bytes=1 << 20)
+    c2 = ChunkCache(tmp_path, max_bytes=1 << 20, pack_threshold=threshold)
     assert len(c2) == 50
     assert all(c2.get(dg(ch)) == ch for ch in chunks)
     with pytest.raises(IntegrityError):
