@@ -9,6 +9,20 @@ import os
 import click
 
 from coldstart.config import load
+from coldstart.errors import InvalidArgument
+
+
+def _host_port(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Refuse a malformed ``--metrics-address`` before anything starts (no traceback)."""
+    if not value:
+        return value
+    from coldstart.snapshotter.fuse_server import parse_metrics_address
+
+    try:
+        parse_metrics_address(value)
+    except InvalidArgument as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+    return value
 
 
 @click.command("fuse-server")
@@ -17,12 +31,15 @@ from coldstart.config import load
 @click.option("--root", default=None, help="State root (overrides config `root`).")
 @click.option("--socket", "socket_path", default=None,
               help="Control socket (overrides config `fuse.socket`).")
-@click.option("--metrics-address", default=None,
+@click.option("--metrics-address", default=None, callback=_host_port,
               help="host:port for Prometheus metrics of this process (default: none; use a "
                    "port other than the snapshotter's).")
 def fuse_server(config_path: str | None, root: str | None, socket_path: str | None,
                 metrics_address: str | None) -> None:
-    """Serve lazily pulled layers over FUSE; restore persisted mounts at start."""
+    """Serve lazily pulled layers over FUSE; restore persisted mounts at start.
+
+    Refuses to start (exit status 5, nothing touched) when another fuse-server serves the same
+    root or already answers on the control socket."""
     cfg = load(config_path)
     if root:
         cfg = dataclasses.replace(cfg, root=root)

@@ -34,13 +34,8 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from coldstart.config import Config, dump
-from coldstart.errors import (
-    ColdstartError,
-    DeadlineExceeded,
-    FailedPrecondition,
-    InvalidArgument,
-    Unavailable,
-)
+from coldstart.errors import ColdstartError, FailedPrecondition, InvalidArgument
+from coldstart.snapshotter.fuse_client import FuseServerClient, FuseServerUnreachable
 from coldstart.snapshotter.layerspec import LayerSpec
 from coldstart.snapshotter.mounter import LayerMounter
 from coldstart.snapshotter.server import socket_answers, start_server
@@ -105,7 +100,10 @@ def spawn_fuse_server(cfg: Config) -> subprocess.Popen[bytes]:
 def ensure_fuse_server(cfg: Config, answers: Callable[[], bool] | None = None) -> bool:
     """True when a FUSE server answers on ``cfg.fuse.socket`` (spawning one if allowed).
 
-    ``answers`` asks the server (default: something accepts connections on the socket)."""
+    ``answers`` asks the server (default: something accepts connections on the socket). A
+    spawned server that finds another one holding the root (``<root>/fuse-server.lock``: it is
+    still starting, or was started by someone else) refuses to start; we then wait for that one
+    to answer, within the same ``fuse.start_timeout``."""
     answers = answers or (lambda: socket_answers(cfg.fuse.socket))
     if answers():
         log.info("fuse-server answers on %s", cfg.fuse.socket)
@@ -118,15 +116,25 @@ def ensure_fuse_server(cfg: Config, answers: Callable[[], bool] | None = None) -
         log.warning("a fuse-server listens on %s but does not answer; not starting another "
                     "(layers are pulled normally until it does)", cfg.fuse.socket)
         return False
-    proc = spawn_fuse_server(cfg)
+    pidfile = Path(cfg.root) / FUSE_PID
+    try:
+        previous: str | None = pidfile.read_text()
+    except OSError:
+        previous = None
+    proc: subprocess.Popen[bytes] | None = spawn_fuse_server(cfg)
     deadline = time.monotonic() + cfg.fuse.start_timeout
     while time.monotonic() < deadline:
         if socket_answers(cfg.fuse.socket) and answers():
             return True
-        if proc.poll() is not None:
-            log.warning("fuse-server exited with status %s (see %s): layers are pulled "
-                        "normally", proc.returncode, Path(cfg.root) / FUSE_LOG)
-            return False
+        if proc is not None and proc.poll() is not None:
+            _restore_pidfile(pidfile, proc.pid, previous)
+            if proc.returncode != FailedPrecondition.exit_code:
+                log.warning("fuse-server exited with status %s (see %s): layers are pulled "
+                            "normally", proc.returncode, Path(cfg.root) / FUSE_LOG)
+                return False
+            log.info("another fuse-server holds %s (see %s): waiting for it to answer",
+                     cfg.root, Path(cfg.root) / FUSE_LOG)
+            proc = None
         time.sleep(0.05)
     log.warning("fuse-server did not answer on %s within %.0f s (see %s): layers are pulled "
                 "normally until it does", cfg.fuse.socket, cfg.fuse.start_timeout,
@@ -134,9 +142,25 @@ def ensure_fuse_server(cfg: Config, answers: Callable[[], bool] | None = None) -
     return False
 
 
+def _restore_pidfile(pidfile: Path, pid: int, previous: str | None) -> None:
+    """The spawned server exited: the pid file names the previous server again."""
+    try:
+        if pidfile.read_text().strip() != str(pid):
+            return
+        if previous is None:
+            pidfile.unlink()
+        else:
+            pidfile.write_text(previous)
+    except OSError as exc:
+        log.debug("pid file %s: %s", pidfile, exc)
+
+
 class RespawningMounter:
     """The FUSE server's client; when the server is unreachable it is started again (it then
-    restores its persisted mounts) and the call is retried once."""
+    restores its persisted mounts) and the call is retried once.
+
+    Only :class:`FuseServerUnreachable` (the transport failed) means that; an ``Unavailable``
+    the server answered with (a registry 503 while it opened a TOC) is the call's result."""
 
     def __init__(self, cfg: Config, client: FuseClient) -> None:
         self.cfg = cfg
@@ -152,8 +176,8 @@ class RespawningMounter:
     def _retry(self, call: Callable[[], None]) -> None:
         try:
             call()
-        except Unavailable as exc:
-            if isinstance(exc, DeadlineExceeded) or not self.cfg.fuse.spawn:
+        except FuseServerUnreachable as exc:
+            if not self.cfg.fuse.spawn:
                 raise
             log.warning("fuse-server unreachable (%s): starting it again", exc)
             if not ensure_fuse_server(self.cfg, self.answers):
@@ -172,11 +196,6 @@ class RespawningMounter:
 
 def make_mounter(cfg: Config) -> LayerMounter | None:
     """The one wiring place of the LayerMounter: the FUSE server's client."""
-    try:
-        from coldstart.snapshotter.fuse_client import FuseServerClient
-    except ImportError as exc:
-        log.warning("lazy pulling disabled: FUSE client unavailable (%s)", exc)
-        return None
     mounter = RespawningMounter(cfg, FuseServerClient(cfg.fuse.socket, cfg.fuse.request_timeout))
     ensure_fuse_server(cfg, mounter.answers)
     return mounter

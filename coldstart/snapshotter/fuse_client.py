@@ -5,7 +5,10 @@
 
 Failures come back as the ColdstartError kind the server raised (IntegrityError for a TOC that
 does not match its digest, FailedPrecondition for a layer without one, NotFound, …), so the
-snapshotter can fall back to a normal pull; an unreachable server is Unavailable.
+snapshotter can fall back to a normal pull. Only a server that cannot be reached (no socket,
+connection refused or dropped mid-request) is :class:`FuseServerUnreachable`; an ``Unavailable``
+that the server forwarded (a registry 503 while opening a TOC) stays a plain ``Unavailable``, so
+the snapshotter restarts the server only when it is really gone.
 """
 
 from __future__ import annotations
@@ -18,7 +21,12 @@ from coldstart import errors
 from coldstart.errors import ColdstartError, DeadlineExceeded, Unavailable
 from coldstart.snapshotter.layerspec import LayerSpec
 
-__all__ = ["FuseServerClient"]
+__all__ = ["FuseServerClient", "FuseServerUnreachable"]
+
+
+class FuseServerUnreachable(Unavailable):
+    """The transport failed: the FUSE server could not be connected to, written to or read
+    from (it is not running, or died mid-request). Never sent by the server itself."""
 
 
 class FuseServerClient:
@@ -40,13 +48,13 @@ class FuseServerClient:
                 while b"\n" not in buf:
                     data = s.recv(65536)
                     if not data:
-                        raise Unavailable(f"{what} closed the connection")
+                        raise FuseServerUnreachable(f"{what} closed the connection")
                     buf += data
         except TimeoutError as exc:
             raise DeadlineExceeded(f"{what}: no answer to {request.get('op')} "
                                    f"within {t:g} s") from exc
         except OSError as exc:
-            raise Unavailable(f"{what} is not reachable: {exc}") from exc
+            raise FuseServerUnreachable(f"{what} is not reachable: {exc}") from exc
         try:
             reply = json.loads(buf.split(b"\n", 1)[0])
         except ValueError as exc:
@@ -56,7 +64,7 @@ class FuseServerClient:
         raise _error(reply.get("error") or {})
 
     def ping(self) -> dict[str, Any]:
-        """The server's pid; Unavailable if it does not answer."""
+        """The server's pid; FuseServerUnreachable if it does not answer."""
         result: dict[str, Any] = self._call({"op": "ping"}, timeout=min(self.timeout, 10.0))
         return result
 

@@ -16,11 +16,17 @@ annotation), adds the layer to the file system (one directory per layer digest, 
 mountpoint of that layer) and bind-mounts it onto the mountpoint. Every mount is persisted under
 ``<root>/fuse-state/``; a (re)started server lazily unmounts what a dead predecessor left and
 restores every recorded mount. SIGTERM/SIGINT: stop accepting, unmount, exit 0, keep the records.
+
+One server per root: it holds an exclusive ``flock`` on ``<root>/fuse-server.lock`` for its
+lifetime (the kernel drops it when the process dies) and refuses to start, before it touches
+any mount or socket, when another holds it or something already answers on its control socket
+(:class:`~coldstart.errors.FailedPrecondition`: one line, exit status 5).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -29,7 +35,7 @@ import socket
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import trio
 
@@ -64,10 +70,12 @@ from coldstart.snapshotter.mountstate import MountState
 from coldstart.snapshotter.mountsys import bind_mount, is_mountpoint, lazy_unmount
 from coldstart.snapshotter.reader import LayerReader
 
-__all__ = ["FuseServer", "error_payload"]
+__all__ = ["LOCK_FILE", "FuseServer", "error_payload", "parse_metrics_address"]
 
 log = logging.getLogger(__name__)
 
+#: held (flock, exclusive) by the one FUSE server of a root, for its whole life
+LOCK_FILE = "fuse-server.lock"
 _MAX_LINE = 1 << 20
 _TOC_KEYS = (ESTARGZ_TOC_DIGEST, ZSTD_CHUNKED_MANIFEST_CHECKSUM,
              "io.containers.zstd-chunked.manifest-checksum")
@@ -87,6 +95,30 @@ class _Mount:
     layer: _Layer
 
 
+def parse_metrics_address(address: str) -> tuple[str, int]:
+    """``host:port`` (host optional: 127.0.0.1) as ``(host, port)``; InvalidArgument otherwise.
+
+    >>> parse_metrics_address("0.0.0.0:9101")
+    ('0.0.0.0', 9101)
+    """
+    host, sep, port = address.rpartition(":")
+    if (not sep or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536
+            or any(c.isspace() for c in address)):
+        raise InvalidArgument(f"metrics address must be host:port, not {address!r}")
+    return host or "127.0.0.1", int(port)
+
+
+def _socket_answers(path: str, timeout: float = 1.0) -> bool:
+    """Whether something accepts connections on the unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect(path)
+        except OSError:
+            return False
+        return True
+
+
 def error_payload(exc: BaseException) -> dict[str, Any]:
     """The wire form of an error: its kind, the kinds it derives from, its message."""
     kinds = [c.__name__ for c in type(exc).__mro__
@@ -95,7 +127,10 @@ def error_payload(exc: BaseException) -> dict[str, Any]:
 
 
 class FuseServer:
-    """One FUSE server: ``FuseServer(config).run()`` blocks until SIGTERM/SIGINT."""
+    """One FUSE server: ``FuseServer(config).run()`` blocks until SIGTERM/SIGINT.
+
+    The constructor already claims the root (FailedPrecondition when another server has it);
+    :meth:`run` releases it when it returns."""
 
     def __init__(self, config: Config, *, root: str | None = None,
                  socket_path: str | None = None, metrics_address: str | None = None) -> None:
@@ -105,6 +140,11 @@ class FuseServer:
         self.socket_path = socket_path or config.fuse.socket
         self.metrics_address = (config.metrics_address if metrics_address is None
                                 else metrics_address)
+        if self.metrics_address:
+            parse_metrics_address(self.metrics_address)
+        # before anything below opens the cache or state: a refused start touches nothing
+        self._root_lock: IO[str] | None = self._claim_root()
+        self._socket_ino: int | None = None       # our control socket's inode, once bound
         self.state = MountState(self.root / "fuse-state")
         self.metrics = FuseMetrics()
         cache_dir = config.cache.dir or str(self.root / "cache")
@@ -115,7 +155,7 @@ class FuseServer:
                                     request_timeout=f.request_timeout, telemetry=self.metrics)
         self.fs = FuseFS(entry_timeout=config.fuse.entry_timeout,
                          attr_timeout=config.fuse.attr_timeout,
-                         read_threads=max(8, 2 * f.concurrency))
+                         read_threads=max(8, 2 * f.concurrency), on_error=self.metrics.error)
         r = config.registry
         self.client = RegistryClient(
             insecure_hosts=r.insecure_hosts,
@@ -134,48 +174,101 @@ class FuseServer:
 
     def run(self) -> None:
         """Mount, restore, serve until a signal; then unmount and return."""
-        trio.run(self._main)
+        try:
+            trio.run(self._main)
+        finally:
+            self._release_root()
+
+    def _claim_root(self) -> IO[str]:
+        """Lock ``<root>/fuse-server.lock``; FailedPrecondition if another server has it or
+        already answers on our control socket (checked before any unmount or unlink)."""
+        path = self.root / LOCK_FILE
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            f = open(path, "a+")  # noqa: SIM115 - held for the life of the process
+        except OSError as exc:
+            raise FailedPrecondition(f"cannot open the FUSE server lock {path}: {exc}") from exc
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            f.close()
+            if isinstance(exc, BlockingIOError):
+                raise FailedPrecondition(f"another coldstart fuse-server serves root "
+                                         f"{self.root} (it holds {path})") from None
+            raise FailedPrecondition(f"cannot lock {path}: {exc}") from exc
+        if _socket_answers(self.socket_path):
+            f.close()
+            raise FailedPrecondition(f"a FUSE server already answers on {self.socket_path}")
+        with contextlib.suppress(OSError):  # for whoever wonders who holds it
+            f.truncate(0)
+            f.write(f"{os.getpid()}\n")
+            f.flush()
+        return f
+
+    def _release_root(self) -> None:
+        if self._root_lock is not None:
+            self._root_lock.close()
+            self._root_lock = None
 
     async def _main(self) -> None:
         self._restored = trio.Event()
-        records = self.state.load()
-        for rec in records:  # binds left by a dead predecessor point at a dead connection
-            with contextlib.suppress(ColdstartError, OSError):
-                lazy_unmount(rec.mountpoint)
-        for _ in range(8):
-            try:
-                if not lazy_unmount(str(self.fuse_dir)):
-                    break
-            except (ColdstartError, OSError):
-                break
-        self.fuse_dir.mkdir(parents=True, exist_ok=True)
-        listener = self._listen()
-        fuse_init(self.fs, str(self.fuse_dir))
-        if self.metrics_address:
-            self.metrics.serve(self.metrics_address)
-        log.info("FUSE server pid %d: %s mounted, control socket %s", os.getpid(),
-                 self.fuse_dir, self.socket_path)
+        mounted = False
         try:
+            if self.metrics_address:  # first: a bad address must not leave a mount behind
+                try:
+                    self.metrics.serve(self.metrics_address)
+                except OSError as exc:
+                    raise FailedPrecondition(f"cannot serve metrics on {self.metrics_address}: "
+                                             f"{exc.strerror or exc}") from exc
+            records = self.state.load()
+            for rec in records:  # binds left by a dead predecessor point at a dead connection
+                with contextlib.suppress(ColdstartError, OSError):
+                    lazy_unmount(rec.mountpoint)
+            for _ in range(8):
+                try:
+                    if not lazy_unmount(str(self.fuse_dir)):
+                        break
+                except (ColdstartError, OSError):
+                    break
+            try:
+                self.fuse_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise FailedPrecondition(f"cannot create {self.fuse_dir}: {exc}") from exc
+            listener = self._listen()
+            fuse_init(self.fs, str(self.fuse_dir))
+            mounted = True
+            log.info("FUSE server pid %d: %s mounted, control socket %s", os.getpid(),
+                     self.fuse_dir, self.socket_path)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._fuse_task)
                 nursery.start_soon(self._restore, records)
                 nursery.start_soon(self._serve, listener)
                 await self._wait_signal()
                 self._stopping = True
-                with contextlib.suppress(OSError):
-                    os.unlink(self.socket_path)
+                self._unlink_socket()
                 await self._unmount_all()
                 fuse_terminate()
                 nursery.cancel_scope.cancel()
         finally:
+            self._unlink_socket()
             self.fetcher.close()
             with contextlib.suppress(Exception):
                 self.cache.close()
-            with contextlib.suppress(Exception):
-                fuse_close(unmount=True)
+            if mounted:
+                with contextlib.suppress(Exception):
+                    fuse_close(unmount=True)
             with contextlib.suppress(Exception):
                 self.client.close()
         log.info("FUSE server stopped")
+
+    def _unlink_socket(self) -> None:
+        """Remove our control socket, never a successor's that replaced the path."""
+        if self._socket_ino is None:
+            return
+        with contextlib.suppress(OSError):
+            if os.stat(self.socket_path).st_ino == self._socket_ino:
+                os.unlink(self.socket_path)
+        self._socket_ino = None
 
     async def _fuse_task(self) -> None:
         await fuse_main()
@@ -188,13 +281,20 @@ class FuseServer:
 
     def _listen(self) -> trio.SocketListener:
         path = self.socket_path
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
         std = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        std.bind(path)
-        os.chmod(path, 0o600)
-        std.listen(64)
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            # nothing answers there (checked under the lock): a dead predecessor's socket
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            std.bind(path)
+            self._socket_ino = os.stat(path).st_ino
+            os.chmod(path, 0o600)
+            std.listen(64)
+        except OSError as exc:
+            std.close()
+            raise FailedPrecondition(f"cannot listen on the control socket {path}: "
+                                     f"{exc}") from exc
         sock = trio.socket.from_stdlib_socket(std)
         return trio.SocketListener(sock)
 

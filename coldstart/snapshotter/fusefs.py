@@ -14,24 +14,31 @@ the prefetch landmarks are hidden.
 
 Reads run the blocking :class:`LayerReader` in worker threads (bounded by a limiter), so a slow
 fetch never blocks metadata requests. Errors become the errno of their ColdstartError kind.
+Every handler answers with an errno, whatever it meets: pyfuse3 re-raises anything but a
+``FUSEError`` out of ``pyfuse3.main()``, which would end the server and every mount of the node.
+An unexpected exception is logged with the layer digest and path, counted (``on_error``) and
+answered ``EIO``; on the read fast path it first falls back to the slow path.
 This is the only module that imports pyfuse3 (CONVENTIONS §2).
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import errno
+import functools
 import logging
 import os
 import stat
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import pyfuse3
 import trio
 
-from coldstart.errors import ColdstartError
+from coldstart.errors import ColdstartError, FailedPrecondition
 from coldstart.format.toc import NO_PREFETCH_LANDMARK, PREFETCH_LANDMARK, Entry
 from coldstart.snapshotter.reader import LayerReader
 
@@ -55,6 +62,11 @@ _HIDDEN = {PREFETCH_LANDMARK, NO_PREFETCH_LANDMARK}
 _TOP_ENTRY_TIMEOUT = 1.0
 _BLKSIZE = 128 << 10
 _DEBUG = os.environ.get("COLDSTART_FUSE_DEBUG") == "1"
+#: the ``kind`` an unexpected handler exception is counted under
+INTERNAL_ERROR = "internal"
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 def mount_options(fsname: str = "coldstart-lazy") -> set[str]:
@@ -170,6 +182,24 @@ def build_tree(key: str, base: int, reader: LayerReader) -> LayerTree:
                      total_size=total)
 
 
+def _guarded(op: Callable[Concatenate[FuseFS, _P], Awaitable[_R]]
+             ) -> Callable[Concatenate[FuseFS, _P], Coroutine[Any, Any, _R]]:
+    """Make a handler answer an errno whatever happens (see the module docstring)."""
+    @functools.wraps(op)
+    async def handler(self: FuseFS, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return await op(self, *args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except ColdstartError as exc:
+            raise pyfuse3.FUSEError(exc.errno) from None
+        except Exception as exc:
+            inode = args[0] if args and isinstance(args[0], int) else None
+            self.internal_error(op.__name__, inode, exc)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+    return handler
+
+
 class FuseFS(pyfuse3.Operations):
     """pyfuse3 operations over every mounted layer; add/remove layers from the trio loop."""
 
@@ -178,8 +208,11 @@ class FuseFS(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(self, *, entry_timeout: float = 86400.0, attr_timeout: float = 86400.0,
-                 read_threads: int = 16) -> None:
+                 read_threads: int = 16, on_error: Callable[[str], None] | None = None) -> None:
         super().__init__()
+        self._on_error = on_error
+        #: unexpected exceptions met by handlers (each answered EIO or served the slow way)
+        self.internal_errors = 0
         self.entry_timeout = entry_timeout
         self.attr_timeout = attr_timeout
         self._limiter = trio.CapacityLimiter(max(1, read_threads))
@@ -224,6 +257,25 @@ class FuseFS(pyfuse3.Operations):
 
     def layers(self) -> list[LayerTree]:
         return list(self._layers.values())
+
+    def internal_error(self, op: str, inode: int | None, exc: BaseException) -> None:
+        """Log an unexpected exception with the layer digest and path, and count it."""
+        digest, path = "-", "?"
+        if inode == pyfuse3.ROOT_INODE:
+            path = "/"
+        elif inode is not None:
+            with contextlib.suppress(Exception):
+                i = bisect.bisect_right(self._bases, inode) - 1
+                tree = self._by_base[self._bases[i]] if i >= 0 else None
+                if tree is not None and inode < tree.end:
+                    digest = tree.reader.digest
+                    path = "/" + tree.entries[inode - tree.base].name
+        log.error("layer %s: %s of %r (inode %s) failed unexpectedly: %s: %s", digest, op, path,
+                  inode, type(exc).__name__, exc, exc_info=exc)
+        self.internal_errors += 1
+        if self._on_error is not None:
+            with contextlib.suppress(Exception):
+                self._on_error(INTERNAL_ERROR)
 
     def _tree(self, inode: int) -> LayerTree:
         i = bisect.bisect_right(self._bases, inode) - 1
@@ -288,6 +340,7 @@ class FuseFS(pyfuse3.Operations):
 
     # -- metadata operations ---------------------------------------------------------------
 
+    @_guarded
     async def lookup(self, parent_inode: int, name: bytes,
                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         if parent_inode == pyfuse3.ROOT_INODE:
@@ -311,6 +364,7 @@ class FuseFS(pyfuse3.Operations):
             return self._negative()
         return self._attr(tree, ino)
 
+    @_guarded
     async def getattr(self, inode: int,
                       ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
         if inode == pyfuse3.ROOT_INODE:
@@ -318,6 +372,7 @@ class FuseFS(pyfuse3.Operations):
         tree = self._tree(inode)
         return self._attr(tree, inode)
 
+    @_guarded
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
         tree = self._tree(inode)
         e = tree.entries[inode - tree.base]
@@ -325,6 +380,7 @@ class FuseFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EINVAL)
         return os.fsencode(e.link_name)
 
+    @_guarded
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         if inode != pyfuse3.ROOT_INODE:
             tree = self._tree(inode)
@@ -332,6 +388,7 @@ class FuseFS(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.ENOTDIR)
         return inode
 
+    @_guarded
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         if fh == pyfuse3.ROOT_INODE:
             tops = sorted(self._layers.items())
@@ -348,9 +405,11 @@ class FuseFS(pyfuse3.Operations):
             if not pyfuse3.readdir_reply(token, name, self._attr(tree, ino), i + 1):
                 return
 
+    @_guarded
     async def releasedir(self, fh: int) -> None:
         return None
 
+    @_guarded
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         if inode == pyfuse3.ROOT_INODE:
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
@@ -360,17 +419,20 @@ class FuseFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         return value
 
+    @_guarded
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
         if inode == pyfuse3.ROOT_INODE:
             return []
         tree = self._tree(inode)
         return list(tree.xattrs.get(inode, {}))
 
+    @_guarded
     async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
         if mode & os.W_OK:
             raise pyfuse3.FUSEError(errno.EROFS)
         return True
 
+    @_guarded
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         s = pyfuse3.StatvfsData()
         total = sum(t.total_size for t in self._layers.values())
@@ -391,6 +453,7 @@ class FuseFS(pyfuse3.Operations):
 
     # -- data ------------------------------------------------------------------------------
 
+    @_guarded
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
             raise pyfuse3.FUSEError(errno.EROFS)
@@ -399,6 +462,7 @@ class FuseFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EINVAL)
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 
+    @_guarded
     async def read(self, fh: int, off: int, size: int) -> bytes:
         tree = self._tree(fh)
         entry = tree.entries[fh - tree.base]
@@ -412,24 +476,24 @@ class FuseFS(pyfuse3.Operations):
             cached = tree.reader.read_cached(entry, off, size)
         except ColdstartError:
             cached = None
+        except Exception as exc:  # a broken cache must not fail a read the network can serve
+            self.internal_error("read (cached)", fh, exc)
+            cached = None
         if cached is not None:
             return cached
-        try:
-            data: bytes = await trio.to_thread.run_sync(
-                tree.reader.read, entry, off, size, limiter=self._limiter)
-        except ColdstartError as exc:
-            # the reader already logged the reason with the layer digest and chunk
-            raise pyfuse3.FUSEError(exc.errno) from None
-        except Exception as exc:  # a bug must not take the file system down
-            log.exception("layer %s: read %r failed", tree.reader.digest, entry.name)
-            raise pyfuse3.FUSEError(errno.EIO) from exc
+        # a ColdstartError becomes its errno in _guarded (the reader already logged the reason
+        # with the layer digest and chunk); anything else is logged there and answered EIO
+        data: bytes = await trio.to_thread.run_sync(
+            tree.reader.read, entry, off, size, limiter=self._limiter)
         return data
 
+    @_guarded
     async def flush(self, fh: int) -> None:
         # Read-only: nothing to flush. ENOSYS makes the kernel stop sending FLUSH on every
         # close (one request per file saved).
         raise pyfuse3.FUSEError(errno.ENOSYS)
 
+    @_guarded
     async def release(self, fh: int) -> None:
         return None
 
@@ -468,8 +532,12 @@ def _unescape(path: str) -> str:
 # -- session (the server drives pyfuse3 only through these) --------------------------------------
 
 def fuse_init(fs: FuseFS, mountpoint: str, options: set[str] | None = None) -> None:
-    """Mount ``fs`` at ``mountpoint`` (one per process)."""
-    pyfuse3.init(fs, mountpoint, options or mount_options())
+    """Mount ``fs`` at ``mountpoint`` (one per process); FailedPrecondition if it cannot."""
+    try:
+        pyfuse3.init(fs, mountpoint, options or mount_options())
+    except (RuntimeError, OSError) as exc:
+        raise FailedPrecondition(f"cannot mount the FUSE file system at {mountpoint}: "
+                                 f"{exc}") from exc
 
 
 async def fuse_main() -> None:

@@ -1,0 +1,114 @@
+"""FUSE handlers answer an errno whatever they meet: pyfuse3 re-raises anything else out of
+``pyfuse3.main()``, which would end the FUSE server and every mount of the node."""
+
+from __future__ import annotations
+
+import errno
+import logging
+from pathlib import Path
+
+import pyfuse3
+import pytest
+import trio
+
+from coldstart.cache import ChunkCache
+from coldstart.errors import NotFound
+from coldstart.format.layer import open_layer
+from coldstart.format.readat import BytesReadAt
+from coldstart.snapshotter.fetcher import ChunkFetcher, ReadAtSource
+from coldstart.snapshotter.fusefs import INTERNAL_ERROR, FuseFS, LayerTree, build_tree
+from coldstart.snapshotter.reader import LayerReader
+from tests.integration.lazy.lazy_helpers import SourceTree, convert, metadata_tar
+
+NAME = "usr/share/doc/f010.txt"
+CTX = pyfuse3.RequestContext()
+
+
+@pytest.fixture
+def source() -> SourceTree:
+    return metadata_tar(big_size=100_000)
+
+
+@pytest.fixture
+def fs_tree(tmp_path: Path, source: SourceTree) -> tuple[FuseFS, LayerTree, list[str]]:
+    blob, res = convert(source.tar, "zstd:chunked")
+    layer = open_layer(BytesReadAt(blob), annotations=res.annotations)
+    fetcher = ChunkFetcher(ChunkCache(tmp_path, max_bytes=1 << 24))
+    reader = LayerReader(res.digest, layer, ReadAtSource(BytesReadAt(blob)), fetcher)
+    counted: list[str] = []
+    fs = FuseFS(read_threads=2, on_error=counted.append)
+    tree = build_tree("k", fs.allocate(len(layer.toc.entries) + 1), reader)
+    fs.add(tree)
+    return fs, tree, counted
+
+
+def _ino(tree: LayerTree, path: str) -> int:
+    ino = tree.root
+    for part in path.split("/"):
+        ino = tree.children[ino][part.encode()]
+    return ino
+
+
+def _broken(*_args: object, **_kwargs: object) -> object:
+    raise OSError(errno.EIO, "Input/output error: injected")
+
+
+def test_a_broken_cache_read_falls_back_to_the_slow_path(
+        fs_tree: tuple[FuseFS, LayerTree, list[str]], source: SourceTree,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    fs, tree, counted = fs_tree
+    monkeypatch.setattr(tree.reader, "read_cached", _broken)
+    ino = _ino(tree, NAME)
+    with caplog.at_level(logging.ERROR, logger="coldstart.snapshotter.fusefs"):
+        data = trio.run(fs.read, ino, 0, 1 << 20)
+    assert data == source.files[NAME]
+    assert fs.internal_errors == 1 and counted == [INTERNAL_ERROR]
+    assert any(tree.reader.digest in r.getMessage() and NAME in r.getMessage()
+               and "injected" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_an_unexpected_error_on_both_read_paths_is_eio(
+        fs_tree: tuple[FuseFS, LayerTree, list[str]], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    fs, tree, counted = fs_tree
+    monkeypatch.setattr(tree.reader, "read_cached", _broken)
+    monkeypatch.setattr(tree.reader, "read", _broken)
+    with caplog.at_level(logging.ERROR, logger="coldstart.snapshotter.fusefs"), \
+            pytest.raises(pyfuse3.FUSEError) as exc:
+        trio.run(fs.read, _ino(tree, NAME), 0, 4096)
+    assert exc.value.errno == errno.EIO
+    assert fs.internal_errors == 2 and counted == [INTERNAL_ERROR] * 2
+    assert sum(tree.reader.digest in r.getMessage() and NAME in r.getMessage()
+               for r in caplog.records) == 2, caplog.text
+
+
+def test_metadata_handlers_answer_an_errno_for_any_exception(
+        fs_tree: tuple[FuseFS, LayerTree, list[str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    fs, tree, counted = fs_tree
+    ino = _ino(tree, NAME)
+    monkeypatch.setattr(fs, "_attr", _broken)
+    for call in (lambda: fs.getattr(ino), lambda: fs.lookup(tree.root, b"usr", CTX)):
+        with pytest.raises(pyfuse3.FUSEError) as exc:
+            trio.run(call)
+        assert exc.value.errno == errno.EIO
+    assert fs.internal_errors == 2 and counted == [INTERNAL_ERROR] * 2
+
+    def not_found(*_args: object) -> object:
+        raise NotFound("gone")
+
+    monkeypatch.setattr(fs, "_attr", not_found)  # an expected failure: its errno, not counted
+    with pytest.raises(pyfuse3.FUSEError) as exc:
+        trio.run(fs.getattr, ino)
+    assert exc.value.errno == errno.ENOENT and fs.internal_errors == 2
+
+
+def test_the_ordinary_errnos_are_unchanged(
+        fs_tree: tuple[FuseFS, LayerTree, list[str]]) -> None:
+    fs, tree, counted = fs_tree
+    with pytest.raises(pyfuse3.FUSEError) as exc:
+        trio.run(fs.readlink, _ino(tree, NAME), CTX)
+    assert exc.value.errno == errno.EINVAL
+    with pytest.raises(pyfuse3.FUSEError) as exc:
+        trio.run(fs.getattr, tree.end + 1000)
+    assert exc.value.errno == errno.ESTALE
+    assert fs.internal_errors == 0 and counted == []
