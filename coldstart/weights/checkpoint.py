@@ -127,7 +127,7 @@ class Opener:
         if scheme in ("http", "https"):
             return HttpSource(location, client=self.http(), timeout=self.timeout)
         if scheme == "oci":
-            return RegistrySource(location)
+            return RegistrySource(location, timeout=self.timeout)
         if scheme == "file":
             return LocalSource(location[len("file://"):], direct=self.direct)
         if scheme == "":

@@ -267,6 +267,35 @@ def _finish(target: _Target, device: torch.device, dtype: torch.dtype | None,
     return out
 
 
+def _device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch device this loader supports, or :class:`InvalidArgument`."""
+    import torch
+
+    if isinstance(device, torch.device):
+        dev = device
+    else:
+        if not isinstance(device, str) or not device.strip():
+            raise InvalidArgument(f"device {device!r} is not a device: use cpu, cuda or cuda:N")
+        try:
+            dev = torch.device(device.strip())
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise InvalidArgument(f"device {device!r} is not a device torch knows: use cpu, "
+                                  "cuda or cuda:N") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidArgument(f"device {device!s} asked for, but CUDA is not available "
+                                  "(torch sees no CUDA device)")
+        count = torch.cuda.device_count()
+        if dev.index is not None and not 0 <= dev.index < count:
+            raise InvalidArgument(f"device {dev} does not exist: torch sees {count} CUDA "
+                                  f"device(s)")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise InvalidArgument(f"device {dev} is not supported (use cpu, cuda or cuda:N)")
+    return dev
+
+
 def iter_load(
     source: str | os.PathLike[str] | Source,
     device: str | torch.device = "cpu",
@@ -292,7 +321,14 @@ def iter_load(
     per core when reading, 4 per core (8 to 16) when mapping; network sources 16).
     ``max_host_bytes`` bounds the pinned staging memory of a CUDA load (CPU loads put the bytes
     straight into the result and stage nothing). ``progress`` is called with the byte count of
-    each completed read.
+    each completed read. ``timeout`` bounds each network request: every range attempt has a
+    deadline (a server that dribbles bytes is cut off and the range retried within twice that).
+
+    Registry blobs (``oci://``) are verified against their digest before anything is handed
+    out: their tensors are yielded only after the whole load completed and the blob's bytes
+    (including any a selection skipped, read once more in order) hashed to the digest; a
+    mismatch raises :class:`~coldstart.errors.IntegrityError` and yields nothing. ``device``
+    is ``cpu``, ``cuda`` or ``cuda:N`` (anything else is :class:`InvalidArgument`).
 
     ``cpu_mode`` (CPU loads of local files): ``"mmap"`` maps each file copy-on-write, brings it
     into memory with parallel ``MADV_POPULATE_READ`` and returns views of the page cache (no
@@ -312,14 +348,7 @@ def iter_load(
     if (concurrency is not None and concurrency < 1) or chunk_bytes < 4096 or max_host_bytes < 1:
         raise InvalidArgument("concurrency must be >= 1, chunk_bytes >= 4096, "
                               "max_host_bytes >= 1")
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise InvalidArgument("device cuda asked for, but torch sees no CUDA device")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    elif dev.type != "cpu":
-        raise InvalidArgument(f"device {dev} is not supported (cpu or cuda)")
+    dev = _device(device)
     st = stats if stats is not None else LoadStats()
     started = time.perf_counter()
 
@@ -359,18 +388,36 @@ def iter_load(
             else:
                 st.path = "cpu: preadv straight into tensors"
             st.path += " (O_DIRECT)" if direct_on else ""
+            refused = [r for f in ckpt.files
+                       if (r := getattr(f.source, "direct_refused", None))]
+            if refused:
+                st.path += f" (O_DIRECT not used: {refused[0]}; read through the page cache)"
             for t in targets:
                 itemsize = torch_dtype(t.info.dtype).itemsize  # type: ignore[union-attr]
                 if (mappings is not None and t.nbytes and t.view_at is not None
                         and t.view_at % itemsize == 0):
                     continue  # viewed in place once populated
                 t.dest = torch.empty(t.nbytes, dtype=torch.uint8, device=dev)
-            ready = [t for t in targets if t.remaining == 0]
-            for t in ready:
-                yield t.name, _finish(t, dev, dtype, mappings)
-            if reads:
-                yield from _run(ckpt, reads, dev, dtype, concurrency, chunk_bytes,
-                                max_host_bytes, progress, st, mappings)
+
+            def produce() -> Iterator[tuple[str, torch.Tensor]]:
+                assert concurrency is not None
+                for t in [t for t in targets if t.remaining == 0]:
+                    yield t.name, _finish(t, dev, dtype, mappings)
+                if reads:
+                    yield from _run(ckpt, reads, dev, dtype, concurrency, chunk_bytes,
+                                    max_host_bytes, progress, st, mappings)
+
+            # Sources that check a digest (registry blobs) can only say the bytes are good once
+            # all of them went through: hold the tensors (their memory is allocated anyway)
+            # until then, so a tampered blob hands out nothing.
+            checks = [v for f in ckpt.files if callable(v := getattr(f.source, "verify", None))]
+            if checks:
+                out = list(produce())
+                for check in checks:
+                    check()
+                yield from out
+            else:
+                yield from produce()
             if cuda:
                 torch.cuda.current_stream(dev).synchronize()
         finally:

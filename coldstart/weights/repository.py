@@ -150,7 +150,14 @@ class ModelRepository:
         return marker
 
     def list_versions(self, model: str | None = None) -> list[VersionInfo]:
-        """Every version of ``model`` (or of every model), with completeness and the active one."""
+        """Every version of ``model`` (or of every model), with completeness and the active one.
+
+        A root that does not exist is :class:`NotFound` (a root that is a file,
+        :class:`InvalidArgument`), not an empty list: a mistyped root must not look empty.
+        """
+        check_root = getattr(self.store, "check_root", None)
+        if callable(check_root):
+            check_root()
         out: list[VersionInfo] = []
         for m in [model] if model else self.models():
             active = self.active_version(m)

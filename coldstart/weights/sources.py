@@ -5,25 +5,30 @@ Every source answers one small protocol, :class:`Source`: its ``size()`` and
 at ``offset``. Buffers are the destination tensors' own memory (or pinned staging memory), so the
 local source reads with ``os.preadv`` straight into them; network sources copy socket chunks in.
 Every method is safe to call from many threads at once, and blocking calls release the GIL.
+Network range reads have a deadline per attempt, checked between socket reads (a server that
+dribbles bytes is cut off), and are retried within a total budget. Registry blobs are verified
+against their digest (:meth:`RegistrySource.verify`).
 Third-party errors are mapped here, once, to :mod:`coldstart.errors`.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import mmap
 import os
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from coldstart.errors import (
     DeadlineExceeded,
     FailedPrecondition,
+    IntegrityError,
     InvalidArgument,
     NotFound,
     Unavailable,
@@ -42,6 +47,8 @@ __all__ = [
 _IOV_MAX = 1024
 _NET_PIECE = 1 << 20
 _ALIGN = 4096
+# Registry blobs: size of each read when verifying the ranges a load did not read.
+_VERIFY_PIECE = 8 << 20
 log = logging.getLogger(__name__)
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
 
@@ -86,21 +93,36 @@ def _fill_from_chunks(name: str, offset: int, buffers: Sequence[memoryview],
         raise Unavailable(f"{name}: short read at offset {offset} (connection closed early)")
 
 
-def _with_retries(what: str, budget: float, attempt_fn: Callable[[], None],
-                  retries: int = 3) -> None:
-    """Run ``attempt_fn``; retry :class:`Unavailable` (not NotFound) with jittered backoff
-    while the total ``budget`` (seconds) lasts. A retry rewrites the whole range: idempotent."""
-    deadline = time.monotonic() + budget
+def _with_retries(what: str, budget: float, per_attempt: float,
+                  attempt_fn: Callable[[float], None], retries: int = 3) -> None:
+    """Run ``attempt_fn(deadline)``; retry :class:`Unavailable` (not NotFound; a
+    :class:`DeadlineExceeded` is retried too) with jittered backoff while the total ``budget``
+    (seconds) lasts. Each attempt gets a monotonic ``deadline``: ``per_attempt`` seconds from
+    its start, never past the budget. A retry rewrites the whole range: idempotent."""
+    end = time.monotonic() + budget
     for attempt in range(retries + 1):
         try:
-            attempt_fn()
+            attempt_fn(min(time.monotonic() + per_attempt, end))
             return
         except Unavailable as exc:
             pause = min(2.0, 0.1 * 2**attempt) * (0.5 + random.random())
-            if attempt == retries or time.monotonic() + pause >= deadline:
+            if attempt == retries or time.monotonic() + pause >= end:
                 raise
             log.warning("%s: %s; retrying in %.2f s", what, exc, pause)
             time.sleep(pause)
+
+
+def _until(deadline: float, what: str, chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """``chunks``, cut off with :class:`DeadlineExceeded` once the monotonic ``deadline``
+    passes: per-read socket timeouts alone never stop a server that dribbles bytes."""
+    while True:
+        if time.monotonic() >= deadline:
+            raise DeadlineExceeded(f"{what}: not received within its deadline (the server "
+                                   "is sending too slowly)")
+        chunk = next(chunks, None)
+        if chunk is None:
+            return
+        yield chunk
 
 
 def _bytes_view(buf: memoryview) -> memoryview:
@@ -136,11 +158,21 @@ class LocalSource:
         self._map: mmap.mmap | None = None
         self._map_lock = threading.Lock()
         self._direct_fd: int | None = None
-        if direct and hasattr(os, "O_DIRECT"):
+        # Why O_DIRECT was asked for but is not used (None: not asked, or in use): reported in
+        # LoadStats.path so a silent fallback to the page cache is visible.
+        self.direct_refused: str | None = None
+        self.direct_reads = 0  # reads that really went through the O_DIRECT descriptor
+        if direct and not hasattr(os, "O_DIRECT"):
+            self.direct_refused = "this platform has no O_DIRECT"
+        elif direct:
             try:
                 self._direct_fd = os.open(self.name, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
-            except OSError:
-                self._direct_fd = None  # filesystem without O_DIRECT: buffered reads
+            except OSError as exc:  # tmpfs, overlayfs and others refuse it: buffered reads
+                self.direct_refused = f"the filesystem refused O_DIRECT ({exc.strerror})"
+                self._direct_fd = None
+        if self.direct_refused:
+            log.warning("%s: %s; reading through the page cache", self.name,
+                        self.direct_refused)
         try:
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         except OSError:
@@ -236,17 +268,20 @@ class LocalSource:
         # Anonymous mmap memory is page aligned, which O_DIRECT requires of the buffer.
         bounce = mmap.mmap(-1, span)
         try:
-            view = memoryview(bounce)
-            got = 0
-            while got < stop - start:
-                n = os.preadv(self._direct_fd, [view[got:]], start + got)
-                if n == 0:
-                    break
-                got += n
-            if got < stop - start:
-                raise Unavailable(f"{self.name}: file ended at {start + got}")
-            _fill_from_chunks(self.name, offset, buffers, [view[offset - start : stop - start]])
-            view.release()
+            # The view is released before the map closes, also when a read fails.
+            with memoryview(bounce) as view:
+                got = 0
+                while got < stop - start:
+                    n = os.preadv(self._direct_fd, [view[got:]], start + got)
+                    if n == 0:
+                        break
+                    got += n
+                if got < stop - start:
+                    raise Unavailable(f"{self.name}: file ended at {start + got}")
+                with self._map_lock:
+                    self.direct_reads += 1
+                _fill_from_chunks(self.name, offset, buffers,
+                                  [view[offset - start : stop - start]])
         except OSError as exc:
             raise Unavailable(f"{self.name}: O_DIRECT read at {start} failed: {exc}") from exc
         finally:
@@ -332,19 +367,30 @@ class HttpSource:
                    "Accept-Encoding": "identity"}
         views = [_bytes_view(b) for b in buffers]
 
-        def attempt() -> None:
+        what = f"{self.name}: range GET at {offset}"
+
+        def attempt(deadline: float) -> None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceeded(f"{what}: no time left")
+            # No socket wait may outlast the attempt's deadline either.
+            timeout = self._httpx.Timeout(min(self._timeout, left), connect=min(left, 10.0))
             try:
-                with self._client.stream("GET", self.name, headers=headers) as resp:
+                with self._client.stream("GET", self.name, headers=headers,
+                                         timeout=timeout) as resp:
                     self._check(resp.status_code, "range GET")
                     if resp.status_code != 206:
                         raise FailedPrecondition(
                             f"{self.name}: server ignored Range (HTTP {resp.status_code}, "
                             "expected 206)")
-                    _fill_from_chunks(self.name, offset, views, resp.iter_raw(_NET_PIECE))
+                    # iter_raw() without a size hands over each network read as it arrives,
+                    # so the deadline is checked between reads.
+                    _fill_from_chunks(self.name, offset, views,
+                                      _until(deadline, what, resp.iter_raw()))
             except self._httpx.HTTPError as exc:
                 raise self._map(exc, f"range GET at {offset}") from exc
 
-        _with_retries(f"{self.name} at {offset}", self._timeout * 2, attempt)
+        _with_retries(f"{self.name} at {offset}", self._timeout * 2, self._timeout, attempt)
 
     def close(self) -> None:
         if self._own:
@@ -420,7 +466,16 @@ class S3Source:
 
         self.name = url
         self.bucket, self.key = split_s3_url(url)
+        import botocore.response
+
         self._errors = (BotoCoreError, ClientError)
+        # What the raw urllib3 stream under a StreamingBody raises (botocore's own read()
+        # translates exactly these two; _pieces reads the raw stream, so this module does).
+        self._urllib3_timeout: type[Exception] = getattr(
+            botocore.response, "URLLib3ReadTimeoutError", DeadlineExceeded)
+        self._urllib3_errors: tuple[type[Exception], ...] = (
+            self._urllib3_timeout,
+            getattr(botocore.response, "URLLib3ProtocolError", Unavailable))
         self._client = client or s3_client(concurrency=concurrency, timeout=timeout)
         self._timeout = timeout
         self._size: int | None = None
@@ -442,36 +497,175 @@ class S3Source:
             return
         views = [_bytes_view(b) for b in buffers]
 
-        def attempt() -> None:
+        what = f"{self.name}: range GET at {offset}"
+
+        def attempt(deadline: float) -> None:
             try:
                 resp = self._client.get_object(Bucket=self.bucket, Key=self.key,
                                                Range=f"bytes={offset}-{offset + total - 1}")
                 body = resp["Body"]
                 try:
                     _fill_from_chunks(self.name, offset, views,
-                                      iter(lambda: body.read(_NET_PIECE), b""))
+                                      _until(deadline, what, self._pieces(body, deadline)))
                 finally:
                     body.close()
             except self._errors as exc:
                 raise map_s3_error(exc, f"{self.name} at {offset}") from exc
+            except self._urllib3_errors as exc:  # raised by read1 on the raw stream
+                if isinstance(exc, self._urllib3_timeout):
+                    raise DeadlineExceeded(f"{what}: S3 read timed out") from exc
+                raise Unavailable(f"{what}: S3 body failed: {exc}") from exc
 
-        # botocore retries failed requests; this covers a body cut off mid-stream.
-        _with_retries(f"{self.name} at {offset}", self._timeout * 2, attempt)
+        # botocore retries failed requests; this covers a body cut off mid-stream or too slow.
+        _with_retries(f"{self.name} at {offset}", self._timeout * 2, self._timeout, attempt)
+
+    def _pieces(self, body: Any, deadline: float) -> Iterator[bytes]:
+        """The body as it arrives: one network read at a time (``read1`` of the raw urllib3
+        stream, where there is one), each socket wait bounded by what is left of ``deadline``.
+        ``StreamingBody.read(n)`` would wait for all ``n`` bytes, however slowly they come."""
+        from botocore.compat import set_socket_timeout
+
+        raw = getattr(body, "_raw_stream", None)
+        read1 = getattr(raw, "read1", None)
+
+        def settimeout(seconds: float) -> None:
+            try:
+                set_socket_timeout(raw, seconds)
+            except (AttributeError, OSError):  # not a plain socket underneath: reads still
+                pass                           # time out after the client's read_timeout
+
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DeadlineExceeded(f"{self.name}: range not received within its "
+                                           "deadline (the server is sending too slowly)")
+                settimeout(max(0.001, min(self._timeout, left)))
+                chunk = read1(_NET_PIECE) if callable(read1) else body.read(_NET_PIECE)
+                if not chunk:
+                    return
+                yield chunk
+        finally:
+            settimeout(self._timeout)  # the connection goes back to the pool
 
     def close(self) -> None:
         pass
 
 
+class _OrderedDigest:
+    """A digest over a blob whose byte ranges arrive in any order, from many threads.
+
+    Ranges that start at (or before) the ``next`` cursor are hashed at once; ranges that arrive
+    early are held until the cursor reaches them, up to ``hold_bytes`` in all. Past that bound
+    an early range is not kept: only its own sha256 is recorded, and :meth:`finish` reads it
+    again and checks the second copy is the same bytes as the one that was used. So memory
+    stays bounded (``hold_bytes`` plus one read) and every byte handed out is covered.
+    """
+
+    def __init__(self, algo: str, hold_bytes: int) -> None:
+        self.algo = algo
+        self._hasher = hashlib.new(algo)
+        self._next = 0
+        self._hold_bytes = hold_bytes
+        self._held_bytes = 0
+        self._held: dict[int, bytes] = {}
+        self._recorded: dict[int, tuple[int, str]] = {}  # offset -> (length, piece digest)
+        self._lock = threading.Lock()
+        self.rereads = 0  # bytes read a second time by finish() (for tests and logs)
+
+    def feed(self, offset: int, data: bytes) -> None:
+        with self._lock:
+            end = offset + len(data)
+            if end <= self._next or not data:
+                return
+            if offset <= self._next:
+                self._hasher.update(memoryview(data)[self._next - offset:])
+                self._next = end
+                self._drain()
+            elif self._held_bytes + len(data) <= self._hold_bytes and offset not in self._held:
+                self._held[offset] = data
+                self._held_bytes += len(data)
+            elif offset not in self._held and (offset not in self._recorded
+                                               or self._recorded[offset][0] < len(data)):
+                self._recorded[offset] = (len(data), hashlib.new(self.algo, data).hexdigest())
+
+    def _drain(self) -> None:
+        while True:
+            ready = [o for o in self._held if o <= self._next]
+            if not ready:
+                return
+            for o in sorted(ready):
+                data = self._held.pop(o)
+                self._held_bytes -= len(data)
+                if o + len(data) > self._next:
+                    self._hasher.update(memoryview(data)[self._next - o:])
+                    self._next = o + len(data)
+
+    def finish(self, size: int, read: Callable[[int, int], bytes], what: str) -> str:
+        """Hash whatever was not yet hashed, in file order, reading it with ``read``."""
+        with self._lock:
+            while True:
+                self._drain()
+                early = [o for o in self._recorded if o <= self._next]
+                if early:
+                    o = min(early)
+                    length, piece = self._recorded.pop(o)
+                    self._reread(o, length, piece, read, what)
+                    continue
+                if self._next >= size:
+                    break
+                starts = [*self._held, *self._recorded]
+                stop = min([size, self._next + _VERIFY_PIECE, *starts])
+                data = read(self._next, stop - self._next)
+                if len(data) != stop - self._next:
+                    raise Unavailable(f"{what}: verifying, the registry sent {len(data)} of "
+                                      f"{stop - self._next} bytes at offset {self._next}")
+                self.rereads += len(data)
+                self._hasher.update(data)
+                self._next = stop
+            return f"{self.algo}:{self._hasher.hexdigest()}"
+
+    def _reread(self, offset: int, length: int, piece: str,
+                read: Callable[[int, int], bytes], what: str) -> None:
+        """Read a range that was used but not kept; it must be the same bytes."""
+        check = hashlib.new(self.algo)
+        pos = offset
+        while pos < offset + length:
+            n = min(_VERIFY_PIECE, offset + length - pos)
+            data = read(pos, n)
+            if len(data) != n:
+                raise Unavailable(f"{what}: verifying, the registry sent {len(data)} of {n} "
+                                  f"bytes at offset {pos}")
+            self.rereads += n
+            check.update(data)
+            if pos + n > self._next:
+                self._hasher.update(memoryview(data)[max(0, self._next - pos):])
+                self._next = pos + n
+            pos += n
+        if check.hexdigest() != piece:
+            raise IntegrityError(f"{what}: bytes [{offset}:{offset + length}] changed between "
+                                 "two reads of the same blob")
+
+
 class RegistrySource:
     """A blob in an OCI registry, ``oci://registry/repo@sha256:...``, read with range GETs.
 
-    Goes through :class:`coldstart.oci.registry.RegistryClient` (auth, mirrors, deadlines).
+    Goes through :class:`coldstart.oci.registry.RegistryClient` (auth, mirrors, deadlines);
+    ``timeout`` bounds each request (with its retries).
+
+    Every byte handed out is checked against the blob's digest: ranges are hashed in file
+    order as they arrive (early ones held, at most ``hold_bytes``; beyond that only their own
+    hash is kept and they are read again when verifying), and :meth:`verify` (the loader calls
+    it before handing out any tensor) reads the ranges that were never asked for, in order,
+    ``_VERIFY_PIECE`` bytes at a time, and raises :class:`IntegrityError` on a mismatch. A
+    partial load (``select``) therefore still reads the whole blob once, to verify it.
 
     >>> url = "oci://127.0.0.1:5000/models/llama@sha256:" + "0" * 64
     >>> src = RegistrySource(url)  # doctest: +SKIP
     """
 
-    def __init__(self, url: str, *, client: Any = None) -> None:
+    def __init__(self, url: str, *, client: Any = None, timeout: float = 30.0,
+                 hold_bytes: int = 64 << 20) -> None:
         self.name = url
         if not url.startswith("oci://"):
             raise InvalidArgument(f"{url}: not an oci://registry/repo@sha256:... URL")
@@ -483,30 +677,58 @@ class RegistrySource:
         if not self.ref.digest:
             raise InvalidArgument(f"{url}: a registry source needs a blob digest (@sha256:...)")
         self.digest: str = self.ref.digest
+        algo = self.digest.split(":", 1)[0]
+        if algo not in hashlib.algorithms_available:
+            raise InvalidArgument(f"{url}: digest algorithm {algo!r} is not supported")
+        self._timeout = timeout
         if client is None:
             try:
                 from coldstart.oci.registry import RegistryClient
             except ImportError as exc:
                 raise Unavailable("coldstart.oci.registry.RegistryClient is not available "
                                   "in this build") from exc
-            client = RegistryClient()
+            client = RegistryClient(timeout=timeout)
         self._client = client
         self._size: int | None = None
+        self._digest = _OrderedDigest(algo, hold_bytes)
+        self._verified = False
 
     def size(self) -> int:
         if self._size is None:
-            self._size = int(self._client.blob_size(self.ref, self.digest))
+            self._size = int(self._client.blob_size(self.ref, self.digest,
+                                                    timeout=self._timeout))
         return self._size
+
+    def _read(self, offset: int, length: int) -> bytes:
+        data: bytes = self._client.read_blob_range(self.ref, self.digest, offset, length,
+                                                   timeout=self._timeout)
+        return data
 
     def read_into(self, offset: int, buffers: Sequence[memoryview]) -> None:
         total = sum(b.nbytes for b in buffers)
         if total == 0:
             return
-        data = self._client.read_blob_range(self.ref, self.digest, offset, total)
+        data = self._read(offset, total)
         if len(data) != total:
             raise Unavailable(f"{self.name}: registry sent {len(data)} of {total} bytes "
                               f"at offset {offset}")
+        self._digest.feed(offset, bytes(data))
         _fill_from_chunks(self.name, offset, [_bytes_view(b) for b in buffers], [data])
+
+    @property
+    def reread_bytes(self) -> int:
+        """Bytes :meth:`verify` had to read a second time (never asked for, or not held)."""
+        return self._digest.rereads
+
+    def verify(self) -> None:
+        """Check the blob against its digest; :class:`IntegrityError` if it differs."""
+        if self._verified:
+            return
+        got = self._digest.finish(self.size(), self._read, self.name)
+        if got != self.digest:
+            raise IntegrityError(f"{self.name}: blob content is {got}, not {self.digest} "
+                                 "(tampered or wrong blob)")
+        self._verified = True
 
     def close(self) -> None:
         close = getattr(self._client, "close", None)
@@ -527,7 +749,7 @@ def open_source(location: str | os.PathLike[str], *, concurrency: int = 16,
     if scheme in ("http", "https"):
         return HttpSource(text, timeout=timeout, concurrency=concurrency)
     if scheme == "oci":
-        return RegistrySource(text)
+        return RegistrySource(text, timeout=timeout)
     if scheme in ("", "file"):
         return LocalSource(text[len("file://"):] if scheme == "file" else text, direct=direct)
     raise InvalidArgument(f"{text}: unsupported source scheme {scheme!r} "

@@ -107,6 +107,15 @@ class LocalStore:
     def location(self, key: str) -> str:
         return str(self._path(key))
 
+    def check_root(self) -> None:
+        """:class:`NotFound` if the root does not exist, :class:`InvalidArgument` if it is not
+        a directory (listing either would otherwise look like an empty repository)."""
+        if not self._root.exists():
+            raise NotFound(f"{self.root}: no such repository directory")
+        if not self._root.is_dir():
+            raise InvalidArgument(f"{self.root}: not a directory (a model repository root is a "
+                                  "directory or s3://bucket/prefix)")
+
 
 class S3Store:
     """A repository under ``s3://bucket/prefix`` (standard credentials, ``AWS_ENDPOINT_URL``).
@@ -174,6 +183,14 @@ class S3Store:
 
     def location(self, key: str) -> str:
         return f"s3://{self.bucket}/{self._key(key)}"
+
+    def check_root(self) -> None:
+        """:class:`NotFound` if the bucket does not exist (an empty prefix is an empty
+        repository: S3 has no folders to be missing)."""
+        try:
+            self._client.head_bucket(Bucket=self.bucket)
+        except self._errors as exc:
+            raise map_s3_error(exc, f"s3://{self.bucket}") from exc
 
 
 def open_store(root: str | os.PathLike[str]) -> Store:

@@ -27,3 +27,13 @@ class TestS3Repository(RepositorySuite):
 
         s3_client(os.environ["AWS_ENDPOINT_URL"]).put_object(
             Bucket=bucket, Key=f"{prefix}/{key}", Body=data)
+
+
+def test_listing_a_missing_bucket_is_not_found(s3: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from coldstart.errors import NotFound
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3)
+    with pytest.raises(NotFound):
+        ModelRepository("s3://no-such-bucket-here/models").list_versions()
+    s3_client(s3).create_bucket(Bucket="repo-empty-prefix")
+    assert ModelRepository("s3://repo-empty-prefix/models").list_versions() == []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -165,14 +164,64 @@ def test_registry_blob(registry: Registry, files: Path) -> None:
         client.close()
     got = load(f"oci://{host}/weights/model@{digest}", chunk_bytes=8192, concurrency=4)
     assert_identical(_reference(files), got)
+    # A partial load is verified too: the bytes it skipped are read once, in order, to check.
+    part = load(f"oci://{host}/weights/model@{digest}", select=["big.F32"], timeout=5.0)
+    assert_identical({"big.F32": _reference(files)["big.F32"]}, part)
     missing = "sha256:" + "0" * 64
     with pytest.raises(NotFound):
         load(f"oci://{host}/weights/model@{missing}")
 
 
+def test_registry_blob_tampered_in_storage_is_refused(registry: Registry, files: Path) -> None:
+    """The registry's own storage is changed behind its back (same size): the load fails with
+    IntegrityError naming the blob and hands out no tensor, whole or partial."""
+    import hashlib
+
+    from coldstart.errors import IntegrityError
+    from coldstart.oci.reference import Reference
+    from coldstart.oci.registry import RegistryClient
+    from coldstart.weights import iter_load
+
+    data = (files / "model.safetensors").read_bytes()
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    host = registry.host
+    client = RegistryClient()
+    try:
+        client.push_blob(Reference.parse(f"{host}/weights/tampered"), data, digest)
+    finally:
+        client.close()
+    hexd = digest.split(":", 1)[1]
+    stored = registry.root / "docker/registry/v2/blobs/sha256" / hexd[:2] / hexd / "data"
+    assert stored.read_bytes() == data
+    bad = bytearray(data)
+    bad[-5] ^= 0xFF  # inside the last tensor: the header still parses
+    stored.write_bytes(bytes(bad))
+    url = f"oci://{host}/weights/tampered@{digest}"
+    try:
+        with pytest.raises(IntegrityError, match=f"{url}: blob content is sha256:"):
+            load(url, chunk_bytes=8192, concurrency=4)
+        names: list[str] = []
+        with pytest.raises(IntegrityError):
+            for name, _ in iter_load(url, chunk_bytes=8192, concurrency=4):
+                names.append(name)
+        assert names == []
+        with pytest.raises(IntegrityError):  # the change is outside the selected tensor
+            load(url, select=["scalar.F32"])
+    finally:
+        stored.write_bytes(data)  # the session-wide registry stays sound for other tests
+
+
 def test_local_o_direct_read_matches(files: Path) -> None:
-    got = load(os.fspath(files / "model.safetensors"), direct=True)
+    from coldstart.weights import LocalSource
+
+    src = LocalSource(files / "model.safetensors", direct=True)
+    stats = LoadStats()
+    got = load(src, stats=stats)
     assert_identical(_reference(files), got)
+    if src.direct_refused is None:  # this filesystem takes O_DIRECT: it really ran
+        assert src.direct_reads > 0 and stats.path.endswith("(O_DIRECT)")
+    else:
+        assert src.direct_reads == 0 and "O_DIRECT not used" in stats.path
 
 
 def test_http_server_that_never_answers_hits_the_deadline() -> None:
@@ -187,3 +236,123 @@ def test_http_server_that_never_answers_hits_the_deadline() -> None:
         port = listener.getsockname()[1]
         with pytest.raises(DeadlineExceeded):
             load(f"http://127.0.0.1:{port}/m.safetensors", timeout=0.5)
+
+
+def _dribbling(http_files: RangeServer, monkeypatch: pytest.MonkeyPatch, *, every: bool,
+               seconds: float = 8.0) -> list[str]:
+    """Make data ranges (not the header's ``bytes=0-``) dribble: one byte each 20 ms, so no
+    socket read ever waits long enough to time out; after ``seconds`` the rest comes at once
+    (so a loader without a deadline finishes, slowly, instead of hanging the test).
+    ``every`` False: only the first data range dribbles. Returns the dribbled ranges."""
+    import time
+
+    from tests.integration.weights import conftest
+
+    original = conftest._Handler.do_GET
+    dribbled: list[str] = []
+    lock = __import__("threading").Lock()
+
+    def slow(self: conftest._Handler) -> None:
+        spec = self.headers.get("Range", "")
+        with lock:
+            go = bool(spec) and not spec.startswith("bytes=0-") and (every or not dribbled)
+            if go:
+                dribbled.append(spec)
+        if not go:
+            original(self)
+            return
+        path = self._file()
+        if path is None:
+            return
+        data = path.read_bytes()
+        start, end = (int(x) for x in spec[len("bytes="):].split("-"))
+        body = data[start : end + 1]
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        stop = time.monotonic() + seconds
+        try:
+            pos = 0
+            while pos < len(body) and time.monotonic() < stop:
+                self.wfile.write(body[pos : pos + 1])
+                self.wfile.flush()
+                pos += 1
+                time.sleep(0.02)
+            self.wfile.write(body[pos:])
+        except OSError:
+            pass  # the client gave up on us: that is the point
+        self.close_connection = True
+
+    monkeypatch.setattr(conftest._Handler, "do_GET", slow)
+    return dribbled
+
+
+def test_http_dribbling_range_is_cut_off_and_retried(http_files: RangeServer, files: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that sends a byte every 20 ms never trips a per-read timeout; the range's own
+    deadline cuts it off, and the retry (a healthy answer) completes the load."""
+    import time
+
+    (http_files.root / "m.safetensors").write_bytes((files / "model.safetensors").read_bytes())
+    dribbled = _dribbling(http_files, monkeypatch, every=False)
+    started = time.monotonic()
+    got = load(url_of(http_files, "m.safetensors"), chunk_bytes=1 << 20, concurrency=1,
+               timeout=1.0)
+    took = time.monotonic() - started
+    assert dribbled, "the dribble was not exercised"
+    assert_identical(_reference(files), got)
+    assert took < 5.0, f"took {took:.1f} s: the dribbling range was not cut off"
+    retried = [r for r in http_files.requests if r.endswith(dribbled[0])]
+    assert len(retried) >= 2  # the cut-off range was asked for again
+
+
+def test_http_dribbling_server_hits_the_deadline(http_files: RangeServer, files: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from coldstart.errors import DeadlineExceeded
+
+    (http_files.root / "m.safetensors").write_bytes((files / "model.safetensors").read_bytes())
+    _dribbling(http_files, monkeypatch, every=True)
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match=r"too slowly|timed out"):
+        load(url_of(http_files, "m.safetensors"), chunk_bytes=1 << 20, concurrency=1,
+             timeout=1.0)
+    took = time.monotonic() - started
+    # Budget: 2 x timeout for the range's attempts (plus backoff and the header's request).
+    assert took < 5.0, f"took {took:.1f} s"
+
+
+def test_s3_dribbling_body_hits_the_deadline(http_files: RangeServer, files: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """S3Source against a loopback server speaking just enough S3 (a ranged GET of
+    ``/bucket/key``) that dribbles the body: cut off by the range deadline, not hung."""
+    import time
+
+    from coldstart.errors import DeadlineExceeded
+    from coldstart.weights.sources import S3Source
+    from coldstart.weights.sources import s3_client as make_client
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    (http_files.root / "b").mkdir()
+    (http_files.root / "b" / "m.safetensors").write_bytes(
+        (files / "model.safetensors").read_bytes())
+    _dribbling(http_files, monkeypatch, every=True)
+    client = make_client(timeout=1.0, endpoint_url=url_of(http_files).rstrip("/"))
+    src = S3Source("s3://b/m.safetensors", client=client, timeout=1.0)
+    buf = bytearray(64 << 10)
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        src.read_into(4096, [memoryview(buf)])
+    took = time.monotonic() - started
+    assert took < 5.0, f"took {took:.1f} s"
+    # A healthy range through the same client still reads (the pool's sockets are sound).
+    monkeypatch.undo()
+    for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x",
+                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    src.read_into(0, [memoryview(buf)])
+    assert bytes(buf) == (files / "model.safetensors").read_bytes()[: len(buf)]

@@ -72,3 +72,35 @@ def test_models_publish_activate_rollback_list_watch(tmp_path: Path) -> None:
     refused = run("models", "activate", "--root", root, "--model", "m", "9")
     assert refused.returncode == 5 and "not complete" in refused.stderr  # FailedPrecondition
     assert "Traceback" not in refused.stderr
+
+
+def test_weights_load_bad_device_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.ones(4)}, str(path))
+    for device in ("tpu", "cuda:x", ""):
+        out = run("weights", "load", str(path), "--device", device, "-q")
+        assert out.returncode == 2, (device, out.stderr)  # InvalidArgument
+        assert "Traceback" not in out.stderr and out.stderr.strip().count("\n") == 0
+        assert f"device {device!r}" in out.stderr and "cpu, cuda or cuda:N" in out.stderr
+    if not torch.cuda.is_available():
+        out = run("weights", "load", str(path), "--device", "cuda:0", "-q")
+        assert out.returncode == 2 and "CUDA is not available" in out.stderr
+        assert "Traceback" not in out.stderr
+
+
+def test_models_list_of_a_missing_or_file_root_is_an_error(tmp_path: Path) -> None:
+    missing = run("models", "list", "--root", str(tmp_path / "nonexistent"))
+    assert missing.returncode == 3, missing  # NotFound
+    assert "no such repository directory" in missing.stderr and missing.stdout == ""
+    assert missing.stderr.strip().count("\n") == 0 and "Traceback" not in missing.stderr
+    with_model = run("models", "list", "--root", str(tmp_path / "nonexistent"), "--model", "m")
+    assert with_model.returncode == 3, with_model
+    a_file = tmp_path / "root.txt"
+    a_file.write_text("not a directory")
+    out = run("models", "list", "--root", str(a_file))
+    assert out.returncode == 2, out  # InvalidArgument
+    assert "not a directory" in out.stderr and out.stderr.strip().count("\n") == 0
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    ok = run("models", "list", "--root", str(empty))  # an existing empty repository: fine
+    assert ok.returncode == 0 and ok.stdout == "", ok.stderr

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+import gc
 import json
+import os
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +18,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from coldstart.errors import FormatError, InvalidArgument, NotFound
-from coldstart.weights import LoadStats, Slice, iter_load, load, tensor_parallel
+from coldstart.weights import LoadStats, LocalSource, Slice, iter_load, load, tensor_parallel
 from tests.unit.weights.weights_data import assert_identical, every_dtype, save, save_sharded
 
 
@@ -40,10 +46,54 @@ def test_every_dtype_bit_identical(model: Path, mode: str) -> None:
                                               torch.float8_e8m0fnu, torch.bool}
 
 
+def _supports_o_direct(path: Path) -> bool:
+    """Ask the filesystem directly, independently of the loader."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
 def test_o_direct_path(model: Path, tensors: dict[str, torch.Tensor]) -> None:
     stats = LoadStats()
-    assert_identical(tensors, load(model, direct=True, chunk_bytes=16384, stats=stats))
-    assert stats.path.startswith("cpu")
+    src = LocalSource(model, direct=True)
+    assert_identical(tensors, load(src, chunk_bytes=16384, stats=stats))
+    if _supports_o_direct(model):  # ext4, xfs: the O_DIRECT path really ran
+        assert src.direct_refused is None
+        assert src.direct_reads > 0
+        assert stats.path == "cpu: preadv straight into tensors (O_DIRECT)"
+    else:  # tmpfs, overlayfs: the fallback is reported, not silent
+        assert src.direct_refused and src.direct_reads == 0
+        assert "O_DIRECT not used" in stats.path
+    # By location too (the Opener's path), and a plain load says nothing about O_DIRECT.
+    by_path = LoadStats()
+    load(model, direct=True, chunk_bytes=16384, stats=by_path)
+    assert "O_DIRECT" in by_path.path
+    plain = LoadStats()
+    load(model, cpu_mode="read", stats=plain)
+    assert "O_DIRECT" not in plain.path
+
+
+def test_o_direct_refused_is_reported(model: Path, tensors: dict[str, torch.Tensor],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    real_open = os.open
+
+    def no_direct(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    stats = LoadStats()
+    src = LocalSource(model, direct=True)
+    assert not src.direct and src.direct_refused and "EINVAL" not in src.direct_refused
+    assert "refused O_DIRECT (Invalid argument)" in src.direct_refused
+    assert_identical(tensors, load(src, chunk_bytes=16384, stats=stats))
+    assert src.direct_reads == 0
+    assert stats.path.endswith("(O_DIRECT not used: the filesystem refused O_DIRECT (Invalid "
+                               "argument); read through the page cache)")
 
 
 @MODES
@@ -123,10 +173,55 @@ def test_iter_load_yields_each_tensor_when_complete(model: Path, mode: str) -> N
     assert sum(done_bytes) == sum(t.numel() * t.element_size() for t in got.values())
 
 
-def test_iter_load_early_stop_closes_cleanly(model: Path) -> None:
-    gen = iter_load(model, chunk_bytes=4096, concurrency=2)
-    next(gen)
-    gen.close()  # workers stop; no exception, no leaked threads blocking exit
+def _open_fds_on(path: Path) -> list[str]:
+    target = os.path.realpath(path)
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == target:
+                out.append(fd)
+        except OSError:
+            pass  # closed meanwhile (the listing's own descriptor)
+    return out
+
+
+def _loader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("coldstart-weights")]
+
+
+@pytest.mark.parametrize("mode", ["read", "mmap", "direct"])
+def test_iter_load_early_stop_closes_cleanly(model: Path, mode: str) -> None:
+    # Baselines, so a leak elsewhere in the session does not fail (or hide) this one.
+    threads_before = set(_loader_threads())
+    fds_before = set(_open_fds_on(model))
+    kwargs: dict[str, Any] = {"direct": True} if mode == "direct" else {"cpu_mode": mode}
+    gen = iter_load(model, chunk_bytes=4096, concurrency=2, **kwargs)
+    def workers() -> set[threading.Thread]:
+        return set(_loader_threads()) - threads_before
+
+    def fds() -> set[str]:
+        return set(_open_fds_on(model)) - fds_before
+
+    # Empty tensors come first, before any read; take items until the workers run.
+    name, first = next(gen)
+    while not workers():
+        name, first = next(gen)
+    # Mid-load: workers are running and the file is open.
+    assert workers() and fds()
+    gen.close()  # workers stop; no exception
+    deadline = time.monotonic() + 10
+    while (left := workers()) and time.monotonic() < deadline:
+        for t in left:
+            t.join(max(0.0, deadline - time.monotonic()))
+    assert workers() == set(), "worker threads left running after close()"
+    if mode != "mmap":
+        assert fds() == set(), "file descriptors left open after close()"
+    # A mapped load's tensors view the file map, and Python's mmap holds a duplicate
+    # descriptor: it stays while they live (and only then).
+    assert first.numel() >= 0 and name  # the tensor handed out stays usable
+    del first, gen
+    gc.collect()
+    assert fds() == set(), "file descriptors left open after close()"
 
 
 def test_select_by_names_and_missing_name(model: Path) -> None:
@@ -199,8 +294,24 @@ def test_file_truncated_is_a_format_error(tmp_path: Path, model: Path) -> None:
 def test_cuda_without_gpu_is_refused_clearly(model: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present; see test_cuda_load")
-    with pytest.raises(InvalidArgument, match="no CUDA device"):
-        load(model, device="cuda")
+    for device in ("cuda", "cuda:0", "cuda:3"):
+        with pytest.raises(InvalidArgument, match="CUDA is not available"):
+            load(model, device=device)
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "", "   ", "CPU", "cuda:-1"])
+def test_unknown_device_is_invalid_argument(model: Path, device: str) -> None:
+    with pytest.raises(InvalidArgument, match="use cpu, cuda or cuda:N") as info:
+        load(model, device=device)
+    assert repr(device) in str(info.value)
+    with pytest.raises(InvalidArgument):
+        next(iter_load(model, device=device))
+
+
+def test_torch_device_objects_are_accepted(model: Path) -> None:
+    assert load(model, device=torch.device("cpu"), select=["t.F32"])["t.F32"].device.type == "cpu"
+    with pytest.raises(InvalidArgument, match="not supported"):
+        load(model, device=torch.device("meta"))
 
 
 @pytest.mark.gpu

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from coldstart.errors import InvalidArgument
+from coldstart.errors import InvalidArgument, NotFound
 from coldstart.weights import ModelRepository
 from tests.unit.weights.repo_suite import RepositorySuite
 
@@ -23,3 +23,15 @@ class TestLocalRepository(RepositorySuite):
 def test_unknown_scheme_is_refused() -> None:
     with pytest.raises(InvalidArgument):
         ModelRepository("gs://bucket/x")
+
+
+def test_listing_a_missing_or_file_root_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(NotFound, match="no such repository directory"):
+        ModelRepository(tmp_path / "absent").list_versions()
+    with pytest.raises(NotFound):
+        ModelRepository(tmp_path / "absent").list_versions("m")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(InvalidArgument, match="not a directory"):
+        ModelRepository(tmp_path / "file").list_versions()
+    (tmp_path / "empty").mkdir()
+    assert ModelRepository(tmp_path / "empty").list_versions() == []
