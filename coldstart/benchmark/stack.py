@@ -69,7 +69,8 @@ def _wait_socket(path: Path, proc: subprocess.Popen[bytes], what: str, log: Path
     raise Unavailable(f"{what} did not start within {timeout:.0f} s; see {log}")
 
 
-def _stop(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
+def stop_process(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
+    """SIGTERM the process group, then SIGKILL it if it does not exit within ``grace``."""
     if proc.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):
@@ -151,6 +152,6 @@ def local_stack(base: Path, *, background_rate: int = 0) -> Iterator[Stack]:
                     fuse_socket=str(sn / "f.sock"))
     finally:
         for p in reversed(procs):
-            _stop(p)
+            stop_process(p)
         _stop_pid(sn / "root" / "fuse-server.pid")
         _unmount_under(base)

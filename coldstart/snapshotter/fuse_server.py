@@ -69,6 +69,7 @@ from coldstart.snapshotter.metrics import FuseMetrics
 from coldstart.snapshotter.mountstate import MountState
 from coldstart.snapshotter.mountsys import bind_mount, is_mountpoint, lazy_unmount
 from coldstart.snapshotter.reader import LayerReader
+from coldstart.snapshotter.unixsock import socket_answers
 
 __all__ = ["LOCK_FILE", "FuseServer", "error_payload", "parse_metrics_address"]
 
@@ -106,17 +107,6 @@ def parse_metrics_address(address: str) -> tuple[str, int]:
             or any(c.isspace() for c in address)):
         raise InvalidArgument(f"metrics address must be host:port, not {address!r}")
     return host or "127.0.0.1", int(port)
-
-
-def _socket_answers(path: str, timeout: float = 1.0) -> bool:
-    """Whether something accepts connections on the unix socket ``path``."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        try:
-            s.connect(path)
-        except OSError:
-            return False
-        return True
 
 
 def error_payload(exc: BaseException) -> dict[str, Any]:
@@ -196,7 +186,7 @@ class FuseServer:
                 raise FailedPrecondition(f"another coldstart fuse-server serves root "
                                          f"{self.root} (it holds {path})") from None
             raise FailedPrecondition(f"cannot lock {path}: {exc}") from exc
-        if _socket_answers(self.socket_path):
+        if socket_answers(self.socket_path):
             f.close()
             raise FailedPrecondition(f"a FUSE server already answers on {self.socket_path}")
         with contextlib.suppress(OSError):  # for whoever wonders who holds it

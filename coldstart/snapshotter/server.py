@@ -10,26 +10,15 @@ Example::
 from __future__ import annotations
 
 import os
-import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from coldstart.errors import FailedPrecondition, InvalidArgument
 from coldstart.snapshotter.service import SnapshotService, add_service
+from coldstart.snapshotter.unixsock import socket_answers
 
 __all__ = ["socket_answers", "start_server"]
-
-
-def socket_answers(path: str, timeout: float = 1.0) -> bool:
-    """Whether something accepts connections on the unix socket ``path``."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        try:
-            s.connect(path)
-        except OSError:
-            return False
-        return True
 
 
 def start_server(service: SnapshotService, path: str, *, workers: int = 8) -> grpc.Server:
