@@ -114,9 +114,9 @@ def _layer_trees(ctrd: Containerd, client: RegistryClient, ref: str,
         ctrd.ctr("snapshots", "rm", key, check=False)
 
 
-@pytest.mark.skipif(not have_busybox(), reason="busybox-static is not installed")
 def test_converted_images_run_and_match(registry: Registry, ctrd: Containerd,
                                         tmp_path: Path) -> None:
+    assert have_busybox(), "busybox-static is not installed (scripts/install.sh installs it)"
     image = build_image([base_layer(), upper_layer()],
                         cmd=("/bin/sh", "-c", "cat /etc/hostname"))
     plain = f"{registry.host}/e2e/convert:plain"

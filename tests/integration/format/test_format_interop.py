@@ -28,11 +28,15 @@ from tests.fixtures.procs import daemon, unix_open
 from tests.integration.format.oci_archive import exported_layers, oci_archive, sha
 from tests.unit.format.layers import assert_same_as_tar, every_kind_tar
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(not (shutil.which("containerd") and shutil.which("ctr-remote")),
-                       reason="needs containerd and ctr-remote"),
-]
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def _tools_present() -> None:
+    # a missing tool is an install problem to fix, not a reason to pass quietly
+    missing = [t for t in ("containerd", "ctr-remote") if shutil.which(t) is None]
+    if missing:
+        pytest.fail(f"{', '.join(missing)} not installed (scripts/install.sh installs them)")
 
 _DISABLED = ('"io.containerd.grpc.v1.cri", "io.containerd.snapshotter.v1.aufs", '
              '"io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.devmapper", '
