@@ -202,6 +202,20 @@ class Descriptor:
         return replace(self, annotations={**self.annotations, **extra})
 
 
+def _serialise(raw: Mapping[str, Any], media_type: str, annotations: Mapping[str, str],
+               **fields: Any) -> bytes:
+    """A manifest or index as canonical JSON, keeping fields we do not model from ``raw``."""
+    obj = dict(raw)
+    obj["schemaVersion"] = 2
+    obj["mediaType"] = media_type
+    obj.update(fields)
+    if annotations:
+        obj["annotations"] = dict(annotations)
+    else:
+        obj.pop("annotations", None)
+    return canonical_json(obj)
+
+
 @dataclass(frozen=True)
 class Manifest:
     """An image manifest (OCI or Docker v2 schema 2)."""
@@ -214,16 +228,9 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         """Serialise, keeping any fields we do not model (``subject``, ``artifactType``...)."""
-        obj = dict(self.raw)
-        obj["schemaVersion"] = 2
-        obj["mediaType"] = self.media_type
-        obj["config"] = self.config.to_json()
-        obj["layers"] = [d.to_json() for d in self.layers]
-        if self.annotations:
-            obj["annotations"] = dict(self.annotations)
-        else:
-            obj.pop("annotations", None)
-        return canonical_json(obj)
+        return _serialise(self.raw, self.media_type, self.annotations,
+                          config=self.config.to_json(),
+                          layers=[d.to_json() for d in self.layers])
 
 
 @dataclass(frozen=True)
@@ -236,15 +243,8 @@ class Index:
     raw: Mapping[str, Any] = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
-        obj = dict(self.raw)
-        obj["schemaVersion"] = 2
-        obj["mediaType"] = self.media_type
-        obj["manifests"] = [d.to_json() for d in self.manifests]
-        if self.annotations:
-            obj["annotations"] = dict(self.annotations)
-        else:
-            obj.pop("annotations", None)
-        return canonical_json(obj)
+        return _serialise(self.raw, self.media_type, self.annotations,
+                          manifests=[d.to_json() for d in self.manifests])
 
 
 def _sniff_type(obj: Mapping[str, Any], declared: str | None) -> str:
