@@ -5,12 +5,23 @@ parallel MADV_POPULATE_READ) and ``coldstart_read`` (preadv into freshly allocat
 ``coldstart_direct`` (O_DIRECT) only cold.
 Peers: ``safetensors.torch.load_file`` (+ touching every page, since it maps lazily), Run:ai Model
 Streamer (``SafetensorsStreamer``), and the floor, a raw read of the same bytes (``dd bs=16M``).
+``fresh_memory`` reads nothing: it allocates as many bytes and writes them once (``torch.empty`` +
+``fill_``), the ceiling of any loader that copies into new memory (``dd`` reuses one 16 MiB
+buffer, so it never pays for that).
 S3: coldstart ``load("s3://...")`` against raw parallel ranged boto3 GETs, both on a moto_server
 started here (moto is slow and memory hungry, so that object is smaller).
 
 Each loader runs in its own subprocess (peak RSS = its ``ru_maxrss``); rounds interleave the
-loaders; medians of ``--runs``. Cold runs drop the page cache (``/proc/sys/vm/drop_caches``,
-falling back to ``posix_fadvise(DONTNEED)``) before every run.
+loaders (each round starts one loader later, so no loader always follows the same one); medians
+of ``--runs``. Cold runs drop the page cache (``/proc/sys/vm/drop_caches``, falling back to
+``posix_fadvise(DONTNEED)``) before every run, then wait ``--settle`` seconds.
+
+Why the wait: on a VM with free page reporting (virtio-balloon; Firecracker, many clouds), pages
+the guest frees are handed back to the host about two seconds later, and touching one again costs
+a host fault. Without the wait, whether a run's page cache lands on still-backed pages depends on
+what ran just before it (here ``dd`` swung between 0.9 and 3.3 GB/s from one run to the next).
+With it, every loader starts from the same state, the one of a node that has not read the model
+yet. ``--settle 0`` measures the other state (memory just freed); use many ``--runs`` then.
 
     python bench/bench_weights.py --size-gb 2.2 --runs 3 --s3-mb 384
     python bench/bench_weights.py --only warm --runs 1 --size-gb 0.2   # quick smoke
@@ -96,6 +107,11 @@ def _child(args: argparse.Namespace) -> None:
             for tname, t in streamer.get_tensors():
                 out[tname] = t
                 nbytes += t.numel() * t.element_size()
+    elif name == "fresh_memory":
+        size = os.path.getsize(path)
+        out = torch.empty(size, dtype=torch.uint8)
+        out.fill_(0)  # page faults + zeroing, on every core torch uses
+        nbytes = size
     elif name == "s3_raw":
         nbytes = _s3_raw(path, concurrency, chunk)
     else:
@@ -223,9 +239,10 @@ def measure(mode: str, loaders: list[str], target: str, file_bytes: int,
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in loaders}
     evictions: list[dict[str, Any]] = []
     for r in range(args.runs):
-        for name in loaders:
+        for name in loaders[r % len(loaders):] + loaders[: r % len(loaders)]:
             if cold_path is not None:
                 how = drop_cache(cold_path)
+                time.sleep(args.settle)
                 evictions.append({"how": how, "resident_after": resident_bytes(cold_path)})
             elif mode == "warm":
                 subprocess.run(["cat", target], stdout=subprocess.DEVNULL, check=True)
@@ -287,6 +304,8 @@ def main() -> None:
     p.add_argument("--local-concurrency", type=int, default=0,
                    help="coldstart threads for local files (0: its default, 2 per core)")
     p.add_argument("--chunk-mb", type=int, default=16)
+    p.add_argument("--settle", type=float, default=5.0,
+                   help="seconds to wait after dropping the page cache (see above)")
     p.add_argument("--only", default="cold,warm,s3", help="comma list of cold, warm, s3")
     p.add_argument("--keep", action="store_true", help="keep the generated files")
     args = p.parse_args()
@@ -299,13 +318,14 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                "host_cpus": os.cpu_count(), "runs": args.runs,
-                               "concurrency": args.concurrency, "chunk_mb": args.chunk_mb}
+                               "concurrency": args.concurrency, "chunk_mb": args.chunk_mb,
+                               "settle_s": args.settle}
     model = work / "model.safetensors"
     try:
         if modes & {"cold", "warm"}:
             size = write_model(model, int(args.size_gb * 1e9))
             print(f"model: {model} {size / 1e9:.2f} GB", flush=True)
-            peers = ["coldstart", "coldstart_read", "safetensors", "runai", "dd"]
+            peers = ["coldstart", "coldstart_read", "safetensors", "runai", "dd", "fresh_memory"]
             if "cold" in modes:
                 results["cold"] = measure("cold", [*peers, "coldstart_direct"], str(model), size,
                                           args, cold_path=model)
@@ -347,7 +367,8 @@ def main() -> None:
     out_dir.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     (out_dir / f"weights-{stamp}.json").write_text(json.dumps(results, indent=2))
-    table = [f"# weights benchmark {results['date']} (medians of {args.runs})", "",
+    table = [f"# weights benchmark {results['date']} (medians of {args.runs}, cold runs "
+             f"{args.settle:g} s after dropping the page cache)", "",
              "| mode | loader | GB/s | peak RSS GB | RSS before load GB |", "|---|---|---|---|---|"]
     for mode in ("cold", "warm", "s3"):
         if mode not in results:

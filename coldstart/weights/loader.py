@@ -12,7 +12,9 @@ CPU: the source writes straight into the destination tensors' memory: no staging
 CUDA: reads land in a bounded pool of pinned staging buffers (``max_host_bytes`` in all, at least
 two so reading overlaps copying); each worker thread copies its buffer to the device on its own
 stream with ``non_blocking=True`` and records an event; a buffer is reused only after its event
-completes. dtype conversion happens on the device once a tensor is complete.
+completes. dtype conversion happens on the device once a tensor is complete. The device side of
+that pipeline is one small object (:class:`_CudaCopies`); the tests drive the same pipeline with
+a fake asynchronous device where no GPU is present.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import time
 from collections.abc import Callable, Collection, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from coldstart.errors import FormatError, InvalidArgument, NotFound
 from coldstart.weights.checkpoint import Checkpoint, Opener, ShardFile, read_header
@@ -223,27 +225,101 @@ def _group(fidx: int, segments: list[tuple[int, int, _Target, int]],
     return reads
 
 
-class _Staging:
-    """A bounded pool of pinned host buffers; a buffer returns with the event of its last copy."""
+class _Copies(Protocol):
+    """The device side of a staged load: host staging memory and asynchronous copies out of it."""
 
-    def __init__(self, count: int, size: int) -> None:
+    def staging_buffer(self, size: int) -> torch.Tensor:
+        """A host buffer of ``size`` bytes (``uint8``) that copies can read asynchronously."""
+        ...
+
+    def copy_async(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """Start ``dst.copy_(src)`` for each pair, in order, on the calling thread's stream;
+        return an event that completes when they all have."""
+        ...
+
+    def host_wait(self, event: Any) -> None:
+        """Block until ``event`` completed (its source buffer may then be written again)."""
+        ...
+
+    def device_wait(self, events: list[Any]) -> None:
+        """Order the consumer's work after ``events`` (before a tensor is handed out)."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait for every copy started so far."""
+        ...
+
+
+class _CudaCopies:
+    """Pinned staging buffers; one side stream per worker thread; CUDA events."""
+
+    def __init__(self, dev: torch.device) -> None:
+        self._dev = dev
+        self._local = threading.local()
+
+    def staging_buffer(self, size: int) -> torch.Tensor:
         import torch
 
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+    def copy_async(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        import torch
+
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(self._dev)  # type: ignore[no-untyped-call]
+            # The destinations were allocated on the consumer's stream, maybe over memory that
+            # work queued there still uses: start this stream after that work.
+            stream.wait_stream(torch.cuda.current_stream(self._dev))
+        with torch.cuda.stream(stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+        return event
+
+    def host_wait(self, event: Any) -> None:
+        event.synchronize()
+
+    def device_wait(self, events: list[Any]) -> None:
+        import torch
+
+        stream = torch.cuda.current_stream(self._dev)
+        for ev in events:
+            stream.wait_event(ev)
+
+    def synchronize(self) -> None:
+        import torch
+
+        torch.cuda.synchronize(self._dev)
+
+
+def _copies_for(dev: torch.device) -> _Copies | None:
+    """How a load reaches ``dev``: staged copies for CUDA; None (straight into the tensors) for
+    CPU. (The tests replace this to run the staged pipeline on a fake device.)"""
+    return _CudaCopies(dev) if dev.type == "cuda" else None
+
+
+class _Staging:
+    """A bounded pool of staging buffers; a buffer returns with the event of its last copy."""
+
+    def __init__(self, copies: _Copies, count: int, size: int) -> None:
+        self._copies = copies
         self._free: queue.Queue[tuple[Any, Any]] = queue.Queue()
         for _ in range(count):
-            self._free.put((torch.empty(size, dtype=torch.uint8, pin_memory=True), None))
+            self._free.put((copies.staging_buffer(size), None))
 
     def get(self) -> Any:
         buf, event = self._free.get()
         if event is not None:
-            event.synchronize()  # the previous H2D copy out of this buffer must be done
+            self._copies.host_wait(event)  # the previous copy out of this buffer must be done
         return buf
 
     def put(self, buf: Any, event: Any) -> None:
         self._free.put((buf, event))
 
 
-def _finish(target: _Target, device: torch.device, dtype: torch.dtype | None,
+def _finish(target: _Target, dtype: torch.dtype | None, copies: _Copies | None,
             mappings: list[Any] | None = None) -> torch.Tensor:
     import torch
 
@@ -254,10 +330,8 @@ def _finish(target: _Target, device: torch.device, dtype: torch.dtype | None,
                                        count=target.nbytes, offset=target.view_at)
     tdt = torch_dtype(target.info.dtype)
     assert tdt is not None
-    if device.type == "cuda" and target.events:
-        stream = torch.cuda.current_stream(device)
-        for ev in target.events:
-            stream.wait_event(ev)
+    if copies is not None and target.events:
+        copies.device_wait(target.events)
         target.events.clear()
     t = target.dest.view(tdt).reshape(torch_shape(target.info.dtype, target.shape))
     if dtype is not None and t.dtype != dtype and t.is_floating_point():
@@ -360,16 +434,17 @@ def iter_load(
         else:
             ckpt = opener.checkpoint(source)
         try:
-            cuda = dev.type == "cuda"
+            copies = _copies_for(dev)
+            staged = copies is not None
             # Pinned staging buffers can't exceed the host budget; shrink chunks if they would.
-            if cuda:
+            if staged:
                 chunk_bytes = max(4096, min(chunk_bytes, max_host_bytes // 2))
             targets, reads = _plan(ckpt, select, chunk_bytes)
             st.files, st.tensors = len(ckpt.files), len(targets)
             st.total_bytes = sum(r.length for r in reads)
             direct_on = any(getattr(f.source, "direct", False) for f in ckpt.files)
             local = all(isinstance(f.source, LocalSource) for f in ckpt.files)
-            mappable = not cuda and local and not any(
+            mappable = not staged and local and not any(
                 getattr(f.source, "direct", False) for f in ckpt.files)
             if cpu_mode == "mmap" and not mappable:
                 raise InvalidArgument("cpu_mode mmap needs local files, device cpu and no "
@@ -381,8 +456,8 @@ def iter_load(
             if concurrency is None:
                 concurrency = (local_concurrency(mappings is not None) if local
                                else DEFAULT_CONCURRENCY)
-            if cuda:
-                st.path = "cuda: pinned staging + async H2D"
+            if staged:
+                st.path = f"{dev.type}: pinned staging + async H2D"
             elif mappings is not None:
                 st.path = "cpu: mmap + parallel populate (page cache views)"
             else:
@@ -402,10 +477,10 @@ def iter_load(
             def produce() -> Iterator[tuple[str, torch.Tensor]]:
                 assert concurrency is not None
                 for t in [t for t in targets if t.remaining == 0]:
-                    yield t.name, _finish(t, dev, dtype, mappings)
+                    yield t.name, _finish(t, dtype, copies, mappings)
                 if reads:
-                    yield from _run(ckpt, reads, dev, dtype, concurrency, chunk_bytes,
-                                    max_host_bytes, progress, st, mappings)
+                    yield from _run(ckpt, reads, dtype, concurrency, chunk_bytes,
+                                    max_host_bytes, progress, st, copies, mappings)
 
             # Sources that check a digest (registry blobs) can only say the bytes are good once
             # all of them went through: hold the tensors (their memory is allocated anyway)
@@ -418,8 +493,8 @@ def iter_load(
                 yield from out
             else:
                 yield from produce()
-            if cuda:
-                torch.cuda.current_stream(dev).synchronize()
+            if copies is not None:
+                copies.synchronize()  # every byte landed before the load counts as done
         finally:
             ckpt.close()
     finally:
@@ -427,22 +502,18 @@ def iter_load(
         st.seconds = time.perf_counter() - started
 
 
-def _run(ckpt: Checkpoint, reads: list[_Read], dev: torch.device, dtype: torch.dtype | None,
+def _run(ckpt: Checkpoint, reads: list[_Read], dtype: torch.dtype | None,
          concurrency: int, chunk_bytes: int, max_host_bytes: int,
          progress: Callable[[int], None] | None, st: LoadStats,
-         mappings: list[Any] | None = None,
+         copies: _Copies | None, mappings: list[Any] | None = None,
          ) -> Iterator[tuple[str, torch.Tensor]]:
-    import torch
-
-    cuda = dev.type == "cuda"
     done: queue.Queue[tuple[list[_Target], BaseException | None]] = queue.Queue()
     lock = threading.Lock()
     cancelled = threading.Event()
     staging = None
-    local = threading.local()
-    if cuda:
+    if copies is not None:
         count = max(2, min(2 * concurrency, max_host_bytes // chunk_bytes))
-        staging = _Staging(count, chunk_bytes)
+        staging = _Staging(copies, count, chunk_bytes)
 
     def work(r: _Read) -> None:
         if cancelled.is_set():
@@ -473,21 +544,17 @@ def _run(ckpt: Checkpoint, reads: list[_Read], dev: torch.device, dtype: torch.d
                         views.append(memoryview(arr)[tpos : tpos + length])
                 src.read_into(r.offset, views)
             else:
+                assert copies is not None
                 buf = staging.get()
                 try:
                     src.read_into(r.offset, [memoryview(buf.numpy())[: r.length]])
-                    stream = getattr(local, "stream", None)
-                    if stream is None:
-                        stream = local.stream = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
-                    with torch.cuda.stream(stream):
-                        pos = 0
-                        for length, target, tpos in r.parts:
-                            if target is not None:
-                                target.dest[tpos : tpos + length].copy_(
-                                    buf[pos : pos + length], non_blocking=True)
-                            pos += length
-                        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                        event.record(stream)
+                    pairs, pos = [], 0
+                    for length, target, tpos in r.parts:
+                        if target is not None:
+                            pairs.append((target.dest[tpos : tpos + length],
+                                          buf[pos : pos + length]))
+                        pos += length
+                    event = copies.copy_async(pairs)
                 finally:
                     staging.put(buf, event)
             with lock:
@@ -516,16 +583,16 @@ def _run(ckpt: Checkpoint, reads: list[_Read], dev: torch.device, dtype: torch.d
             if error is not None:
                 raise error
             for t in finished:
-                yield t.name, _finish(t, dev, dtype, mappings)
+                yield t.name, _finish(t, dtype, copies, mappings)
     finally:
         cancelled.set()
         for f in futures:
             f.cancel()
         pool.shutdown(wait=True)
-        if cuda:
+        if copies is not None:
             # On an early stop, copies may still target tensors about to be freed: let them land
             # before the allocator can hand that memory out again.
-            torch.cuda.synchronize(dev)
+            copies.synchronize()
 
 
 def load(

@@ -47,6 +47,7 @@ __all__ = [
 _IOV_MAX = 1024
 _NET_PIECE = 1 << 20
 _ALIGN = 4096
+_MIN_BOUNCE = 1 << 20  # smallest O_DIRECT bounce buffer (grown to the largest read when needed)
 # Registry blobs: size of each read when verifying the ranges a load did not read.
 _VERIFY_PIECE = 8 << 20
 log = logging.getLogger(__name__)
@@ -158,10 +159,12 @@ class LocalSource:
         self._map: mmap.mmap | None = None
         self._map_lock = threading.Lock()
         self._direct_fd: int | None = None
+        self._bounces: list[mmap.mmap] = []  # O_DIRECT bounce buffers, one per reading thread
         # Why O_DIRECT was asked for but is not used (None: not asked, or in use): reported in
         # LoadStats.path so a silent fallback to the page cache is visible.
         self.direct_refused: str | None = None
         self.direct_reads = 0  # reads that really went through the O_DIRECT descriptor
+        self.bounce_allocations = 0
         if direct and not hasattr(os, "O_DIRECT"):
             self.direct_refused = "this platform has no O_DIRECT"
         elif direct:
@@ -265,14 +268,24 @@ class LocalSource:
         start = offset - offset % _ALIGN
         stop = offset + total
         span = -(-(stop - start) // _ALIGN) * _ALIGN
-        # Anonymous mmap memory is page aligned, which O_DIRECT requires of the buffer.
-        bounce = mmap.mmap(-1, span)
+        # Anonymous mmap memory is page aligned, which O_DIRECT requires of the buffer. One per
+        # thread, kept: a fresh one per read would pay a page fault for every page it receives.
+        bounce: mmap.mmap | None = getattr(self._local, "bounce", None)
+        if bounce is None or len(bounce) < span:
+            if bounce is not None:
+                with self._map_lock:
+                    self._bounces.remove(bounce)
+                bounce.close()
+            bounce = self._local.bounce = mmap.mmap(-1, max(span, _MIN_BOUNCE))
+            with self._map_lock:
+                self._bounces.append(bounce)
+                self.bounce_allocations += 1
         try:
-            # The view is released before the map closes, also when a read fails.
+            # The view is released before the read returns, also when it fails.
             with memoryview(bounce) as view:
                 got = 0
                 while got < stop - start:
-                    n = os.preadv(self._direct_fd, [view[got:]], start + got)
+                    n = os.preadv(self._direct_fd, [view[got:span]], start + got)
                     if n == 0:
                         break
                     got += n
@@ -284,13 +297,17 @@ class LocalSource:
                                   [view[offset - start : stop - start]])
         except OSError as exc:
             raise Unavailable(f"{self.name}: O_DIRECT read at {start} failed: {exc}") from exc
-        finally:
-            bounce.close()
 
     def close(self) -> None:
         self._map = None  # tensors still viewing it keep it alive; the last one unmaps it
         with self._map_lock:
             extra, self._fds = self._fds, []
+            bounces, self._bounces = self._bounces, []
+        for b in bounces:
+            try:
+                b.close()
+            except BufferError:  # still read by a thread that outlived the load: the GC frees it
+                pass
         for fd in (self._fd, self._direct_fd, *extra):
             if fd is not None:
                 try:
