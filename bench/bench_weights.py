@@ -8,20 +8,22 @@ Streamer (``SafetensorsStreamer``), and the floor, a raw read of the same bytes 
 ``fresh_memory`` reads nothing: it allocates as many bytes and writes them once (``torch.empty`` +
 ``fill_``), the ceiling of any loader that copies into new memory (``dd`` reuses one 16 MiB
 buffer, so it never pays for that).
-S3: coldstart ``load("s3://...")`` against raw parallel ranged boto3 GETs, both on a moto_server
-started here (moto is slow and memory hungry, so that object is smaller).
+S3: coldstart ``load("s3://...")`` against raw parallel ranged boto3 GETs and Run:ai's S3 backend
+(``runai-model-streamer-s3``), all on a moto_server started here (moto is slow and memory
+hungry, so that object is smaller).
 
 Each loader runs in its own subprocess (peak RSS = its ``ru_maxrss``); rounds interleave the
 loaders (each round starts one loader later, so no loader always follows the same one); medians
-of ``--runs``. Cold runs drop the page cache (``/proc/sys/vm/drop_caches``, falling back to
-``posix_fadvise(DONTNEED)``) before every run, then wait ``--settle`` seconds.
+of ``--runs``. A child imports what it needs, says it is ready, and waits; then the parent
+prepares the cache and lets it go. Cold runs drop the page cache (``/proc/sys/vm/drop_caches``,
+falling back to ``posix_fadvise(DONTNEED)``), then wait ``--settle`` seconds.
 
 Why the wait: on a VM with free page reporting (virtio-balloon; Firecracker, many clouds), pages
 the guest frees are handed back to the host about two seconds later, and touching one again costs
 a host fault. Without the wait, whether a run's page cache lands on still-backed pages depends on
 what ran just before it (here ``dd`` swung between 0.9 and 3.3 GB/s from one run to the next).
 With it, every loader starts from the same state, the one of a node that has not read the model
-yet. ``--settle 0`` measures the other state (memory just freed); use many ``--runs`` then.
+yet. ``--settle 0`` measures the other state (memory freed just before the load starts).
 
     python bench/bench_weights.py --size-gb 2.2 --runs 3 --s3-mb 384
     python bench/bench_weights.py --only warm --runs 1 --size-gb 0.2   # quick smoke
@@ -44,7 +46,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,13 +73,17 @@ def _child(args: argparse.Namespace) -> None:
     name, path = args.child, args.file
     concurrency, chunk = args.concurrency, args.chunk_mb * MiB
     nbytes = 0
-    if name.startswith("runai"):
+    if "runai" in name:
         from runai_model_streamer import SafetensorsStreamer
     if name.startswith("safetensors"):
         from safetensors.torch import load_file
     if name.startswith(("coldstart", "s3")):
         import coldstart.weights  # noqa: F401
     before = _rss_now()
+    # Imports done: wait for the parent to drop the page cache, so every loader starts from the
+    # same memory state however long its imports took.
+    print("ready", flush=True)
+    sys.stdin.readline()
     start = time.perf_counter()
     if name in ("coldstart", "coldstart_read", "coldstart_direct", "s3_coldstart"):
         from coldstart.weights import load
@@ -98,7 +104,7 @@ def _child(args: argparse.Namespace) -> None:
             if flat.numel():
                 int(flat[::4096].sum())
             nbytes += flat.numel()
-    elif name == "runai":
+    elif name in ("runai", "s3_runai"):
         from runai_model_streamer import SafetensorsStreamer
 
         out = {}
@@ -214,8 +220,11 @@ def resident_bytes(path: Path) -> int | None:
 
 
 def run_child(name: str, target: str, args: argparse.Namespace,
-              env: dict[str, str] | None = None) -> dict[str, Any]:
+              env: dict[str, str] | None = None,
+              prepare: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Run one loader once; ``prepare`` (drop or warm the cache) runs just before it starts."""
     if name == "dd":
+        prepare()
         start = time.perf_counter()
         subprocess.run(["dd", f"if={target}", "of=/dev/null", "bs=16M", "status=none"],
                        check=True, timeout=600)
@@ -225,11 +234,22 @@ def run_child(name: str, target: str, args: argparse.Namespace,
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--file", target,
            "--concurrency", str(args.concurrency), "--chunk-mb", str(args.chunk_mb),
            "--local-concurrency", str(args.local_concurrency)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
-                         env={**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)})
-    if out.returncode != 0:
-        raise RuntimeError(f"{name} failed:\n{out.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                          env={**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}) as proc:
+        assert proc.stdin is not None and proc.stdout is not None
+        if proc.stdout.readline().strip() == "ready":
+            prepare()
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        try:
+            stdout, stderr = proc.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
     return result
 
 
@@ -240,13 +260,15 @@ def measure(mode: str, loaders: list[str], target: str, file_bytes: int,
     evictions: list[dict[str, Any]] = []
     for r in range(args.runs):
         for name in loaders[r % len(loaders):] + loaders[: r % len(loaders)]:
-            if cold_path is not None:
-                how = drop_cache(cold_path)
-                time.sleep(args.settle)
-                evictions.append({"how": how, "resident_after": resident_bytes(cold_path)})
-            elif mode == "warm":
-                subprocess.run(["cat", target], stdout=subprocess.DEVNULL, check=True)
-            res = run_child(name, target, args, env)
+            def prepare() -> None:
+                if cold_path is not None:
+                    how = drop_cache(cold_path)
+                    evictions.append({"how": how, "resident_after": resident_bytes(cold_path)})
+                    time.sleep(args.settle)
+                elif mode == "warm":
+                    subprocess.run(["cat", target], stdout=subprocess.DEVNULL, check=True)
+
+            res = run_child(name, target, args, env, prepare)
             res["gb_per_s"] = file_bytes / res["seconds"] / 1e9
             runs[name].append(res)
             print(f"  [{mode}] round {r + 1} {name:17s} {res['gb_per_s']:6.2f} GB/s  "
@@ -320,6 +342,13 @@ def main() -> None:
                                "host_cpus": os.cpu_count(), "runs": args.runs,
                                "concurrency": args.concurrency, "chunk_mb": args.chunk_mb,
                                "settle_s": args.settle}
+    s3_peers = ["s3_coldstart", "s3_raw"]
+    try:
+        import runai_model_streamer_s3  # noqa: F401
+
+        s3_peers.append("s3_runai")
+    except ImportError:
+        print("runai-model-streamer-s3 is not installed: no Run:ai row for S3", flush=True)
     model = work / "model.safetensors"
     try:
         if modes & {"cold", "warm"}:
@@ -347,18 +376,24 @@ def main() -> None:
                 import boto3
 
                 env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench",
-                       "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+                       "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+                       # Run:ai's S3 client: path-style requests, no instance metadata lookups.
+                       "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
+                       "AWS_EC2_METADATA_DISABLED": "true"}
                 os.environ.update(env)
                 client = boto3.client("s3", endpoint_url=endpoint)
                 client.create_bucket(Bucket="bench")
                 client.upload_file(str(s3_file), "bench", "model.safetensors")
                 s3_file.unlink()
                 saved, args.chunk_mb = args.chunk_mb, 8  # both sides: 8 MiB ranges
-                results["s3"] = measure("s3", ["s3_coldstart", "s3_raw"],
+                results["s3"] = measure("s3", s3_peers,
                                         "s3://bench/model.safetensors", size, args, env)
                 args.chunk_mb = saved
                 results["s3"]["ratio_coldstart_vs_raw"] = ratio(results["s3"], "s3_coldstart",
                                                                 "s3_raw")
+                if "s3_runai" in s3_peers:
+                    results["s3"]["ratio_coldstart_vs_runai"] = ratio(
+                        results["s3"], "s3_coldstart", "s3_runai")
     finally:
         if not args.keep:
             for f in work.glob("*.safetensors"):
