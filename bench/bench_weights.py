@@ -16,14 +16,18 @@ Each loader runs in its own subprocess (peak RSS = its ``ru_maxrss``); rounds in
 loaders (each round starts one loader later, so no loader always follows the same one); medians
 of ``--runs``. A child imports what it needs, says it is ready, and waits; then the parent
 prepares the cache and lets it go. Cold runs drop the page cache (``/proc/sys/vm/drop_caches``,
-falling back to ``posix_fadvise(DONTNEED)``), then wait ``--settle`` seconds.
+falling back to ``posix_fadvise(DONTNEED)``), then set the guest's free memory to one state,
+``--memory``, the same for every loader:
 
-Why the wait: on a VM with free page reporting (virtio-balloon; Firecracker, many clouds), pages
-the guest frees are handed back to the host about two seconds later, and touching one again costs
-a host fault. Without the wait, whether a run's page cache lands on still-backed pages depends on
-what ran just before it (here ``dd`` swung between 0.9 and 3.3 GB/s from one run to the next).
-With it, every loader starts from the same state, the one of a node that has not read the model
-yet. ``--settle 0`` measures the other state (memory freed just before the load starts).
+* ``settled`` (default): wait 6 s. On a VM with free page reporting (virtio-balloon: Firecracker,
+  many clouds), pages the guest frees go back to the host about two seconds later; the disk's
+  DMA into such a page then waits for a host page fault in the VMM's I/O thread. That is a node
+  that has not read the model yet; here it caps buffered reads at ~0.6-0.7 GB/s.
+* ``hot``: write and free 1.5x the file's size of anonymous memory just before the load, so the
+  free pages it gets are still backed by the host.
+
+Without this, whether a run lands on backed pages depends on what ran just before it (``dd``
+swung between 0.9 and 3.3 GB/s from one run to the next).
 
     python bench/bench_weights.py --size-gb 2.2 --runs 3 --s3-mb 384
     python bench/bench_weights.py --only warm --runs 1 --size-gb 0.2   # quick smoke
@@ -207,6 +211,20 @@ def drop_cache(path: Path) -> str:
     return how
 
 
+def heat_memory(nbytes: int) -> None:
+    """Write ``nbytes`` of anonymous memory and free it: the next allocations reuse pages the
+    host still backs (see ``--memory hot``)."""
+    import mmap
+
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(23)  # MADV_POPULATE_WRITE (Linux 5.14)
+    except OSError:
+        for off in range(0, nbytes, mmap.PAGESIZE):
+            m[off] = 1
+    m.close()
+
+
 def resident_bytes(path: Path) -> int | None:
     """Bytes of ``path`` in the page cache (``fincore``), or None if it cannot tell."""
     if shutil.which("fincore") is None:
@@ -264,7 +282,10 @@ def measure(mode: str, loaders: list[str], target: str, file_bytes: int,
                 if cold_path is not None:
                     how = drop_cache(cold_path)
                     evictions.append({"how": how, "resident_after": resident_bytes(cold_path)})
-                    time.sleep(args.settle)
+                    if args.memory == "settled":
+                        time.sleep(6.0)
+                    else:
+                        heat_memory(int(file_bytes * 1.5))
                 elif mode == "warm":
                     subprocess.run(["cat", target], stdout=subprocess.DEVNULL, check=True)
 
@@ -326,8 +347,8 @@ def main() -> None:
     p.add_argument("--local-concurrency", type=int, default=0,
                    help="coldstart threads for local files (0: its default, 2 per core)")
     p.add_argument("--chunk-mb", type=int, default=16)
-    p.add_argument("--settle", type=float, default=5.0,
-                   help="seconds to wait after dropping the page cache (see above)")
+    p.add_argument("--memory", choices=["settled", "hot"], default="settled",
+                   help="free memory state for cold runs (see above)")
     p.add_argument("--only", default="cold,warm,s3", help="comma list of cold, warm, s3")
     p.add_argument("--keep", action="store_true", help="keep the generated files")
     args = p.parse_args()
@@ -341,7 +362,7 @@ def main() -> None:
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                "host_cpus": os.cpu_count(), "runs": args.runs,
                                "concurrency": args.concurrency, "chunk_mb": args.chunk_mb,
-                               "settle_s": args.settle}
+                               "memory": args.memory}
     s3_peers = ["s3_coldstart", "s3_raw"]
     try:
         import runai_model_streamer_s3  # noqa: F401
@@ -377,9 +398,14 @@ def main() -> None:
 
                 env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench",
                        "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-                       # Run:ai's S3 client: path-style requests, no instance metadata lookups.
+                       # Run:ai's S3 client: path-style requests, no instance metadata lookups;
+                       # its defaults (1 s request timeout, a minimum throughput, a 190 MB window
+                       # in flight) abort against moto_server's ~40 MB/s, so give it slack.
                        "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
-                       "AWS_EC2_METADATA_DISABLED": "true"}
+                       "AWS_EC2_METADATA_DISABLED": "true",
+                       "RUNAI_STREAMER_S3_LOW_SPEED_LIMIT": "1",
+                       "RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS": "120000",
+                       "RUNAI_STREAMER_S3_MAX_INFLIGHT_MIB": "64"}
                 os.environ.update(env)
                 client = boto3.client("s3", endpoint_url=endpoint)
                 client.create_bucket(Bucket="bench")
@@ -402,8 +428,8 @@ def main() -> None:
     out_dir.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     (out_dir / f"weights-{stamp}.json").write_text(json.dumps(results, indent=2))
-    table = [f"# weights benchmark {results['date']} (medians of {args.runs}, cold runs "
-             f"{args.settle:g} s after dropping the page cache)", "",
+    table = [f"# weights benchmark {results['date']} (medians of {args.runs}, cold runs with "
+             f"{args.memory} free memory)", "",
              "| mode | loader | GB/s | peak RSS GB | RSS before load GB |", "|---|---|---|---|---|"]
     for mode in ("cold", "warm", "s3"):
         if mode not in results:
