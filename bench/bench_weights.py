@@ -12,7 +12,8 @@ S3: coldstart ``load("s3://...")`` against raw parallel ranged boto3 GETs and Ru
 (``runai-model-streamer-s3``), all on a moto_server started here (moto is slow and memory
 hungry, so that object is smaller).
 
-Each loader runs in its own subprocess (peak RSS = its ``ru_maxrss``); rounds interleave the
+Each loader runs in its own subprocess (peak RSS = its ``VmHWM``; ``ru_maxrss`` would count the
+parent's peak, which Linux carries over fork and exec); rounds interleave the
 loaders (each round starts one loader later, so no loader always follows the same one); medians
 of ``--runs``. A child imports what it needs, says it is ready, and waits; then the parent
 prepares the cache and lets it go. Cold runs drop the page cache (``/proc/sys/vm/drop_caches``,
@@ -41,7 +42,6 @@ import argparse
 import contextlib
 import json
 import os
-import resource
 import shutil
 import signal
 import socket
@@ -63,10 +63,10 @@ MiB = 1 << 20
 # child side: one loader, one run, one JSON line
 
 
-def _rss_now() -> int:
+def _rss_now(field: str = "VmRSS") -> int:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
 
@@ -127,7 +127,7 @@ def _child(args: argparse.Namespace) -> None:
     else:
         raise SystemExit(f"unknown loader {name}")
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _rss_now("VmHWM")
     print(json.dumps({"loader": name, "seconds": seconds, "bytes": nbytes,
                       "rss_before": before, "rss_peak": peak}))
 
