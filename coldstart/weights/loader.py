@@ -254,8 +254,13 @@ class _CudaCopies:
     """Pinned staging buffers; one side stream per worker thread; CUDA events."""
 
     def __init__(self, dev: torch.device) -> None:
+        import torch
+
         self._dev = dev
         self._local = threading.local()
+        # The caller's stream (current streams are per thread: a worker's is the default one):
+        # the destinations are allocated on it, and tensors are handed out on it.
+        self._consumer = torch.cuda.current_stream(dev)
 
     def staging_buffer(self, size: int) -> torch.Tensor:
         import torch
@@ -270,7 +275,7 @@ class _CudaCopies:
             stream = self._local.stream = torch.cuda.Stream(self._dev)  # type: ignore[no-untyped-call]
             # The destinations were allocated on the consumer's stream, maybe over memory that
             # work queued there still uses: start this stream after that work.
-            stream.wait_stream(torch.cuda.current_stream(self._dev))
+            stream.wait_stream(self._consumer)
         with torch.cuda.stream(stream):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
@@ -282,11 +287,8 @@ class _CudaCopies:
         event.synchronize()
 
     def device_wait(self, events: list[Any]) -> None:
-        import torch
-
-        stream = torch.cuda.current_stream(self._dev)
         for ev in events:
-            stream.wait_event(ev)
+            self._consumer.wait_event(ev)
 
     def synchronize(self) -> None:
         import torch
@@ -554,7 +556,13 @@ def _run(ckpt: Checkpoint, reads: list[_Read], dtype: torch.dtype | None,
                             pairs.append((target.dest[tpos : tpos + length],
                                           buf[pos : pos + length]))
                         pos += length
-                    event = copies.copy_async(pairs)
+                    try:
+                        event = copies.copy_async(pairs)
+                    except BaseException:
+                        # Some copies may be queued already: let them read the buffer before
+                        # it goes back to the pool.
+                        copies.synchronize()
+                        raise
                 finally:
                     staging.put(buf, event)
             with lock:

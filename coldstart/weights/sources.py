@@ -47,7 +47,29 @@ __all__ = [
 _IOV_MAX = 1024
 _NET_PIECE = 1 << 20
 _ALIGN = 4096
-_MIN_BOUNCE = 1 << 20  # smallest O_DIRECT bounce buffer (grown to the largest read when needed)
+# O_DIRECT bounce buffer: one per thread, shared by every file that thread reads, this size
+# (a longer span is read in pieces of it). Kept: a fresh one per read would pay a page fault for
+# every page it receives; freed when the thread ends.
+_BOUNCE_BYTES = 8 << 20
+_bounce = threading.local()
+_bounce_made = [0]  # buffers made so far in this process (tests check they are reused)
+_bounce_lock = threading.Lock()
+
+
+def _bounce_buffer() -> mmap.mmap:
+    buf: mmap.mmap | None = getattr(_bounce, "buf", None)
+    if buf is None:
+        # Anonymous mmap memory is page aligned, which O_DIRECT requires of the buffer.
+        buf = _bounce.buf = mmap.mmap(-1, _BOUNCE_BYTES,
+                                      flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        with _bounce_lock:
+            _bounce_made[0] += 1
+    return buf
+
+
+def bounce_buffers_made() -> int:
+    """How many O_DIRECT bounce buffers this process has made (one per reading thread)."""
+    return _bounce_made[0]
 # Registry blobs: size of each read when verifying the ranges a load did not read.
 _VERIFY_PIECE = 8 << 20
 log = logging.getLogger(__name__)
@@ -159,12 +181,10 @@ class LocalSource:
         self._map: mmap.mmap | None = None
         self._map_lock = threading.Lock()
         self._direct_fd: int | None = None
-        self._bounces: list[mmap.mmap] = []  # O_DIRECT bounce buffers, one per reading thread
         # Why O_DIRECT was asked for but is not used (None: not asked, or in use): reported in
         # LoadStats.path so a silent fallback to the page cache is visible.
         self.direct_refused: str | None = None
         self.direct_reads = 0  # reads that really went through the O_DIRECT descriptor
-        self.bounce_allocations = 0
         if direct and not hasattr(os, "O_DIRECT"):
             self.direct_refused = "this platform has no O_DIRECT"
         elif direct:
@@ -267,34 +287,30 @@ class LocalSource:
         total = sum(b.nbytes for b in buffers)
         start = offset - offset % _ALIGN
         stop = offset + total
-        span = -(-(stop - start) // _ALIGN) * _ALIGN
-        # Anonymous mmap memory is page aligned, which O_DIRECT requires of the buffer. One per
-        # thread, kept: a fresh one per read would pay a page fault for every page it receives.
-        bounce: mmap.mmap | None = getattr(self._local, "bounce", None)
-        if bounce is None or len(bounce) < span:
-            if bounce is not None:
-                with self._map_lock:
-                    self._bounces.remove(bounce)
-                bounce.close()
-            bounce = self._local.bounce = mmap.mmap(-1, max(span, _MIN_BOUNCE))
-            with self._map_lock:
-                self._bounces.append(bounce)
-                self.bounce_allocations += 1
-        try:
-            # The view is released before the read returns, also when it fails.
-            with memoryview(bounce) as view:
+        fd = self._direct_fd
+
+        def pieces(view: memoryview) -> Iterator[memoryview]:
+            # Aligned pieces of at most _BOUNCE_BYTES; each is copied out before the next read.
+            pos = start
+            while pos < stop:
+                want = min(_BOUNCE_BYTES, -(-(stop - pos) // _ALIGN) * _ALIGN)
                 got = 0
-                while got < stop - start:
-                    n = os.preadv(self._direct_fd, [view[got:span]], start + got)
+                while got < want:
+                    n = os.preadv(fd, [view[got:want]], pos + got)
                     if n == 0:
                         break
                     got += n
-                if got < stop - start:
-                    raise Unavailable(f"{self.name}: file ended at {start + got}")
-                with self._map_lock:
-                    self.direct_reads += 1
-                _fill_from_chunks(self.name, offset, buffers,
-                                  [view[offset - start : stop - start]])
+                if pos + got < min(stop, pos + want):
+                    raise Unavailable(f"{self.name}: file ended at {pos + got}")
+                yield view[max(0, offset - pos) : min(got, stop - pos)]
+                pos += want
+
+        try:
+            # The view is released before the read returns, also when it fails.
+            with memoryview(_bounce_buffer()) as view:
+                _fill_from_chunks(self.name, offset, buffers, pieces(view))
+            with self._map_lock:
+                self.direct_reads += 1
         except OSError as exc:
             raise Unavailable(f"{self.name}: O_DIRECT read at {start} failed: {exc}") from exc
 
@@ -302,12 +318,6 @@ class LocalSource:
         self._map = None  # tensors still viewing it keep it alive; the last one unmaps it
         with self._map_lock:
             extra, self._fds = self._fds, []
-            bounces, self._bounces = self._bounces, []
-        for b in bounces:
-            try:
-                b.close()
-            except BufferError:  # still read by a thread that outlived the load: the GC frees it
-                pass
         for fd in (self._fd, self._direct_fd, *extra):
             if fd is not None:
                 try:

@@ -34,8 +34,10 @@ class FakeAsyncDevice:
     def __init__(self, delay: float = 0.002) -> None:
         self.delay = delay
         self.staged: list[int] = []
-        self.copies = 0
+        self.submitted = 0
+        self.copies = 0  # finished
         self.syncs = 0
+        self.pending_after_last_sync = -1
         self._streams: dict[int, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
 
@@ -51,6 +53,9 @@ class FakeAsyncDevice:
             return self._streams[key]
 
     def copy_async(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Future[None]:
+        with self._lock:
+            self.submitted += 1
+
         def run() -> None:
             time.sleep(self.delay)  # the "device" is busy: the copy reads the buffer later
             for dst, src in pairs:
@@ -73,6 +78,8 @@ class FakeAsyncDevice:
             self.syncs += 1
         for s in streams:
             s.submit(lambda: None).result()
+        with self._lock:
+            self.pending_after_last_sync = self.submitted - self.copies
 
     def close(self) -> None:
         for s in self._streams.values():
@@ -140,10 +147,31 @@ def test_early_stop_waits_for_queued_copies(model: Path, fake: FakeAsyncDevice) 
         next(gen)
     syncs = fake.syncs
     gen.close()
-    # Copies into tensors that are about to be freed must have landed first.
+    # Copies into tensors that are about to be freed must have landed first: the last sync
+    # came after the last copy was queued (workers stopped first), and nothing is left pending.
     assert fake.syncs > syncs
-    for s in fake._streams.values():
-        assert s.submit(lambda: None).result() is None
+    assert fake.pending_after_last_sync == 0
+    assert fake.copies == fake.submitted > 0
+
+
+def test_failed_copy_waits_before_the_buffer_is_reused(model: Path, fake: FakeAsyncDevice,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    real = fake.copy_async
+    calls = {"n": 0}
+
+    def failing(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Future[None]:
+        calls["n"] += 1
+        if calls["n"] == 20:
+            real(pairs[:1])  # one copy queued, then the device call fails
+            raise RuntimeError("injected device error")
+        return real(pairs)
+
+    monkeypatch.setattr(fake, "copy_async", failing)
+    syncs = fake.syncs
+    with pytest.raises(RuntimeError, match="injected"):
+        load(model, chunk_bytes=4096, max_host_bytes=8192, concurrency=2)
+    assert fake.syncs >= syncs + 2  # the failed worker's wait, then the load's own
+    assert fake.pending_after_last_sync == 0
 
 
 def test_read_error_while_staging_is_raised(model: Path, fake: FakeAsyncDevice,
