@@ -392,7 +392,7 @@ class ChunkCache:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            self._forget(hexd)
+            self._forget_file(hexd)
             return None
         try:
             size = os.fstat(fd).st_size
@@ -733,6 +733,19 @@ class ChunkCache:
         if empty is not None:
             with contextlib.suppress(OSError):
                 os.unlink(empty.path)
+
+    def _forget_file(self, hexd: str) -> None:
+        """A chunk's own file is missing: drop its index entry, unless it is a packed chunk.
+        (A reader that found the chunk neither pending nor packed looks for its file; a writer
+        may pack it in between, and that entry must stay.)"""
+        with self._lock:
+            if hexd in self._packed:
+                return
+            size = self._index.pop(hexd, None)
+            self._touched.pop(hexd, None)
+            if size is not None:
+                self._total -= size
+                self._lru.pop(hexd, None)
 
     def _drop(self, hexd: str) -> None:
         with self._lock:

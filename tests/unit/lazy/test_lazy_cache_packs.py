@@ -280,3 +280,17 @@ def test_a_pack_deleted_under_its_writer(tmp_path: Path) -> None:
     c2 = ChunkCache(tmp_path, max_bytes=1 << 30)
     assert c2.get(dg(x)) == x
     assert c2.get(dg(a)) is None
+
+
+def test_a_reader_looking_for_a_file_does_not_unindex_a_chunk_packed_meanwhile(
+        tmp_path: Path) -> None:
+    # The race: a reader finds the chunk neither pending nor packed and looks for its own file;
+    # meanwhile the writer thread packs it. The missing file must not drop the packed entry
+    # (it did once: the next read missed and the chunk was fetched again).
+    c = ChunkCache(tmp_path, max_bytes=1 << 30)
+    data = blob(7)
+    c.put(dg(data), data, verified=True)          # packed, no file of its own
+    hexd = hashlib.sha256(data).hexdigest()
+    assert c._read_file(dg(data), hexd, 0, -1, None) is None   # the reader's late file lookup
+    assert c.get(dg(data)) == data                 # still indexed and served from the pack
+    assert dg(data) in c
