@@ -396,24 +396,12 @@ class ChunkCache:
             return None
         try:
             size = os.fstat(fd).st_size
-            if expected_size is not None and size != expected_size:
-                log.warning("chunk cache: %s has %d bytes, expected %d; dropping it",
-                            digest, size, expected_size)
-                self._drop(hexd)
-                return None
-            if self.verify_reads:
-                whole = _pread_all(fd, size, 0)
-                if hashlib.sha256(whole).hexdigest() != hexd:
-                    log.error("chunk cache: %s is corrupt on disk; dropping it", digest)
-                    self._drop(hexd)
-                    return None
-                data = whole[offset:] if length < 0 else whole[offset:offset + length]
-            else:
-                end = size if length < 0 else min(size, offset + length)
-                data = _pread_all(fd, max(0, end - offset), offset)
+            data = self._read_region(fd, 0, size, digest, hexd, offset, length, expected_size,
+                                     "on disk")
         finally:
             os.close(fd)
-        self._hit(hexd, size, len(data))
+        if data is not None:
+            self._hit(hexd, size, len(data))
         return data
 
     def _read_packed(self, digest: str, hexd: str, offset: int, length: int,
@@ -428,27 +416,35 @@ class ChunkCache:
         if fd < 0:
             return None
         try:
-            if expected_size is not None and size != expected_size:
-                log.warning("chunk cache: %s has %d bytes, expected %d; dropping it",
-                            digest, size, expected_size)
-                self._drop(hexd)
-                return None
-            if self.verify_reads:
-                whole = _pread_all(fd, size, base)
-                if len(whole) != size or hashlib.sha256(whole).hexdigest() != hexd:
-                    log.error("chunk cache: %s is corrupt in %s; dropping it", digest, pack.path)
-                    self._drop(hexd)
-                    return None
-                data = whole[offset:] if length < 0 else whole[offset:offset + length]
-            else:
-                start = min(size, max(0, offset))
-                end = size if length < 0 else min(size, offset + length)
-                data = _pread_all(fd, max(0, end - start), base + start)
+            data = self._read_region(fd, base, size, digest, hexd, offset, length,
+                                     expected_size, f"in {pack.path}")
         finally:
             with self._lock:
                 self._unuse(pack)
-        self._hit(hexd, size, len(data))
+        if data is not None:
+            self._hit(hexd, size, len(data))
         return data
+
+    def _read_region(self, fd: int, base: int, size: int, digest: str, hexd: str, offset: int,
+                     length: int, expected_size: int | None, where: str) -> bytes | None:
+        """``length`` bytes at ``offset`` of the chunk stored at ``base`` in ``fd`` (``size``
+        bytes: a loose file, or a pack record). A wrong size, or with ``verify_reads`` a wrong
+        digest, drops the chunk and gives None."""
+        if expected_size is not None and size != expected_size:
+            log.warning("chunk cache: %s has %d bytes, expected %d; dropping it",
+                        digest, size, expected_size)
+            self._drop(hexd)
+            return None
+        if self.verify_reads:
+            whole = _pread_all(fd, size, base)
+            if len(whole) != size or hashlib.sha256(whole).hexdigest() != hexd:
+                log.error("chunk cache: %s is corrupt %s; dropping it", digest, where)
+                self._drop(hexd)
+                return None
+            return whole[offset:] if length < 0 else whole[offset:offset + length]
+        start = min(size, max(0, offset))
+        end = size if length < 0 else min(size, offset + length)
+        return _pread_all(fd, max(0, end - start), base + start)
 
     def _use(self, pack: _Pack) -> int:
         """Under the lock: pack's fd, opened if need be, held until :meth:`_unuse`; -1 if the

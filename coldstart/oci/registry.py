@@ -657,10 +657,7 @@ class RegistryClient:
                         raise DeadlineExceeded(f"{what}: not done within {deadline.seconds:g} s")
                 break
             except (httpx.TransportError, httpx.StreamError) as exc:
-                if attempt >= self.retries or not self._sleep_backoff(attempt, deadline):
-                    if isinstance(exc, httpx.TimeoutException):
-                        raise DeadlineExceeded(f"{what}: stalled: {exc}") from exc
-                    raise Unavailable(f"{what}: connection lost: {exc}") from exc
+                self._retry_body(exc, attempt, deadline, what)
                 attempt += 1
             finally:
                 resp.close()
@@ -670,6 +667,14 @@ class RegistryClient:
         if size is not None and written != size:
             raise IntegrityError(f"{what}: {written} bytes, descriptor says {size}")
         return written
+
+    def _retry_body(self, exc: Exception, attempt: int, deadline: _Deadline, what: str) -> None:
+        """A body broke off mid-stream: sleep the backoff and return (retry), or raise once the
+        retries or the deadline are spent."""
+        if attempt >= self.retries or not self._sleep_backoff(attempt, deadline):
+            if isinstance(exc, httpx.TimeoutException):
+                raise DeadlineExceeded(f"{what}: stalled: {exc}") from exc
+            raise Unavailable(f"{what}: connection lost: {exc}") from exc
 
     def read_blob_range(self, ref: Reference, digest: str, offset: int, length: int, *,
                         timeout: float | None = None) -> bytes:
@@ -692,10 +697,7 @@ class RegistryClient:
             try:
                 return self._range_body(resp, offset, length, deadline, what)
             except (httpx.TransportError, httpx.StreamError) as exc:
-                if attempt >= self.retries or not self._sleep_backoff(attempt, deadline):
-                    if isinstance(exc, httpx.TimeoutException):
-                        raise DeadlineExceeded(f"{what}: stalled: {exc}") from exc
-                    raise Unavailable(f"{what}: connection lost: {exc}") from exc
+                self._retry_body(exc, attempt, deadline, what)
                 attempt += 1
             finally:
                 resp.close()

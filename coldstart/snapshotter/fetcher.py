@@ -324,12 +324,8 @@ class ChunkFetcher:
             raw = target.source.read_range(start, end - start, self.request_timeout)
         except BaseException as exc:
             kind = type(exc).__name__
-            msg = (f"layer {target.digest}: fetching bytes {start}..{end} "
-                   f"({len(group)} chunks) failed: {kind}: {exc}")
-            log.error("%s", msg)
-            target.stats.record_error(msg)
-            if self.telemetry is not None:
-                self.telemetry.error(kind)
+            msg = self._report(target, kind, f"layer {target.digest}: fetching bytes "
+                               f"{start}..{end} ({len(group)} chunks) failed: {kind}: {exc}")
             err = exc if isinstance(exc, ColdstartError) else Unavailable(msg)
             self._settle_all(target, owned, err, foreground)
             return
@@ -347,6 +343,14 @@ class ChunkFetcher:
             self._settle_all(target, owned,
                              Unavailable(f"layer {target.digest}: fetch aborted"), foreground)
 
+    def _report(self, target: FetchTarget, kind: str, msg: str) -> str:
+        """Log a failed fetch or chunk, note it in the layer's status and telemetry; ``msg``."""
+        log.error("%s", msg)
+        target.stats.record_error(msg)
+        if self.telemetry is not None:
+            self.telemetry.error(kind)
+        return msg
+
     def _finish_chunk(self, target: FetchTarget, c: Chunk, fut: Future[bytes], raw: bytes,
                       start: int) -> None:
         """Decode and verify one fetched chunk, cache it, and wake its readers right away."""
@@ -355,12 +359,8 @@ class ChunkFetcher:
             res = target.layer.decode_chunk(c, raw[c.offset - start : c.end_offset - start])
         except Exception as exc:
             kind = type(exc).__name__
-            msg = (f"layer {target.digest}: {kind}: {exc} (chunk {c.digest or '-'} "
-                   f"at blob offset {c.offset}); not cached")
-            log.error("%s", msg)
-            target.stats.record_error(msg)
-            if self.telemetry is not None:
-                self.telemetry.error(kind)
+            msg = self._report(target, kind, f"layer {target.digest}: {kind}: {exc} (chunk "
+                               f"{c.digest or '-'} at blob offset {c.offset}); not cached")
             res = type(exc)(msg) if isinstance(exc, ColdstartError) else Unavailable(msg)
         else:
             if c.digest and self.cache is not None:
