@@ -33,8 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from coldstart.format.writer import LayerResult, convert_layer  # noqa: E402
-from coldstart.snapshotter.fuse_client import FuseServerClient  # noqa: E402
-from coldstart.snapshotter.layerspec import LayerSpec  # noqa: E402
+from coldstart.lazyfs.client import FuseServerClient  # noqa: E402
+from coldstart.lazyfs.spec import LayerSpec  # noqa: E402
 from tests.fixtures.registry import start_registry  # noqa: E402
 from tests.integration.lazy.lazy_helpers import (  # noqa: E402
     fuse_server,

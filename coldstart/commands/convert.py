@@ -77,7 +77,7 @@ def convert(src: str, dst: str, fmt: str, chunk_size: str, prefetch_list: Path |
       coldstart convert 127.0.0.1:5000/app:v1 127.0.0.1:5000/app:v1-zstd
       coldstart convert oci:./app:v1 oci:./app-estargz:v1 --format estargz
     """
-    from coldstart.convert import convert_image, read_prefetch_list
+    from coldstart.oci.convert import convert_image, read_prefetch_list
     from coldstart.oci.registry import RegistryClient
 
     size = _parse_chunk_size(chunk_size)
@@ -85,7 +85,7 @@ def convert(src: str, dst: str, fmt: str, chunk_size: str, prefetch_list: Path |
     tty = sys.stderr.isatty()
 
     def on_layer(layer: object, done: int, total: int) -> None:
-        from coldstart.convert import LayerSummary
+        from coldstart.oci.convert import LayerSummary
 
         assert isinstance(layer, LayerSummary)
         what = "kept" if layer.kept else f"{_size(layer.size_before)} -> " \

@@ -19,6 +19,6 @@ def demo(workdir: Path | None, scale: float) -> None:
 
     Needs Debian's docker-registry and busybox-static (scripts/install.sh installs them).
     """
-    from coldstart.demo import run_demo
+    from coldstart.benchmark.demo import run_demo
 
     run_demo(click.echo, workdir=workdir, scale=scale)

@@ -1,4 +1,4 @@
-"""``coldstart fuse-server``: run the FUSE server (see :mod:`coldstart.snapshotter.fuse_server`)."""
+"""``coldstart fuse-server``: run the FUSE server (see :mod:`coldstart.lazyfs.server`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def _host_port(ctx: click.Context, param: click.Parameter, value: str | None) ->
     """Refuse a malformed ``--metrics-address`` before anything starts (no traceback)."""
     if not value:
         return value
-    from coldstart.snapshotter.fuse_server import parse_metrics_address
+    from coldstart.lazyfs.server import parse_metrics_address
 
     try:
         parse_metrics_address(value)
@@ -49,7 +49,7 @@ def fuse_server(config_path: str | None, root: str | None, socket_path: str | No
         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # one line per range request would drown the data path's own log lines
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    from coldstart.snapshotter.fuse_server import FuseServer
+    from coldstart.lazyfs.server import FuseServer
 
     FuseServer(cfg, root=root, socket_path=socket_path,
                metrics_address=metrics_address if metrics_address is not None else "").run()

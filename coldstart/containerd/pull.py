@@ -31,15 +31,7 @@ from coldstart.errors import (
     FormatError,
     IntegrityError,
 )
-from coldstart.oci.manifest import (
-    Descriptor,
-    ImageConfig,
-    Manifest,
-    Platform,
-)
-from coldstart.oci.reference import Reference
-from coldstart.oci.registry import RegistryClient, Resolved
-from coldstart.snapshotter.layerspec import (
+from coldstart.lazyfs.spec import (
     LABEL_LIMIT,
     REMOTE_ANNOTATIONS,
     REMOTE_DIGEST,
@@ -50,6 +42,14 @@ from coldstart.snapshotter.layerspec import (
     SNAPSHOT_PREFIX,
     TARGET_SNAPSHOT_REF,
 )
+from coldstart.oci.manifest import (
+    Descriptor,
+    ImageConfig,
+    Manifest,
+    Platform,
+)
+from coldstart.oci.reference import Reference
+from coldstart.oci.registry import RegistryClient, Resolved
 
 __all__ = ["LayerResult", "PullResult", "chain_ids", "layer_labels", "pull_image"]
 
@@ -115,7 +115,7 @@ def chain_ids(diff_ids: Sequence[str]) -> list[str]:
 
 def layer_labels(layer: Descriptor, *, reference: str, manifest_digest: str, chain_id: str,
                  warn: Progress | None = None) -> dict[str, str]:
-    """The labels a Prepare carries for one layer (see ``coldstart.snapshotter.layerspec``)."""
+    """The labels a Prepare carries for one layer (see ``coldstart.lazyfs.spec``)."""
     labels: dict[str, str] = {}
     extra: dict[str, str] = {}
     for key, value in sorted(layer.annotations.items()):

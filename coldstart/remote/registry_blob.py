@@ -6,7 +6,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from coldstart.errors import FormatError, InvalidArgument
+from coldstart.errors import FormatError, InvalidArgument, Unavailable
 from coldstart.format.readat import check_range
 
 if TYPE_CHECKING:
@@ -69,18 +69,24 @@ class RegistryBlob:
             self.requests += 1
             self.bytes += n
 
-    def read_at(self, offset: int, length: int) -> bytes:
-        """Exactly ``length`` bytes from ``offset``; ``FormatError`` if outside the blob."""
-        if self._size is not None:
-            check_range(offset, length, self._size)
+    def read_at(self, offset: int, length: int, *, timeout: float | None = None) -> bytes:
+        """Exactly ``length`` bytes from ``offset``, within ``timeout`` seconds (default: the
+        blob's). FormatError if the range is outside the blob; Unavailable if the registry
+        sends fewer bytes for a range inside a blob of known size."""
+        known = self._size
+        if known is not None:
+            check_range(offset, length, known)
         elif offset < 0 or length < 0:
             raise InvalidArgument(f"bad range: offset {offset}, length {length}")
         if length == 0:
             return b""
         data = self.client.read_blob_range(self.ref, self.digest, offset, length,
-                                           timeout=self.timeout)
+                                           timeout=self.timeout if timeout is None else timeout)
         self._count(len(data))
         if len(data) != length:
+            if known is not None:
+                raise Unavailable(f"blob {self.digest}: asked {length} bytes at {offset}, "
+                                  f"registry sent {len(data)}")
             raise FormatError(f"blob {self.digest}: range {offset}..{offset + length} is "
                               f"outside the blob (got {len(data)} bytes)")
         return data

@@ -35,8 +35,8 @@ from typing import IO, Protocol
 
 from coldstart.config import Config, dump
 from coldstart.errors import ColdstartError, FailedPrecondition, InvalidArgument
-from coldstart.snapshotter.fuse_client import FuseServerClient, FuseServerUnreachable
-from coldstart.snapshotter.layerspec import LayerSpec
+from coldstart.lazyfs.client import FuseServerClient, FuseServerUnreachable
+from coldstart.lazyfs.spec import LayerSpec
 from coldstart.snapshotter.mounter import LayerMounter
 from coldstart.snapshotter.server import socket_answers, start_server
 from coldstart.snapshotter.service import SnapshotService

@@ -1,8 +1,8 @@
 """The three methods the snapshotter needs from the filesystem side (CONVENTIONS §3).
 
 The snapshotter never builds a FUSE filesystem: it hands a :class:`LayerMounter` a mountpoint and
-a :class:`~coldstart.snapshotter.layerspec.LayerSpec`. The implementation in production is
-``coldstart.snapshotter.fuse_client.FuseServerClient``, which asks the long-lived FUSE server
+a :class:`~coldstart.lazyfs.spec.LayerSpec`. The implementation in production is
+``coldstart.lazyfs.client.FuseServerClient``, which asks the long-lived FUSE server
 process; it is chosen in one place, :mod:`coldstart.snapshotter.daemon`.
 
 Example::
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from coldstart.snapshotter.layerspec import LayerSpec
+from coldstart.lazyfs.spec import LayerSpec
 
 __all__ = ["LayerMounter"]
 

@@ -16,7 +16,7 @@ import grpc
 
 from coldstart.errors import FailedPrecondition, InvalidArgument
 from coldstart.snapshotter.service import SnapshotService, add_service
-from coldstart.snapshotter.unixsock import socket_answers
+from coldstart.unixsock import socket_answers
 
 __all__ = ["socket_answers", "start_server"]
 

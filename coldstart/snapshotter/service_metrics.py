@@ -1,6 +1,6 @@
 """Prometheus metrics of the snapshotter's gRPC process: every name is defined here, once.
 
-(Data-path metrics of the FUSE server live in :mod:`coldstart.snapshotter.metrics`.) Metrics
+(Data-path metrics of the FUSE server live in :mod:`coldstart.lazyfs.metrics`.) Metrics
 are registered in a registry per :class:`ServiceMetrics`, so several servers in one process (the
 tests) do not collide; :func:`serve_metrics` exposes one over HTTP.
 

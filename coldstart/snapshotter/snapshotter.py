@@ -7,7 +7,7 @@ into place inside the transaction; directories are removed only after the transa
 forgot them committed (CONVENTIONS §6).
 
 Remote snapshots (the handshake that skips the download): when a Prepare's labels name a layer
-(:func:`~coldstart.snapshotter.layerspec.layer_spec_from_labels`) and carry
+(:func:`~coldstart.lazyfs.spec.layer_spec_from_labels`) and carry
 ``containerd.io/snapshot.ref``, the layer is mounted by the :class:`LayerMounter` on the new
 snapshot's ``fs``, committed under the ref's value and the Prepare answers
 :class:`~coldstart.errors.AlreadyExists`. Any mounter failure falls back to a plain ACTIVE
@@ -32,14 +32,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from coldstart.errors import AlreadyExists, ColdstartError
-from coldstart.snapshotter.filters import parse_all
-from coldstart.snapshotter.layerspec import (
+from coldstart.lazyfs.spec import (
     REMOTE_SNAPSHOT,
     REMOTE_SNAPSHOT_VALUE,
     TARGET_SNAPSHOT_REF,
     LayerSpec,
     layer_spec_from_labels,
 )
+from coldstart.snapshotter.filters import parse_all
 from coldstart.snapshotter.mounter import LayerMounter
 from coldstart.snapshotter.mounts import (
     Mount,

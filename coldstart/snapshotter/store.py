@@ -32,7 +32,7 @@ from coldstart.errors import (
     InvalidArgument,
     NotFound,
 )
-from coldstart.snapshotter.layerspec import LABEL_LIMIT
+from coldstart.lazyfs.spec import LABEL_LIMIT
 
 __all__ = ["Info", "Kind", "Snapshot", "Store", "Tx", "Usage", "validate_labels"]
 

@@ -23,10 +23,10 @@ from coldstart.containerd import Containerd
 from coldstart.containerd.pull import chain_ids
 from coldstart.format import BytesReadAt, open_layer
 from coldstart.format.layer import TAIL_READ
+from coldstart.lazyfs.fetcher import MAX_GAP
 from coldstart.oci.manifest import Descriptor
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
-from coldstart.snapshotter.fetcher import MAX_GAP
 from tests.fixtures.registry import Registry
 from tests.integration.pull.pull_env import (
     UNREAD,

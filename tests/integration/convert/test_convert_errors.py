@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from coldstart.convert import convert_image
 from coldstart.errors import InvalidArgument, NotFound
+from coldstart.oci.convert import convert_image
 from coldstart.oci.layout import OciLayout
 
 

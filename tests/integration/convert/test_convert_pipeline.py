@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from coldstart.convert import ConvertSummary, convert_image
 from coldstart.errors import IntegrityError, InvalidArgument, NotFound
 from coldstart.format.layer import is_seekable, open_layer
+from coldstart.oci.convert import ConvertSummary, convert_image
 from coldstart.oci.layout import OciLayout
 from coldstart.oci.manifest import (
     OCI_INDEX,

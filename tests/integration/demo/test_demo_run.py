@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from coldstart.benchmark.demo import run_demo
 from coldstart.cli import main
-from coldstart.demo import run_demo
 
 pytestmark = pytest.mark.integration
 

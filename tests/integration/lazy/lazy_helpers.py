@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coldstart.format.writer import LayerResult, convert_layer
+from coldstart.lazyfs.client import FuseServerClient
+from coldstart.lazyfs.mountsys import lazy_unmount, mounted_paths
+from coldstart.lazyfs.spec import LayerSpec
 from coldstart.oci.manifest import OCI_CONFIG, Descriptor, build_manifest
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
-from coldstart.snapshotter.fuse_client import FuseServerClient
-from coldstart.snapshotter.layerspec import LayerSpec
-from coldstart.snapshotter.mountsys import lazy_unmount, mounted_paths
 from tests.fixtures.procs import daemon, unix_open
 
 REPO_ROOT = Path(__file__).resolve().parents[3]

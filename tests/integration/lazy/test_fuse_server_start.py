@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from coldstart.snapshotter.mountsys import is_mountpoint
+from coldstart.lazyfs.mountsys import is_mountpoint
 from tests.fixtures.registry import Registry
 from tests.integration.lazy.lazy_helpers import (
     REPO_ROOT,

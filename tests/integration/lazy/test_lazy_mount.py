@@ -18,17 +18,17 @@ from coldstart.cache import ChunkCache
 from coldstart.errors import FailedPrecondition, IntegrityError, NotFound
 from coldstart.format.layer import ESTARGZ_TOC_DIGEST, ZSTD_CHUNKED_MANIFEST_CHECKSUM, open_layer
 from coldstart.format.readat import BytesReadAt
-from coldstart.snapshotter.fetcher import MAX_GAP
-from coldstart.snapshotter.fuse_client import FuseServerClient
-from coldstart.snapshotter.layerspec import LayerSpec
-from coldstart.snapshotter.metrics import (
+from coldstart.lazyfs.client import FuseServerClient
+from coldstart.lazyfs.fetcher import MAX_GAP
+from coldstart.lazyfs.metrics import (
     CACHE_HITS,
     FETCHED_BYTES,
     LAYER_FETCHED_BYTES,
     READ_SECONDS,
 )
-from coldstart.snapshotter.mountsys import is_mountpoint
-from coldstart.snapshotter.reader import NEIGHBOR_BYTES
+from coldstart.lazyfs.mountsys import is_mountpoint
+from coldstart.lazyfs.reader import NEIGHBOR_BYTES
+from coldstart.lazyfs.spec import LayerSpec
 from tests.fixtures.procs import free_port, wait_for
 from tests.fixtures.registry import Registry
 from tests.integration.lazy.lazy_helpers import (

@@ -6,13 +6,13 @@ import hashlib
 import json
 
 from coldstart.containerd.pull import chain_ids, layer_labels
-from coldstart.oci.manifest import Descriptor
-from coldstart.snapshotter.layerspec import (
+from coldstart.lazyfs.spec import (
     LABEL_LIMIT,
     REMOTE_ANNOTATIONS,
     TARGET_SNAPSHOT_REF,
     layer_spec_from_labels,
 )
+from coldstart.oci.manifest import Descriptor
 
 D1, D2, D3 = ("sha256:" + c * 64 for c in "abc")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coldstart.errors import ColdstartError
-from coldstart.snapshotter.fuse_client import FuseServerClient
+from coldstart.lazyfs.client import FuseServerClient
 from tests.fixtures.containerd import SnapshotterDaemon
 
 

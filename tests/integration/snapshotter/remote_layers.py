@@ -8,8 +8,8 @@ import json
 import tarfile
 from dataclasses import dataclass
 
-from coldstart.snapshotter import layerspec as ls
-from coldstart.snapshotter.layerspec import LayerSpec
+from coldstart.lazyfs import spec as ls
+from coldstart.lazyfs.spec import LayerSpec
 from tests.integration.lazy.lazy_helpers import convert, push_layer, realistic_bytes
 
 

@@ -17,11 +17,11 @@ import pytest
 
 from coldstart import config
 from coldstart.errors import FailedPrecondition, Unavailable
+from coldstart.lazyfs.client import FuseServerClient, FuseServerUnreachable
+from coldstart.lazyfs.server import LOCK_FILE
+from coldstart.lazyfs.spec import LayerSpec
 from coldstart.snapshotter import daemon
 from coldstart.snapshotter.daemon import RespawningMounter
-from coldstart.snapshotter.fuse_client import FuseServerClient, FuseServerUnreachable
-from coldstart.snapshotter.fuse_server import LOCK_FILE
-from coldstart.snapshotter.layerspec import LayerSpec
 from tests.integration.lazy.lazy_helpers import fuse_server, unmount_under, write_config
 
 pytestmark = pytest.mark.integration

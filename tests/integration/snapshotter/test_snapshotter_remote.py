@@ -21,8 +21,8 @@ import grpc
 import pytest
 
 from coldstart._proto.containerd.services.snapshots.v1 import snapshots_pb2 as pb
-from coldstart.snapshotter.fuse_client import FuseServerClient
-from coldstart.snapshotter.layerspec import REMOTE_ANNOTATIONS, REMOTE_SNAPSHOT
+from coldstart.lazyfs.client import FuseServerClient
+from coldstart.lazyfs.spec import REMOTE_ANNOTATIONS, REMOTE_SNAPSHOT
 from coldstart.snapshotter.snapshotter import is_mountpoint
 from tests.fixtures.containerd import Containerd, SnapshotterDaemon
 from tests.fixtures.registry import Registry

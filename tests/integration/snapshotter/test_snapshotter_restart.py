@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from coldstart._proto.containerd.services.snapshots.v1 import snapshots_pb2 as pb
-from coldstart.snapshotter.fuse_client import FuseServerClient
+from coldstart.lazyfs.client import FuseServerClient
 from tests.fixtures.containerd import Containerd, SnapshotterDaemon, wait_gone
 from tests.fixtures.registry import Registry
 from tests.integration.snapshotter.remote_layers import (

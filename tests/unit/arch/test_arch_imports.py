@@ -21,17 +21,19 @@ ALLOWED: dict[str, set[str]] = {
     "oci": BASE | {"format", "remote"},
     "remote": BASE | {"format", "oci"},
     "cache": BASE | {"format"},
-    "snapshotter": BASE | {"format", "oci", "remote", "cache", "_proto"},
-    "containerd": BASE | {"format", "oci", "remote", "snapshotter", "_proto"},
+    "lazyfs": BASE | {"format", "oci", "remote", "cache", "unixsock"},
+    "snapshotter": BASE | {"format", "oci", "remote", "cache", "lazyfs", "unixsock", "_proto"},
+    "containerd": BASE | {"format", "oci", "remote", "lazyfs", "_proto"},
     "weights": BASE | {"remote", "oci"},
     "probe": BASE,
-    "benchmark": BASE | {"format", "oci", "remote", "cache", "snapshotter", "containerd",
+    "benchmark": BASE | {"format", "oci", "remote", "cache", "lazyfs", "snapshotter", "containerd",
                          "weights", "probe"},
+    "unixsock": set(),
     "_proto": set(),
 }
 # Third-party modules only some places may import.
 RESTRICTED = {
-    "pyfuse3": {"snapshotter/fusefs.py", "snapshotter/fuse_server.py"},
+    "pyfuse3": {"lazyfs/fusefs.py", "lazyfs/server.py"},
     "torch": {"weights/", "commands/weights.py", "commands/models.py"},
 }
 

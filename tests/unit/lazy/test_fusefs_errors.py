@@ -15,9 +15,10 @@ from coldstart.cache import ChunkCache
 from coldstart.errors import NotFound
 from coldstart.format.layer import open_layer
 from coldstart.format.readat import BytesReadAt
-from coldstart.snapshotter.fetcher import ChunkFetcher, ReadAtSource
-from coldstart.snapshotter.fusefs import INTERNAL_ERROR, FuseFS, LayerTree, build_tree
-from coldstart.snapshotter.reader import LayerReader
+from coldstart.lazyfs.fetcher import ChunkFetcher
+from coldstart.lazyfs.fusefs import INTERNAL_ERROR, FuseFS, LayerTree, build_tree
+from coldstart.lazyfs.reader import LayerReader
+from coldstart.remote import ReadAtSource
 from tests.integration.lazy.lazy_helpers import SourceTree, convert, metadata_tar
 
 NAME = "usr/share/doc/f010.txt"
@@ -59,7 +60,7 @@ def test_a_broken_cache_read_falls_back_to_the_slow_path(
     fs, tree, counted = fs_tree
     monkeypatch.setattr(tree.reader, "read_cached", _broken)
     ino = _ino(tree, NAME)
-    with caplog.at_level(logging.ERROR, logger="coldstart.snapshotter.fusefs"):
+    with caplog.at_level(logging.ERROR, logger="coldstart.lazyfs.fusefs"):
         data = trio.run(fs.read, ino, 0, 1 << 20)
     assert data == source.files[NAME]
     assert fs.internal_errors == 1 and counted == [INTERNAL_ERROR]
@@ -73,7 +74,7 @@ def test_an_unexpected_error_on_both_read_paths_is_eio(
     fs, tree, counted = fs_tree
     monkeypatch.setattr(tree.reader, "read_cached", _broken)
     monkeypatch.setattr(tree.reader, "read", _broken)
-    with caplog.at_level(logging.ERROR, logger="coldstart.snapshotter.fusefs"), \
+    with caplog.at_level(logging.ERROR, logger="coldstart.lazyfs.fusefs"), \
             pytest.raises(pyfuse3.FUSEError) as exc:
         trio.run(fs.read, _ino(tree, NAME), 0, 4096)
     assert exc.value.errno == errno.EIO

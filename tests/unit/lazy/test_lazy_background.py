@@ -51,7 +51,7 @@ def test_fetch_rest_is_off_at_rate_zero(tmp_path: Path) -> None:
 
 
 def test_fetch_rest_keeps_to_its_rate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from coldstart.snapshotter import reader as reader_module
+    from coldstart.lazyfs import reader as reader_module
 
     request = 16 << 10
     monkeypatch.setattr(reader_module, "BACKGROUND_REQUEST", request)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from coldstart.snapshotter.layerspec import LayerSpec
-from coldstart.snapshotter.mountstate import MountState
+from coldstart.lazyfs.mountstate import MountState
+from coldstart.lazyfs.spec import LayerSpec
 
 
 def spec(n: int) -> LayerSpec:

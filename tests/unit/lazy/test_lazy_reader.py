@@ -12,8 +12,9 @@ from coldstart.cache import ChunkCache
 from coldstart.errors import DeadlineExceeded, FormatError, IntegrityError
 from coldstart.format.layer import SeekableLayer, open_layer
 from coldstart.format.readat import BytesReadAt, CountingReadAt
-from coldstart.snapshotter.fetcher import ChunkFetcher, ReadAtSource, coalesce
-from coldstart.snapshotter.reader import LayerReader
+from coldstart.lazyfs.fetcher import ChunkFetcher, coalesce
+from coldstart.lazyfs.reader import LayerReader
+from coldstart.remote import ReadAtSource
 from tests.integration.lazy.lazy_helpers import convert, metadata_tar, realistic_bytes
 
 FORMATS = ["zstd:chunked", "estargz"]
@@ -29,7 +30,7 @@ class GatedSource(ReadAtSource):
         self.gate.set()
         self.flip: tuple[int, int] | None = None
 
-    def read_range(self, offset: int, length: int, timeout: float) -> bytes:
+    def read_at(self, offset: int, length: int, *, timeout: float | None = None) -> bytes:
         if not self.gate.wait(timeout):
             raise DeadlineExceeded("gated source timed out")
         data = bytearray(self.counting.read_at(offset, length))

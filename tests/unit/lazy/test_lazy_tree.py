@@ -11,11 +11,12 @@ from coldstart import errors
 from coldstart.cache import ChunkCache
 from coldstart.format.layer import open_layer
 from coldstart.format.readat import BytesReadAt
-from coldstart.snapshotter.fetcher import ChunkFetcher, ReadAtSource
-from coldstart.snapshotter.fuse_client import _error
-from coldstart.snapshotter.fuse_server import error_payload
-from coldstart.snapshotter.fusefs import LayerTree, build_tree
-from coldstart.snapshotter.reader import LayerReader
+from coldstart.lazyfs.client import _error
+from coldstart.lazyfs.fetcher import ChunkFetcher
+from coldstart.lazyfs.fusefs import LayerTree, build_tree
+from coldstart.lazyfs.reader import LayerReader
+from coldstart.lazyfs.server import error_payload
+from coldstart.remote import ReadAtSource
 from tests.integration.lazy.lazy_helpers import convert, metadata_tar
 
 

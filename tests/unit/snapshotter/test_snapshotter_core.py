@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from coldstart.errors import AlreadyExists, FailedPrecondition, IntegrityError, NotFound
-from coldstart.snapshotter.layerspec import (
+from coldstart.lazyfs.spec import (
     REMOTE_DIGEST,
     REMOTE_REFERENCE,
     REMOTE_SNAPSHOT,
@@ -166,7 +166,7 @@ def test_without_a_mounter_or_ref_label_layers_are_never_lazy(tmp_path: Path,
 
 
 def test_the_mounter_protocol_is_what_the_fuse_client_implements() -> None:
-    from coldstart.snapshotter.fuse_client import FuseServerClient
+    from coldstart.lazyfs.client import FuseServerClient
 
     assert isinstance(FuseServerClient("/nonexistent.sock", 1.0), LayerMounter)
     assert isinstance(LocalDirMounter({}), LayerMounter)

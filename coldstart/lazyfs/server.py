@@ -1,6 +1,6 @@
 """The FUSE server process: serves every lazily mounted layer of the node, outlives the gRPC one.
 
-It mounts :class:`~coldstart.snapshotter.fusefs.FuseFS` once at ``<root>/fuse`` and answers a
+It mounts :class:`~coldstart.lazyfs.fusefs.FuseFS` once at ``<root>/fuse`` and answers a
 JSON-lines control protocol on a unix socket (``fuse.socket``), from the same trio loop::
 
     {"op": "ping"}                                        -> {"ok": true, "result": {"pid": …}}
@@ -50,11 +50,8 @@ from coldstart.errors import (
     NotFound,
 )
 from coldstart.format.layer import ESTARGZ_TOC_DIGEST, ZSTD_CHUNKED_MANIFEST_CHECKSUM, open_layer
-from coldstart.oci.manifest import parse_manifest
-from coldstart.oci.reference import Reference
-from coldstart.oci.registry import RegistryClient
-from coldstart.snapshotter.fetcher import ChunkFetcher, RegistryRangeSource
-from coldstart.snapshotter.fusefs import (
+from coldstart.lazyfs.fetcher import ChunkFetcher
+from coldstart.lazyfs.fusefs import (
     FuseFS,
     LayerTree,
     build_tree,
@@ -64,12 +61,16 @@ from coldstart.snapshotter.fusefs import (
     fuse_terminate,
     set_read_ahead,
 )
-from coldstart.snapshotter.layerspec import LayerSpec
-from coldstart.snapshotter.metrics import FuseMetrics
-from coldstart.snapshotter.mountstate import MountState
-from coldstart.snapshotter.mountsys import bind_mount, is_mountpoint, lazy_unmount
-from coldstart.snapshotter.reader import LayerReader
-from coldstart.snapshotter.unixsock import socket_answers
+from coldstart.lazyfs.metrics import FuseMetrics
+from coldstart.lazyfs.mountstate import MountState
+from coldstart.lazyfs.mountsys import bind_mount, is_mountpoint, lazy_unmount
+from coldstart.lazyfs.reader import LayerReader
+from coldstart.lazyfs.spec import LayerSpec
+from coldstart.oci.manifest import parse_manifest
+from coldstart.oci.reference import Reference
+from coldstart.oci.registry import RegistryClient
+from coldstart.remote import RegistryBlob
+from coldstart.unixsock import socket_answers
 
 __all__ = ["LOCK_FILE", "FuseServer", "error_payload", "parse_metrics_address"]
 
@@ -498,7 +499,8 @@ class FuseServer:
         ref = Reference.parse(spec.reference)
         annotations = self._annotations(spec)
         timeout = self.config.fetch.request_timeout
-        source = RegistryRangeSource(self.client, ref, spec.digest, spec.size, timeout=timeout)
+        source = RegistryBlob(self.client, ref, spec.digest, spec.size if spec.size >= 0 else None,
+                              timeout=timeout)
         layer = open_layer(source, annotations=annotations,
                            allow_unverified=self.config.allow_unverified)
         return LayerReader(spec.digest, layer, source, self.fetcher,

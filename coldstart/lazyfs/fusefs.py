@@ -40,7 +40,7 @@ import trio
 
 from coldstart.errors import ColdstartError, FailedPrecondition
 from coldstart.format.toc import NO_PREFETCH_LANDMARK, PREFETCH_LANDMARK, Entry
-from coldstart.snapshotter.reader import LayerReader
+from coldstart.lazyfs.reader import LayerReader
 
 __all__ = ["FuseFS", "LayerTree", "build_tree", "mount_options", "set_read_ahead"]
 

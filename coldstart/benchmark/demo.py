@@ -4,7 +4,7 @@ seekable format, and show what a lazy start-up fetches compared with a full pull
 Everything runs on this machine in a temporary directory: Debian's ``docker-registry`` on
 127.0.0.1, the image built from Python-written tar layers (``/bin/busybox`` from Debian's
 ``busybox-static`` plus a synthetic application: a large shared library, weights and a few
-thousand small modules), converted with :func:`coldstart.convert.convert_image`. The
+thousand small modules), converted with :func:`coldstart.oci.convert.convert_image`. The
 "start-up" reads what a Python server typically touches: the shell, its start script, a tenth
 of the modules and the first MiB of the big library.
 """
@@ -27,10 +27,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from coldstart.convert import convert_image
 from coldstart.errors import FailedPrecondition, Unavailable
 from coldstart.format.layer import open_layer
 from coldstart.format.readat import CountingReadAt
+from coldstart.oci.convert import convert_image
 from coldstart.oci.layout import OciLayout
 from coldstart.oci.manifest import OCI_CONFIG, OCI_LAYER_GZIP, OCI_MANIFEST, build_manifest
 from coldstart.oci.reference import Reference
@@ -240,7 +240,7 @@ def _containerd_step(echo: Echo, workdir: Path, client: RegistryClient, gzip_ref
         echo(f"8. (skipped the containerd step: missing {', '.join(missing)})")
         return None
     from coldstart.containerd import Containerd, pull_image
-    from coldstart.snapshotter.fuse_client import FuseServerClient
+    from coldstart.lazyfs.client import FuseServerClient
 
     with local_stack(workdir / "stack") as st:
         echo("8. started a private containerd with the coldstart snapshotter")

@@ -23,20 +23,15 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from coldstart.cache.chunks import ChunkCache
-from coldstart.errors import ColdstartError, DeadlineExceeded, FormatError, Unavailable
+from coldstart.errors import ColdstartError, DeadlineExceeded, Unavailable
 from coldstart.format.layer import SeekableLayer
-from coldstart.format.readat import ReadAt
 from coldstart.format.toc import Chunk
-from coldstart.oci.reference import Reference
-from coldstart.oci.registry import RegistryClient
+from coldstart.remote import Source
 
 __all__ = [
     "ChunkFetcher",
     "FetchTelemetry",
     "LayerStats",
-    "RangeSource",
-    "ReadAtSource",
-    "RegistryRangeSource",
     "coalesce",
 ]
 
@@ -45,61 +40,6 @@ log = logging.getLogger(__name__)
 #: Missing chunks this close in the blob share a request (the gap is fetched and dropped):
 #: between two small files lie only their tar header frames.
 MAX_GAP = 32 << 10
-
-
-class RangeSource(Protocol):
-    """Where a layer's compressed bytes come from: a ReadAt whose reads take a timeout."""
-
-    def read_at(self, offset: int, length: int) -> bytes: ...
-
-    def size(self) -> int: ...
-
-    def read_range(self, offset: int, length: int, timeout: float) -> bytes: ...
-
-
-class ReadAtSource:
-    """A local :class:`ReadAt` (file, bytes) as a RangeSource; the timeout does not apply."""
-
-    def __init__(self, inner: ReadAt) -> None:
-        self.inner = inner
-
-    def read_at(self, offset: int, length: int) -> bytes:
-        return self.inner.read_at(offset, length)
-
-    def size(self) -> int:
-        return self.inner.size()
-
-    def read_range(self, offset: int, length: int, timeout: float) -> bytes:
-        return self.inner.read_at(offset, length)
-
-
-class RegistryRangeSource:
-    """A registry blob read with HTTP range requests, each with its own deadline."""
-
-    def __init__(self, client: RegistryClient, ref: Reference, digest: str, size: int,
-                 *, timeout: float) -> None:
-        self.client = client
-        self.ref = ref
-        self.digest = digest
-        self._size = size if size >= 0 else client.blob_size(ref, digest, timeout=timeout)
-        self.timeout = timeout
-
-    def size(self) -> int:
-        return self._size
-
-    def read_at(self, offset: int, length: int) -> bytes:
-        return self.read_range(offset, length, self.timeout)
-
-    def read_range(self, offset: int, length: int, timeout: float) -> bytes:
-        if offset < 0 or length < 0 or offset + length > self._size:
-            raise FormatError(f"range {offset}+{length} is outside blob {self.digest} "
-                              f"({self._size} bytes)")
-        data = self.client.read_blob_range(self.ref, self.digest, offset, length,
-                                           timeout=timeout)
-        if len(data) != length:
-            raise Unavailable(f"blob {self.digest}: asked {length} bytes at {offset}, "
-                              f"registry sent {len(data)}")
-        return data
 
 
 class FetchTelemetry(Protocol):
@@ -156,7 +96,7 @@ class FetchTarget:
 
     digest: str
     layer: SeekableLayer
-    source: RangeSource
+    source: Source
     stats: LayerStats
 
 
@@ -321,7 +261,7 @@ class ChunkFetcher:
         start = group[0].offset
         end = max(c.end_offset for c in group)
         try:
-            raw = target.source.read_range(start, end - start, self.request_timeout)
+            raw = target.source.read_at(start, end - start, timeout=self.request_timeout)
         except BaseException as exc:
             kind = type(exc).__name__
             msg = self._report(target, kind, f"layer {target.digest}: fetching bytes "

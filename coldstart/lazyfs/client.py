@@ -19,7 +19,7 @@ from typing import Any
 
 from coldstart import errors
 from coldstart.errors import ColdstartError, DeadlineExceeded, Unavailable
-from coldstart.snapshotter.layerspec import LayerSpec
+from coldstart.lazyfs.spec import LayerSpec
 
 __all__ = ["FuseServerClient", "FuseServerUnreachable"]
 

@@ -30,13 +30,13 @@ from coldstart.cache.chunks import ChunkCache
 from coldstart.errors import ColdstartError, FormatError
 from coldstart.format.layer import SeekableLayer
 from coldstart.format.toc import Chunk, Entry
-from coldstart.snapshotter.fetcher import (
+from coldstart.lazyfs.fetcher import (
     ChunkFetcher,
     FetchTarget,
     LayerStats,
-    RangeSource,
     wait_for,
 )
+from coldstart.remote import Source
 
 __all__ = ["LayerReader"]
 
@@ -67,7 +67,7 @@ class LayerReader:
     >>> reader.read(layer.resolve("etc/os-release"), 0, 4096)      # doctest: +SKIP
     """
 
-    def __init__(self, digest: str, layer: SeekableLayer, source: RangeSource,
+    def __init__(self, digest: str, layer: SeekableLayer, source: Source,
                  fetcher: ChunkFetcher, *, read_deadline: float = 30.0,
                  background_rate: int = 0,
                  small_file_bytes: int = SMALL_FILE_BYTES,

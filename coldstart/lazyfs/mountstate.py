@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coldstart.errors import InvalidArgument
-from coldstart.snapshotter.layerspec import LayerSpec
+from coldstart.lazyfs.spec import LayerSpec
 
 __all__ = ["MountRecord", "MountState"]
 
