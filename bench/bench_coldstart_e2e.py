@@ -26,6 +26,7 @@ Results: a table on stdout and bench/results/coldstart-e2e-<time>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import io
 import json
@@ -44,18 +45,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+
 from coldstart.oci.manifest import OCI_CONFIG, OCI_LAYER_GZIP, OCI_MANIFEST, digest_of
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
-from tests.fixtures.registry import Registry, start_registry
-from tests.integration.pull.pull_env import (
-    APPLETS,
-    AccessLog,
-    busybox_entries,
-    coldstart_cli,
-    containerd,
-    lazy_stack,
-)
+from coldstart.stack.containerd import temp_containerd
+from coldstart.stack.images import APPLETS, busybox_entries, layer_tar
+from coldstart.stack.procs import coldstart_cli
+from coldstart.stack.registry import AccessLog, Registry, start_registry
+from coldstart.stack.snapshotter import temp_local_stack
 
 MB = 1_000_000
 MiB = 1 << 20
@@ -154,9 +152,7 @@ def build_image(registry: Registry, ref: str, size_mb: int, work: Path,
     bytes_read = sum(n for _, n in chosen) + (slice_mb + 2) * MiB + len(script_bytes)
 
     def base() -> Iterator[tuple[tarfile.TarInfo, bytes | None]]:
-        import tests.integration.pull.pull_env as env
-
-        raw = env.layer_tar([*busybox_entries((*APPLETS, "dd"))])
+        raw = layer_tar([*busybox_entries((*APPLETS, "dd"))])
         with tarfile.open(fileobj=io.BytesIO(raw)) as t:
             for m in t.getmembers():
                 f = t.extractfile(m)
@@ -260,7 +256,7 @@ def _blob_stats(log: AccessLog) -> tuple[int, int]:
 
 
 def run_baseline(registry: Registry, ref: str, workload: Workload, i: int) -> dict[str, Any]:
-    with containerd() as ctd:
+    with temp_containerd() as ctd:
         drop_caches()
         log = AccessLog(registry.access_log)
         pull = _timed(["ctr", "-a", ctd.address, "image", "pull", "--plain-http", ref])
@@ -273,7 +269,7 @@ def run_baseline(registry: Registry, ref: str, workload: Workload, i: int) -> di
 
 def run_coldstart(registry: Registry, ref: str, workload: Workload, i: int,
                   background_rate: int | None = None) -> dict[str, Any]:
-    with lazy_stack(background_rate=background_rate) as st:
+    with temp_local_stack(background_rate=background_rate) as st:
         drop_caches()
         log = AccessLog(registry.access_log)
         t0 = time.monotonic()
@@ -302,8 +298,8 @@ def main() -> int:
         print("needs root (containerd, mounts, drop_caches)", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="cs-bench-", dir="/tmp"))
-    reg_gen = start_registry(work / "registry")
-    registry = next(reg_gen)
+    daemons = contextlib.ExitStack()
+    registry = daemons.enter_context(start_registry(work / "registry"))
     try:
         src = f"{registry.host}/bench/app:gzip"
         t0 = time.monotonic()
@@ -369,8 +365,7 @@ def main() -> int:
                                   indent=2))
         print(f"results: {out}")
     finally:
-        for _ in reg_gen:
-            pass
+        daemons.close()
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)

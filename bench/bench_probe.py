@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 import redis  # noqa: E402
 
 from coldstart.probe.router import channel, keys  # noqa: E402
+from coldstart.stack.redis import start_redis  # noqa: E402
 
 SERVICE = "bench"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -294,25 +295,12 @@ def measure_cpu(url: str, port: int, seconds: float, app: Connection, *,
 
 @contextlib.contextmanager
 def redis_server() -> Iterator[str]:
-    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    tmp = tempfile.mkdtemp(prefix="bench-redis-")
-    proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", tmp,
-                             "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """A private redis-server (coldstart.stack's, the tests' too) in a temp dir."""
+    tmp = Path(tempfile.mkdtemp(prefix="bench-redis-"))
     try:
-        client = redis.Redis(port=port, socket_timeout=1)
-        for _ in range(200):
-            with contextlib.suppress(redis.RedisError):
-                if client.ping():
-                    break
-            time.sleep(0.02)
-        yield f"redis://127.0.0.1:{port}/0"
+        with start_redis(tmp) as url:
+            yield url
     finally:
-        proc.terminate()
-        proc.wait(10)
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -43,14 +43,12 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
 import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -306,28 +304,12 @@ def measure(mode: str, loaders: list[str], target: str, file_bytes: int,
     return {"file_bytes": file_bytes, "loaders": summary, "evictions": evictions}
 
 
-@contextlib.contextmanager
-def moto(tmp: Path) -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    exe = str(Path(sys.executable).with_name("moto_server"))
-    with open(tmp / "moto.log", "wb") as log:
-        proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
+def moto(tmp: Path) -> contextlib.AbstractContextManager[str]:
+    """moto's S3 server (coldstart.stack's, the tests' too), log in ``tmp``."""
+    sys.path.insert(0, str(ROOT))
+    from coldstart.stack.s3 import start_s3
+
+    return start_s3(tmp)
 
 
 def ratio(summary: dict[str, Any], a: str, b: str) -> float:

@@ -28,7 +28,10 @@ __all__ = [
     "Config",
     "FetchConfig",
     "FuseConfig",
+    "ProbeTimingConfig",
     "RegistryConfig",
+    "SourceConfig",
+    "WeightsConfig",
     "dump",
     "from_dict",
     "load",
@@ -39,7 +42,8 @@ MiB = 1 << 20
 
 
 # Numbers in the tree must be positive, except these, which may also be 0.
-_MAY_BE_ZERO = frozenset({"retries", "background_rate", "shutdown_grace"})
+_MAY_BE_ZERO = frozenset({"retries", "background_rate", "shutdown_grace", "drain_delay",
+                          "grace", "progress_every", "sink_retries"})
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -110,6 +114,71 @@ class FuseConfig(_Checked):
 
 
 @dataclass(frozen=True)
+class SourceConfig(_Checked):
+    """Byte sources opened by location (``coldstart.remote.open_source``, the weights loader):
+    local files, ``http(s)://``, ``s3://``, ``oci://`` blobs."""
+
+    # deadline of one network request, seconds: each range attempt has this long, and a
+    # range's retries share twice this
+    timeout: float = 30.0
+    # range requests in flight to one network source (its connection pool is this big)
+    concurrency: int = 16
+    # attempts after the first when a range body breaks off or stalls (jittered backoff)
+    retries: int = 3
+    # longest pause between two attempts, seconds
+    max_backoff: float = 2.0
+
+
+@dataclass(frozen=True)
+class WeightsConfig(_Checked):
+    """The safetensors loader (``coldstart.weights.load``, ``coldstart weights``)."""
+
+    # bytes of one read (a tensor larger than this is read in pieces, in parallel)
+    chunk_bytes: int = 16 * MiB
+    # pinned staging memory of a CUDA load
+    max_host_bytes: int = 512 * MiB
+    # registry blobs: ranges that arrive ahead of the in-order digest are held up to this many
+    # bytes; beyond it they are read again to verify
+    verify_hold_bytes: int = 64 * MiB
+
+
+@dataclass(frozen=True)
+class ProbeTimingConfig(_Checked):
+    """``coldstart probe``: timings of the prober, its checks and its sinks, seconds."""
+
+    # between tries while STARTING/LOADING
+    startup_interval: float = 0.005
+    # deadline of one try while starting (Knative: 100 ms)
+    startup_try_timeout: float = 0.1
+    # FAILED if not READY within this long
+    startup_timeout: float = 600.0
+    # between tries once READY or DEGRADED
+    interval: float = 0.1
+    # deadline of one try once READY
+    try_timeout: float = 1.0
+    # sinks' keep-alive period
+    heartbeat: float = 1.0
+    # a router stops picking a target this long after its last heartbeat
+    ttl: float = 3.0
+    # progress-only updates are pushed at most this often
+    progress_every: float = 0.1
+    # after routers know we drain, before the app's SIGTERM
+    drain_delay: float = 0.0
+    # the app's grace period after its SIGTERM
+    grace: float = 30.0
+    # how long to wait for sinks to take a change when draining
+    flush_timeout: float = 2.0
+    # deadline of one Valkey/Redis command of the routing sink
+    redis_timeout: float = 1.0
+    # deadline of one webhook / Kubernetes API request
+    http_timeout: float = 2.0
+    # attempts after the first of a failed webhook / Kubernetes request
+    sink_retries: int = 3
+    # deadline of one Valkey/Redis command of a router (``coldstart router``)
+    router_timeout: float = 2.0
+
+
+@dataclass(frozen=True)
 class Config(_Checked):
     # metadata, snapshot directories and (by default) the chunk cache live here
     root: str = "/var/lib/coldstart"
@@ -128,6 +197,9 @@ class Config(_Checked):
     fetch: FetchConfig = field(default_factory=FetchConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     fuse: FuseConfig = field(default_factory=FuseConfig)
+    source: SourceConfig = field(default_factory=SourceConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    probe: ProbeTimingConfig = field(default_factory=ProbeTimingConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,12 +1,13 @@
 """The built-in demo: build a small image, serve it from a local registry, convert it to a
 seekable format, and show what a lazy start-up fetches compared with a full pull.
 
-Everything runs on this machine in a temporary directory: Debian's ``docker-registry`` on
-127.0.0.1, the image built from Python-written tar layers (``/bin/busybox`` from Debian's
-``busybox-static`` plus a synthetic application: a large shared library, weights and a few
-thousand small modules), converted with :func:`coldstart.oci.convert.convert_image`. The
-"start-up" reads what a Python server typically touches: the shell, its start script, a tenth
-of the modules and the first MiB of the big library.
+Everything runs on this machine in a temporary directory (the daemons are
+:mod:`coldstart.stack`'s): Debian's ``docker-registry`` on 127.0.0.1, the image built from
+Python-written tar layers (``/bin/busybox`` from Debian's ``busybox-static`` plus a synthetic
+application: a large shared library, weights and a few thousand small modules), converted with
+:func:`coldstart.oci.convert.convert_image`. The "start-up" reads what a Python server typically
+touches: the shell, its start script, a tenth of the modules and the first MiB of the big
+library.
 """
 
 from __future__ import annotations
@@ -17,13 +18,10 @@ import hashlib
 import io
 import json
 import random
-import shutil
-import socket
-import subprocess
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,11 +33,11 @@ from coldstart.oci.layout import OciLayout
 from coldstart.oci.manifest import OCI_CONFIG, OCI_LAYER_GZIP, OCI_MANIFEST, build_manifest
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
+from coldstart.stack.registry import start_registry
 
 Echo = Callable[[str], None]
 MiB = 1 << 20
 BUSYBOX = Path("/bin/busybox")
-REGISTRY_BIN = "docker-registry"
 
 
 @dataclass(frozen=True)
@@ -132,52 +130,6 @@ def build_image(layout_dir: Path, layers: list[list[DemoFile]]) -> OciLayout:
     return layout
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-@contextlib.contextmanager
-def local_registry(workdir: Path) -> Iterator[str]:
-    """Run Debian's docker-registry on 127.0.0.1 until the block ends; yields ``host:port``."""
-    exe = shutil.which(REGISTRY_BIN)
-    if exe is None:
-        raise FailedPrecondition(
-            "docker-registry is not installed (apt-get install docker-registry)")
-    port = _free_port()
-    config = workdir / "registry.yml"
-    config.write_text(
-        "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\n"
-        f"storage:\n  filesystem:\n    rootdirectory: {workdir / 'registry'}\n"
-        f"http:\n  addr: 127.0.0.1:{port}\n")
-    with open(workdir / "registry.log", "wb") as log:
-        proc = subprocess.Popen([exe, "serve", str(config)], stdout=log, stderr=log,
-                                start_new_session=True)
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            if proc.poll() is not None:
-                raise Unavailable(f"docker-registry exited with {proc.returncode}; "
-                                  f"see {workdir / 'registry.log'}")
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise Unavailable("docker-registry did not start within 20 s") from None
-                time.sleep(0.05)
-        yield f"127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def _mb(n: int) -> str:
     return f"{n / 1e6:8.1f} MB"
 
@@ -196,7 +148,9 @@ def run_demo(echo: Echo, *, workdir: Path | None = None, scale: float = 1.0) -> 
         raw_size = sum(len(f.data) for f in base + app)
         echo(f"1. built a {raw_size / 1e6:.0f} MB image (2 gzip layers, {len(base + app)} files) "
              f"in {time.monotonic() - t0:.1f} s: {layout_dir}")
-        host = stack.enter_context(local_registry(workdir))
+        # the registry: quiet (no access log), its data under workdir/registry
+        host = stack.enter_context(start_registry(workdir / "registry", log_level="error",
+                                                  access_log=False)).host
         echo(f"2. started a local registry at {host}")
         client = stack.enter_context(RegistryClient(insecure_hosts=[host]))
         src = f"{host}/demo/app:gzip"
@@ -233,7 +187,7 @@ def run_demo(echo: Echo, *, workdir: Path | None = None, scale: float = 1.0) -> 
 def _containerd_step(echo: Echo, workdir: Path, client: RegistryClient, gzip_ref: str,
                      lazy_ref: str) -> dict[str, object] | None:
     """Step 8: run the image in a private containerd, pulled lazily, and pulled in full."""
-    from coldstart.benchmark.stack import local_stack, missing_tools
+    from coldstart.stack.snapshotter import local_stack, missing_tools
 
     missing = missing_tools()
     if missing:
@@ -245,7 +199,7 @@ def _containerd_step(echo: Echo, workdir: Path, client: RegistryClient, gzip_ref
     with local_stack(workdir / "stack") as st:
         echo("8. started a private containerd with the coldstart snapshotter")
         t1 = time.monotonic()
-        result = pull_image(Containerd(st.containerd, "default"), client, lazy_ref)
+        result = pull_image(Containerd(st.address, "default"), client, lazy_ref)
         lazy_pull = time.monotonic() - t1
         t1 = time.monotonic()
         run = st.ctr("run", "--rm", "--snapshotter", "coldstart", lazy_ref, "demo-lazy",
@@ -291,9 +245,10 @@ def _lazy_startup_bytes(client: RegistryClient, ref: Reference, desc: object,
                         reads: list[tuple[str, int, int]]) -> int:
     """Bytes fetched from the registry to open one layer and read what the start-up reads."""
     from coldstart.oci.manifest import Descriptor
+    from coldstart.remote.registry_blob import open_blob
 
     assert isinstance(desc, Descriptor)
-    blob = CountingReadAt(client.open_blob(ref, desc.digest, desc.size))
+    blob = CountingReadAt(open_blob(client, ref, desc.digest, desc.size))
     layer = open_layer(blob, annotations=desc.annotations)
     for name, offset, length in reads:
         if name in layer.toc.entries:

@@ -9,7 +9,13 @@ import urllib.parse
 
 import click
 
+from coldstart.config import ProbeTimingConfig
 from coldstart.errors import InvalidArgument
+from coldstart.probe.states import Thresholds
+
+# Defaults are written once: timings in coldstart.config, thresholds in coldstart.probe.states.
+_T = ProbeTimingConfig()
+_TH = Thresholds()
 
 
 def _host_port(value: str, what: str) -> tuple[str, int]:
@@ -55,31 +61,32 @@ def _default_advertise(target: str | None) -> str:
 @click.option("--notify-socket", metavar="PATH",
               help="Bind an sd_notify socket here (READY=1, STATUS=…, STOPPING=1, "
                    "X_PROGRESS=…). Wrapper mode makes one itself and sets $NOTIFY_SOCKET.")
-@click.option("--startup-interval", type=float, default=0.005, show_default=True,
+@click.option("--startup-interval", type=float, default=_T.startup_interval, show_default=True,
               help="Seconds between tries while starting.")
-@click.option("--startup-try-timeout", type=float, default=0.1, show_default=True,
+@click.option("--startup-try-timeout", type=float, default=_T.startup_try_timeout,
+              show_default=True,
               help="Deadline of one try while starting (s).")
-@click.option("--startup-timeout", type=float, default=600.0, show_default=True,
+@click.option("--startup-timeout", type=float, default=_T.startup_timeout, show_default=True,
               help="FAILED if not READY within this many seconds.")
-@click.option("--interval", type=float, default=0.1, show_default=True,
+@click.option("--interval", type=float, default=_T.interval, show_default=True,
               help="Seconds between tries once READY or DEGRADED.")
-@click.option("--try-timeout", type=float, default=1.0, show_default=True,
+@click.option("--try-timeout", type=float, default=_T.try_timeout, show_default=True,
               help="Deadline of one try once READY (s).")
-@click.option("--failures", type=int, default=3, show_default=True,
+@click.option("--failures", type=int, default=_TH.failures, show_default=True,
               help="Consecutive failed or slow tries that turn READY into DEGRADED.")
-@click.option("--successes", type=int, default=2, show_default=True,
+@click.option("--successes", type=int, default=_TH.successes, show_default=True,
               help="Consecutive good tries that turn DEGRADED back into READY.")
-@click.option("--slow", type=float, default=0.25, show_default=True,
+@click.option("--slow", type=float, default=_TH.slow, show_default=True,
               help="An answer slower than this (s) counts as a failure once READY.")
-@click.option("--heartbeat", type=float, default=1.0, show_default=True,
+@click.option("--heartbeat", type=float, default=_T.heartbeat, show_default=True,
               help="Heartbeat period to the sinks (s).")
-@click.option("--ttl", type=float, default=3.0, show_default=True,
+@click.option("--ttl", type=float, default=_T.ttl, show_default=True,
               help="Routers stop picking the target this long after its last heartbeat (s).")
 @click.option("--capacity", type=int, default=0, show_default=True,
               help="Most requests in flight a router may give this target (0: no limit).")
-@click.option("--drain-delay", type=float, default=0.0, show_default=True,
+@click.option("--drain-delay", type=float, default=_T.drain_delay, show_default=True,
               help="After routers are told DRAINING, wait this long before the app's SIGTERM.")
-@click.option("--grace", type=float, default=30.0, show_default=True,
+@click.option("--grace", type=float, default=_T.grace, show_default=True,
               help="The app's grace period after SIGTERM before SIGKILL (s).")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]),

@@ -11,8 +11,12 @@ from typing import Any
 
 import click
 
+from coldstart.config import SourceConfig, WeightsConfig
 from coldstart.errors import InvalidArgument
 
+_SOURCE = SourceConfig()
+_WEIGHTS = WeightsConfig()
+_MiB = 1 << 20
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
 
 
@@ -25,8 +29,8 @@ def _source_help() -> str:
 
 def _options(f: Any) -> Any:
     # Applied last-first, so --help lists them in this file's order.
-    f = click.option("--timeout", type=click.FloatRange(0.1), default=30.0, show_default=True,
-                     help="Deadline of each network request, seconds.")(f)
+    f = click.option("--timeout", type=click.FloatRange(0.1), default=_SOURCE.timeout,
+                     show_default=True, help="Deadline of each network request, seconds.")(f)
     f = click.option("--only", "only", multiple=True, metavar="NAME",
                      help="Load only this tensor (repeat for several).")(f)
     f = click.option("--cpu-mode", type=click.Choice(["auto", "mmap", "read"]), default="auto",
@@ -36,14 +40,15 @@ def _options(f: Any) -> Any:
                           "tensors; auto = mmap unless --direct.")(f)
     f = click.option("--direct", is_flag=True,
                      help="Local files: read with O_DIRECT (bypass the page cache).")(f)
-    f = click.option("--max-host-mb", type=click.FloatRange(1), default=512.0,
-                     show_default=True,
+    f = click.option("--max-host-mb", type=click.FloatRange(1), show_default=True,
+                     default=_WEIGHTS.max_host_bytes / _MiB,
                      help="Cap on pinned staging memory for --device cuda, MiB.")(f)
-    f = click.option("--chunk-mb", type=click.FloatRange(0.01), default=16.0, show_default=True,
-                     help="Largest single read, MiB.")(f)
+    f = click.option("--chunk-mb", type=click.FloatRange(0.01), show_default=True,
+                     default=_WEIGHTS.chunk_bytes / _MiB, help="Largest single read, MiB.")(f)
     f = click.option("--concurrency", type=click.IntRange(1, 256),
                      help="Parallel reads (threads; each read is one preadv, populate or ranged "
-                          "GET). Default: 16 for network sources, a few per core for files.")(f)
+                          f"GET). Default: {_SOURCE.concurrency} for network sources, a few "
+                          "per core for files.")(f)
     f = click.option("--dtype", type=click.Choice(sorted(_DTYPES)),
                      help="Convert floating-point tensors to this dtype (on the device).")(f)
     f = click.option("--device", default="cpu", show_default=True, metavar="cpu|cuda[:N]",

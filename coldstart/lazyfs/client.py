@@ -9,16 +9,18 @@ snapshotter can fall back to a normal pull. Only a server that cannot be reached
 connection refused or dropped mid-request) is :class:`FuseServerUnreachable`; an ``Unavailable``
 that the server forwarded (a registry 503 while opening a TOC) stays a plain ``Unavailable``, so
 the snapshotter restarts the server only when it is really gone.
+
+The wire form (requests, replies, errors) is :mod:`coldstart.lazyfs.control`'s; this module adds
+the transport: a blocking unix-socket connection per call, with a deadline.
 """
 
 from __future__ import annotations
 
-import json
 import socket
 from typing import Any
 
-from coldstart import errors
-from coldstart.errors import ColdstartError, DeadlineExceeded, Unavailable
+from coldstart.errors import DeadlineExceeded, Unavailable
+from coldstart.lazyfs import control
 from coldstart.lazyfs.spec import LayerSpec
 
 __all__ = ["FuseServerClient", "FuseServerUnreachable"]
@@ -43,55 +45,47 @@ class FuseServerClient:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.settimeout(t)
                 s.connect(self.socket_path)
-                s.sendall(json.dumps(request).encode() + b"\n")
-                buf = b""
-                while b"\n" not in buf:
+                s.sendall(control.encode(request))
+                lines = control.LineBuffer(max_line=None)   # a status reply may be long
+                got: list[bytes] = []
+                while not got:
                     data = s.recv(65536)
                     if not data:
                         raise FuseServerUnreachable(f"{what} closed the connection")
-                    buf += data
+                    got = lines.feed(data)
         except TimeoutError as exc:
             raise DeadlineExceeded(f"{what}: no answer to {request.get('op')} "
                                    f"within {t:g} s") from exc
         except OSError as exc:
             raise FuseServerUnreachable(f"{what} is not reachable: {exc}") from exc
         try:
-            reply = json.loads(buf.split(b"\n", 1)[0])
+            return control.decode_reply(got[0])
         except ValueError as exc:
             raise Unavailable(f"{what} sent a bad reply: {exc}") from exc
-        if reply.get("ok"):
-            return reply.get("result")
-        raise _error(reply.get("error") or {})
 
     def ping(self) -> dict[str, Any]:
         """The server's pid; FuseServerUnreachable if it does not answer."""
-        result: dict[str, Any] = self._call({"op": "ping"}, timeout=min(self.timeout, 10.0))
+        result: dict[str, Any] = self._call(control.ping_request(), timeout=min(self.timeout, 10.0))
         return result
 
     def mount(self, mountpoint: str, spec: LayerSpec) -> None:
         """Serve ``spec``'s layer at ``mountpoint`` (an existing empty directory)."""
-        self._call({"op": "mount", "mountpoint": mountpoint,
-                    "spec": json.loads(spec.to_json())})
+        self._call(control.mount_request(mountpoint, spec))
 
     def check(self, mountpoint: str) -> None:
         """Raise unless ``mountpoint`` is mounted and served."""
-        self._call({"op": "check", "mountpoint": mountpoint})
+        self._call(control.check_request(mountpoint))
 
     def unmount(self, mountpoint: str) -> None:
         """Unmount ``mountpoint`` (NotFound if nothing is mounted there)."""
-        self._call({"op": "unmount", "mountpoint": mountpoint})
+        self._call(control.unmount_request(mountpoint))
 
     def status(self) -> list[dict[str, Any]]:
         """Per mountpoint: layer digest, reference, fetched bytes, requests, last error."""
-        result: list[dict[str, Any]] = self._call({"op": "status"})
+        result: list[dict[str, Any]] = self._call(control.status_request())
         return result
 
 
-def _error(payload: dict[str, Any]) -> ColdstartError:
-    message = str(payload.get("message", "FUSE server error"))
-    kinds = payload.get("kinds") or [payload.get("kind", "ColdstartError")]
-    for kind in kinds:
-        cls = getattr(errors, str(kind), None)
-        if isinstance(cls, type) and issubclass(cls, ColdstartError):
-            return cls(message)
-    return ColdstartError(message)
+
+# the old name (tests import it): the payload's error, rebuilt
+_error = control.error_from_payload

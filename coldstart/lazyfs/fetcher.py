@@ -1,7 +1,8 @@
 """Fetching chunks of lazily mounted layers: range sources, coalescing, single-flight, a pool.
 
-A :class:`ChunkFetcher` is shared by every layer the FUSE server mounts. Asked for some chunks,
-it merges adjacent ones into one range request (up to ``max_coalesce_bytes``), makes sure each
+A :class:`ChunkFetcher` is shared by every layer the FUSE server mounts. A read's one call is
+:meth:`ChunkFetcher.get`: per chunk, cached → its bytes, in flight → join, else fetch. To fetch,
+it merges adjacent chunks into one range request (up to ``max_coalesce_bytes``), makes sure each
 chunk is fetched by one request at a time however many readers want it (keyed by the chunk's
 content digest, so identical chunks of two layers are fetched once), runs the requests in a
 bounded thread pool, decodes and verifies each chunk (``SeekableLayer.decode_chunk``), stores the
@@ -14,28 +15,35 @@ flight, so it never delays a read that a process is blocked on.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from coldstart.cache.chunks import ChunkCache
-from coldstart.errors import ColdstartError, DeadlineExceeded, Unavailable
+from coldstart.cache import ChunkStore
+from coldstart.config import FetchConfig
+from coldstart.errors import ColdstartError, DeadlineExceeded, FormatError, Unavailable
 from coldstart.format.layer import SeekableLayer
 from coldstart.format.toc import Chunk
 from coldstart.remote import Source
+from coldstart.remote import coalesce as coalesce_ranges
 
 __all__ = [
     "ChunkFetcher",
     "FetchTelemetry",
     "LayerStats",
+    "Span",
     "coalesce",
 ]
 
 log = logging.getLogger(__name__)
+
+#: the fetch defaults, from the one config tree (CONVENTIONS §9)
+_DEFAULTS = FetchConfig()
 
 #: Missing chunks this close in the blob share a request (the gap is fetched and dropped):
 #: between two small files lie only their tar header frames.
@@ -105,7 +113,9 @@ def coalesce(chunks: Iterable[Chunk], max_bytes: int, max_gap: int = 0) -> list[
 
     Chunks whose compressed ranges touch (or are at most ``max_gap`` bytes apart: the tar
     header frames between two files' data) share a run. Chunks sharing one gzip member
-    (eStargz small files) share its range.
+    (eStargz small files) share its range. The byte ranges are merged by
+    :func:`coldstart.remote.coalesce` (the one range coalescer); each chunk then joins the run
+    that holds its range.
 
     >>> a = Chunk(0, 10, 0, 5, "d1"); b = Chunk(10, 20, 0, 5, "d2"); c = Chunk(30, 40, 0, 5, "d3")
     >>> [[x.offset for x in g] for g in coalesce([c, a, b], 100)]
@@ -113,16 +123,23 @@ def coalesce(chunks: Iterable[Chunk], max_bytes: int, max_gap: int = 0) -> list[
     >>> [[x.offset for x in g] for g in coalesce([c, a, b], 100, max_gap=10)]
     [[0, 10, 30]]
     """
-    groups: list[list[Chunk]] = []
-    start = end = -1
-    for c in sorted(chunks, key=lambda c: (c.offset, c.inner_offset)):
-        if groups and c.offset <= end + max_gap and max(end, c.end_offset) - start <= max_bytes:
-            groups[-1].append(c)
-            end = max(end, c.end_offset)
-        else:
-            groups.append([c])
-            start, end = c.offset, c.end_offset
-    return groups
+    ordered = sorted(chunks, key=lambda c: (c.offset, c.inner_offset))
+    runs = coalesce_ranges([(c.offset, c.compressed_size) for c in ordered], max_gap, max_bytes)
+    starts = [off for off, _ in runs]
+    groups: list[list[Chunk]] = [[] for _ in runs]
+    strays: list[list[Chunk]] = []
+    for c in ordered:
+        # the last run starting at or before the chunk: ranges are merged in this order, so
+        # it is the run that took the chunk's range (or one at the same offset holding it)
+        i = bisect.bisect_right(starts, c.offset) - 1
+        if i >= 0 and c.end_offset <= runs[i][0] + runs[i][1]:
+            groups[i].append(c)
+        else:   # an empty range, which the range coalescer drops: a request of its own
+            strays.append([c])
+    out = [g for g in groups if g] + strays
+    if strays:
+        out.sort(key=lambda g: (g[0].offset, g[0].inner_offset))
+    return out
 
 
 def _key(target: FetchTarget, c: Chunk) -> str:
@@ -131,11 +148,31 @@ def _key(target: FetchTarget, c: Chunk) -> str:
     return f"{target.digest}@{c.offset}+{c.inner_offset}"
 
 
-class ChunkFetcher:
-    """Node-wide single-flight chunk fetching with a bounded pool; see the module docstring."""
+class _Flight:
+    """One chunk being fetched (or looked up): its future, and how many callers other than
+    its owner hold that future (the owner resolves it only if someone does)."""
 
-    def __init__(self, cache: ChunkCache | None, *, concurrency: int = 8,
-                 max_coalesce_bytes: int = 16 << 20, request_timeout: float = 10.0,
+    __slots__ = ("future", "joiners")
+
+    def __init__(self) -> None:
+        self.future: Future[bytes] = Future()
+        self.joiners = 0
+
+
+#: a read's chunk: (chunk, start, end) of the bytes it needs within the decoded chunk
+Span = tuple[Chunk, int, int]
+
+
+class ChunkFetcher:
+    """Node-wide single-flight chunk fetching with a bounded pool; see the module docstring.
+
+    Defaults come from :class:`coldstart.config.FetchConfig` (written once, there).
+    """
+
+    def __init__(self, cache: ChunkStore | None, *,
+                 concurrency: int = _DEFAULTS.concurrency,
+                 max_coalesce_bytes: int = _DEFAULTS.max_coalesce_bytes,
+                 request_timeout: float = _DEFAULTS.request_timeout,
                  max_gap: int = MAX_GAP, telemetry: FetchTelemetry | None = None) -> None:
         self.cache = cache
         self.max_coalesce_bytes = max(1, max_coalesce_bytes)
@@ -144,11 +181,11 @@ class ChunkFetcher:
         self.telemetry = telemetry
         self._pool = ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="fetch")
         self._bg_pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
-        # plans read-ahead off the FUSE loop (choosing chunks costs a stat per chunk)
+        # plans read-ahead off the FUSE loop (choosing chunks and asking the cache about them)
         self._planner = ThreadPoolExecutor(1, thread_name_prefix="plan")
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._inflight: dict[str, Future[bytes]] = {}
+        self._inflight: dict[str, _Flight] = {}
         self._foreground = 0
         self._closed = False
 
@@ -172,16 +209,146 @@ class ChunkFetcher:
         with self._lock:
             return len(self._inflight)
 
+    # -- the read path -------------------------------------------------------------------------
+
+    def get(self, target: FetchTarget, spans: Sequence[Span], deadline: float, *,
+            more: Callable[[list[Chunk]], Iterable[Chunk]] | None = None,
+            name: str = "") -> list[bytes]:
+        """The bytes ``[lo:hi]`` of each ``(chunk, lo, hi)`` of ``spans``, by monotonic
+        ``deadline``: the one get-or-fetch path of a read.
+
+        For each chunk: a hole is zeros; a chunk in flight is joined; otherwise this call
+        owns it (enters it in flight first, so that a concurrent reader joins instead of
+        asking too), asks the cache once, and on a miss fetches it: coalesced with the other
+        misses and with ``more(missed)`` (chunks worth fetching in the same requests, e.g. a
+        small file's neighbours; nobody waits for them; asked only when something missed),
+        verified, cached. Registering before the look-up is what makes one look-up enough: a
+        fetch that finished earlier stored its chunk before it left the in-flight table.
+        ``name`` (the file) goes into errors.
+
+        Raises DeadlineExceeded past ``deadline``, or the chunk's fetch error
+        (IntegrityError, FormatError, Unavailable).
+        """
+        out: list[bytes | None] = [None] * len(spans)
+        waits: list[tuple[int, Future[bytes]]] = []
+        owned: list[tuple[int, Chunk, _Flight]] = []
+        mine: dict[Chunk, _Flight] = {}
+        with self._lock:
+            if self._closed:
+                raise Unavailable("the FUSE server is shutting down")
+            for i, (c, lo, hi) in enumerate(spans):
+                if c.zeros:
+                    out[i] = bytes(hi - lo)
+                    continue
+                fl = mine.get(c)
+                if fl is None:
+                    k = _key(target, c)
+                    fl = self._inflight.get(k)
+                    if fl is None:
+                        fl = mine[c] = self._inflight[k] = _Flight()
+                        owned.append((i, c, fl))
+                        continue
+                fl.joiners += 1
+                waits.append((i, fl.future))
+        fetch: dict[Chunk, _Flight] = {}
+        try:
+            missed = self._look_up(spans, owned, out, waits, fetch, target)
+            if missed and more is not None:
+                self._add_more(target, more(missed), mine, fetch)
+            if fetch:
+                self._launch(target, fetch, background=False)
+        except BaseException as exc:
+            # whatever we own and did not start must not be left in flight (joiners would
+            # wait for it until their deadline)
+            self._settle_all(target, {c: fl for c, fl in {**mine, **fetch}.items()
+                                      if not fl.future.done()}, exc, False)
+            raise
+        for i, fut in waits:
+            c, lo, hi = spans[i]
+            what = (f"layer {target.digest}: {name!r} chunk at {c.chunk_offset} "
+                    f"({c.digest or 'no digest'})")
+            data = wait_for(fut, deadline, what)
+            if len(data) < hi:
+                raise FormatError(f"{what}: decoded {len(data)} bytes, need {hi}")
+            out[i] = data[lo:hi]
+        return [b"" if p is None else p for p in out]
+
+    def _look_up(self, spans: Sequence[Span], owned: list[tuple[int, Chunk, _Flight]],
+                 out: list[bytes | None], waits: list[tuple[int, Future[bytes]]],
+                 fetch: dict[Chunk, _Flight], target: FetchTarget) -> list[Chunk]:
+        """The one cache look-up of each chunk :meth:`get` owns: a hit fills ``out``, a miss
+        goes to ``fetch`` and ``waits``. Returns the chunks that were not local (joined or
+        missed)."""
+        tel = self.telemetry
+        missed = [spans[i][0] for i, _ in waits]
+        if tel is not None:
+            for i, _ in waits:
+                tel.cache_miss(spans[i][2] - spans[i][1])
+        for i, c, fl in owned:
+            lo, hi = spans[i][1], spans[i][2]
+            data = None
+            if c.digest and self.cache is not None:
+                data = self.cache.read(c.digest, lo, hi - lo, expected_size=c.chunk_size)
+            if tel is not None:
+                (tel.cache_miss if data is None else tel.cache_hit)(hi - lo)
+            if data is None:
+                fetch[c] = fl
+                waits.append((i, fl.future))
+                missed.append(c)
+                continue
+            out[i] = data
+            if not self._settle_cached(target, c, fl):
+                fetch[c] = fl       # evicted meanwhile, and someone joined: fetch it for them
+        return missed
+
+    def _add_more(self, target: FetchTarget, chunks: Iterable[Chunk],
+                  mine: dict[Chunk, _Flight], fetch: dict[Chunk, _Flight]) -> None:
+        """Own and fetch along the extra chunks not in flight (their caller chose them from
+        the cache's index; one cached since, by a fetch that just finished, is skipped)."""
+        extras: dict[Chunk, _Flight] = {}
+        with self._lock:
+            for c in chunks:
+                if c.zeros or c in mine or c in extras:
+                    continue
+                k = _key(target, c)
+                if k not in self._inflight:
+                    extras[c] = self._inflight[k] = _Flight()
+        mine.update(extras)
+        for c, fl in extras.items():
+            if (c.digest and self.cache is not None and self.cache.contains(c.digest)
+                    and self._settle_cached(target, c, fl)):
+                continue
+            fetch[c] = fl
+
+    def _settle_cached(self, target: FetchTarget, c: Chunk, fl: _Flight) -> bool:
+        """A chunk this caller owns turned out cached: leave the in-flight table; if others
+        joined meanwhile, hand them the whole chunk. False if they still need a fetch."""
+        with self._lock:
+            if fl.joiners == 0:
+                self._release_locked(target, c, fl)
+                return True
+        whole = self.cache.get(c.digest, expected_size=c.chunk_size) \
+            if c.digest and self.cache is not None else None
+        if whole is None:
+            return False
+        self._release(target, c, fl)
+        fl.future.set_result(whole)
+        return True
+
+    # -- background and read-ahead -------------------------------------------------------------
+
     def request(self, target: FetchTarget, chunks: Iterable[Chunk], *,
                 background: bool = False,
                 max_bytes: int | None = None) -> dict[Chunk, Future[bytes]]:
         """Start fetching ``chunks`` (those not already in flight); a future for each.
 
-        ``max_bytes`` lowers the coalescing limit (read-ahead splits its chunks over several
-        requests so that the pool fetches and decodes them in parallel).
+        For read-ahead and background fetches, whose callers chose the chunks from the
+        cache's index; a chunk cached since is served from the cache. ``max_bytes`` lowers
+        the coalescing limit (read-ahead splits its chunks over several requests so that the
+        pool fetches and decodes them in parallel).
         """
         out: dict[Chunk, Future[bytes]] = {}
-        mine: dict[Chunk, Future[bytes]] = {}
+        mine: dict[Chunk, _Flight] = {}
         with self._lock:
             if self._closed:
                 raise Unavailable("the FUSE server is shutting down")
@@ -189,40 +356,49 @@ class ChunkFetcher:
                 if c.zeros or c in out:
                     continue
                 k = _key(target, c)
-                fut = self._inflight.get(k)
-                if fut is None:
-                    fut = Future()
-                    self._inflight[k] = fut
-                    mine[c] = fut
-                out[c] = fut
+                fl = self._inflight.get(k)
+                if fl is None:
+                    fl = mine[c] = self._inflight[k] = _Flight()
+                else:
+                    fl.joiners += 1
+                out[c] = fl.future
         # A chunk not in flight may have been cached since the caller looked (a fetch stores
         # its chunks before it leaves the in-flight table): serve those from the cache.
-        new: list[Chunk] = []
-        for c, fut in mine.items():
+        new: dict[Chunk, _Flight] = {}
+        for c, fl in mine.items():
             data = None
             if c.digest and self.cache is not None:
                 data = self.cache.get(c.digest, expected_size=c.chunk_size)
             if data is None:
-                new.append(c)
+                new[c] = fl
                 continue
-            self._release(target, c, fut)
-            fut.set_result(data)
+            self._release(target, c, fl)
+            fl.future.set_result(data)
+        if new:
+            self._launch(target, new, background=background, max_bytes=max_bytes)
+        return out
+
+    # -- fetching ------------------------------------------------------------------------------
+
+    def _launch(self, target: FetchTarget, chunks: dict[Chunk, _Flight], *, background: bool,
+                max_bytes: int | None = None) -> None:
+        """Coalesce ``chunks`` (owned by the caller, in flight) into requests and start them."""
         limit = self.max_coalesce_bytes if max_bytes is None else \
             max(1, min(max_bytes, self.max_coalesce_bytes))
-        groups = coalesce(new, limit, self.max_gap)
+        groups = coalesce(chunks, limit, self.max_gap)
         if not background:
             with self._lock:
                 self._foreground += len(groups)
         for g in groups:
-            owned = {c: mine[c] for c in g}
+            owned = {c: chunks[c] for c in g}
             run: Callable[[], None]
             if background:
-                def run(owned: dict[Chunk, Future[bytes]] = owned) -> None:
+                def run(owned: dict[Chunk, _Flight] = owned) -> None:
                     self._wait_foreground_idle()
                     self._fetch_group(target, owned, False)
                 pool = self._bg_pool
             else:
-                def run(owned: dict[Chunk, Future[bytes]] = owned) -> None:
+                def run(owned: dict[Chunk, _Flight] = owned) -> None:
                     self._fetch_group(target, owned, True)
                 pool = self._pool
             try:
@@ -230,32 +406,34 @@ class ChunkFetcher:
             except RuntimeError as exc:  # pool shut down under us
                 self._settle_all(target, owned, Unavailable(f"fetch not started: {exc}"),
                                  not background)
-        return out
 
     def _wait_foreground_idle(self) -> None:
         with self._lock:
             while self._foreground > 0 and not self._closed:
                 self._idle.wait(0.5)
 
-    def _release(self, target: FetchTarget, c: Chunk, fut: Future[bytes]) -> None:
-        """Leave the in-flight table (only if the entry is still this fetch's)."""
+    def _release_locked(self, target: FetchTarget, c: Chunk, fl: _Flight) -> None:
         k = _key(target, c)
-        with self._lock:
-            if self._inflight.get(k) is fut:
-                del self._inflight[k]
+        if self._inflight.get(k) is fl:
+            del self._inflight[k]
 
-    def _settle_all(self, target: FetchTarget, owned: dict[Chunk, Future[bytes]],
+    def _release(self, target: FetchTarget, c: Chunk, fl: _Flight) -> None:
+        """Leave the in-flight table (only if the entry is still this fetch's)."""
+        with self._lock:
+            self._release_locked(target, c, fl)
+
+    def _settle_all(self, target: FetchTarget, owned: dict[Chunk, _Flight],
                     exc: BaseException, foreground: bool) -> None:
-        for c, fut in owned.items():
-            self._release(target, c, fut)
-            if not fut.done():
-                fut.set_exception(exc)
+        for c, fl in owned.items():
+            self._release(target, c, fl)
+            if not fl.future.done():
+                fl.future.set_exception(exc)
         if foreground:
             with self._lock:
                 self._foreground -= 1
                 self._idle.notify_all()
 
-    def _fetch_group(self, target: FetchTarget, owned: dict[Chunk, Future[bytes]],
+    def _fetch_group(self, target: FetchTarget, owned: dict[Chunk, _Flight],
                      foreground: bool) -> None:
         group = sorted(owned, key=lambda c: (c.offset, c.inner_offset))
         start = group[0].offset
@@ -291,7 +469,7 @@ class ChunkFetcher:
             self.telemetry.error(kind)
         return msg
 
-    def _finish_chunk(self, target: FetchTarget, c: Chunk, fut: Future[bytes], raw: bytes,
+    def _finish_chunk(self, target: FetchTarget, c: Chunk, fl: _Flight, raw: bytes,
                       start: int) -> None:
         """Decode and verify one fetched chunk, cache it, and wake its readers right away."""
         res: bytes | BaseException
@@ -309,13 +487,13 @@ class ChunkFetcher:
                 except (OSError, ColdstartError) as exc:
                     log.warning("layer %s: caching chunk %s failed: %s", target.digest,
                                 c.digest, exc)
-        self._release(target, c, fut)   # after the put: a later reader finds it cached
-        if fut.done():
+        self._release(target, c, fl)   # after the put: a later reader finds it cached
+        if fl.future.done():
             return
         if isinstance(res, BaseException):
-            fut.set_exception(res)
+            fl.future.set_exception(res)
         else:
-            fut.set_result(res)
+            fl.future.set_result(res)
 
 
 def wait_for(fut: Future[bytes], deadline: float, what: str) -> bytes:

@@ -12,8 +12,10 @@ overlayfs expects in a lower directory: ``.wh.<name>`` is a 0/0 character device
 ``.wh..wh..opq`` sets ``trusted.overlay.opaque=y`` on its directory; both ``.wh.`` entries and
 the prefetch landmarks are hidden.
 
-Reads run the blocking :class:`LayerReader` in worker threads (bounded by a limiter), so a slow
-fetch never blocks metadata requests. Errors become the errno of their ColdstartError kind.
+A read is first tried on the loop against the chunk cache's in-memory index (a ``pread`` per
+chunk, nothing else that can block); what that cannot serve runs the blocking
+:class:`LayerReader` in one worker thread call (bounded by a limiter), so a slow fetch never
+blocks metadata requests. Errors become the errno of their ColdstartError kind.
 Every handler answers with an errno, whatever it meets: pyfuse3 re-raises anything but a
 ``FUSEError`` out of ``pyfuse3.main()``, which would end the server and every mount of the node.
 An unexpected exception is logged with the layer digest and path, counted (``on_error``) and
@@ -40,7 +42,7 @@ import trio
 
 from coldstart.errors import ColdstartError, FailedPrecondition
 from coldstart.format.toc import NO_PREFETCH_LANDMARK, PREFETCH_LANDMARK, Entry
-from coldstart.lazyfs.reader import LayerReader
+from coldstart.lazyfs.reader import LayerReader, PartialRead
 
 __all__ = ["FuseFS", "LayerTree", "build_tree", "mount_options", "set_read_ahead"]
 
@@ -470,21 +472,26 @@ class FuseFS(pyfuse3.Operations):
             return b""
         if _DEBUG:
             log.debug("read size %d at %d of %r", size, off, entry.name)
-        # Fast path, in the loop: every chunk is in the local chunk cache (a pread each). A
-        # thread hop costs more than that; only fetches go to worker threads.
+        # Fast path, in the loop: every chunk is in the in-memory index of the chunk cache (a
+        # pread each; no stat, no rescan, no planning). A thread hop costs more than that.
+        # Anything else goes to one worker call that finishes the read where the loop stopped
+        # (same chunk map, no chunk looked up twice): cache, single flight, fetch, deadline.
+        partial: PartialRead | None = None
         try:
-            cached = tree.reader.read_cached(entry, off, size)
+            got = tree.reader.read_cached(entry, off, size)
         except ColdstartError:
-            cached = None
+            got = None
         except Exception as exc:  # a broken cache must not fail a read the network can serve
             self.internal_error("read (cached)", fh, exc)
-            cached = None
-        if cached is not None:
-            return cached
+            got = None
+        if isinstance(got, bytes):
+            return got
+        if isinstance(got, PartialRead):
+            partial = got
         # a ColdstartError becomes its errno in _guarded (the reader already logged the reason
         # with the layer digest and chunk); anything else is logged there and answered EIO
         data: bytes = await trio.to_thread.run_sync(
-            tree.reader.read, entry, off, size, limiter=self._limiter)
+            tree.reader.read, entry, off, size, partial, limiter=self._limiter)
         return data
 
     @_guarded

@@ -25,22 +25,22 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
-from coldstart.cache.chunks import ChunkCache
+from coldstart.cache import ChunkStore
+from coldstart.config import FetchConfig
 from coldstart.errors import ColdstartError, FormatError
 from coldstart.format.layer import SeekableLayer
 from coldstart.format.toc import Chunk, Entry
-from coldstart.lazyfs.fetcher import (
-    ChunkFetcher,
-    FetchTarget,
-    LayerStats,
-    wait_for,
-)
+from coldstart.lazyfs.fetcher import ChunkFetcher, FetchTarget, LayerStats, Span
 from coldstart.remote import Source
 
-__all__ = ["LayerReader"]
+__all__ = ["LayerReader", "PartialRead"]
 
 log = logging.getLogger(__name__)
+
+#: the read defaults, from the one config tree (CONVENTIONS §9)
+_DEFAULTS = FetchConfig()
 
 #: Files of at most this many bytes are fetched whole on their first read (one request).
 SMALL_FILE_BYTES = 1 << 20
@@ -60,6 +60,18 @@ BACKGROUND_REQUEST = 4 << 20
 BACKGROUND_DEPTH = 2
 
 
+@dataclass(slots=True)
+class PartialRead:
+    """A read the FUSE loop could not serve from the cache alone: its chunks (mapped once)
+    and the leading pieces it already read, for :meth:`LayerReader.read` to finish."""
+
+    entry: Entry
+    offset: int
+    end: int
+    chunks: list[Chunk]
+    pieces: list[bytes]
+
+
 class LayerReader:
     """Reads files of one mounted layer through the node's chunk cache and fetcher.
 
@@ -68,15 +80,15 @@ class LayerReader:
     """
 
     def __init__(self, digest: str, layer: SeekableLayer, source: Source,
-                 fetcher: ChunkFetcher, *, read_deadline: float = 30.0,
-                 background_rate: int = 0,
+                 fetcher: ChunkFetcher, *, read_deadline: float = _DEFAULTS.read_deadline,
+                 background_rate: int = _DEFAULTS.background_rate,
                  small_file_bytes: int = SMALL_FILE_BYTES,
                  readahead_bytes: int = READAHEAD_BYTES,
                  neighbor_bytes: int = NEIGHBOR_BYTES) -> None:
         self.digest = digest
         self.layer = layer
         self.fetcher = fetcher
-        self.cache: ChunkCache | None = fetcher.cache
+        self.cache: ChunkStore | None = fetcher.cache
         self.read_deadline = read_deadline
         self.background_rate = max(0, background_rate)
         self.small_file_bytes = small_file_bytes
@@ -102,44 +114,36 @@ class LayerReader:
 
     # -- reads -----------------------------------------------------------------------------
 
-    def _cached(self, c: Chunk, lo: int, hi: int) -> bytes | None:
-        if c.zeros:
-            return bytes(hi - lo)
-        if not c.digest or self.cache is None:
-            return None
-        data = self.cache.read(c.digest, lo, hi - lo, expected_size=c.chunk_size)
-        tel = self.fetcher.telemetry
-        if tel is not None:
-            if data is None:
-                tel.cache_miss(hi - lo)
-            else:
-                tel.cache_hit(hi - lo)
-        return data
-
     def _is_cached(self, c: Chunk) -> bool:
+        """Local, also if another process stored it (may ``stat``): worker threads only."""
         return c.zeros or (bool(c.digest) and self.cache is not None and c.digest in self.cache)
 
-    def read_cached(self, entry: Entry, offset: int, length: int) -> bytes | None:
-        """The bytes if every chunk they need is local (cache or hole), else None; no fetch."""
+    def read_cached(self, entry: Entry, offset: int, length: int) -> bytes | PartialRead | None:
+        """The FUSE loop's fast path: the bytes if every chunk they need is local (cache or
+        hole), else a :class:`PartialRead` to hand to :meth:`read` in a worker; None if the
+        entry is not a regular file. No fetch, no rescan, no ``stat``, no planning here: the
+        in-memory index and at most one ``pread`` per chunk (see ``ChunkCache.read_local``).
+        """
         if entry.type != "reg":
             return None
         end = min(entry.size, offset + length)
         if offset >= end:
             return b""
         t0 = time.monotonic()
-        pieces: list[bytes] = []
         chunks = self.layer.chunks_for(entry, offset, length)
+        cache = self.cache
+        pieces: list[bytes] = []
         for c in chunks:
             lo = max(offset, c.chunk_offset) - c.chunk_offset
             hi = min(end, c.chunk_offset + c.chunk_size) - c.chunk_offset
             if c.zeros:
                 pieces.append(bytes(hi - lo))
                 continue
-            if not c.digest or self.cache is None:
-                return None
-            data = self.cache.read(c.digest, lo, hi - lo, expected_size=c.chunk_size)
-            if data is None:
-                return None
+            data = None
+            if c.digest and cache is not None:
+                data = cache.read_local(c.digest, lo, hi - lo, expected_size=c.chunk_size)
+            if data is None:    # the rest is the worker's: it asks the cache once per chunk
+                return PartialRead(entry, offset, end, chunks, pieces)
             pieces.append(data)
         tel = self.fetcher.telemetry
         if tel is not None:
@@ -147,23 +151,21 @@ class LayerReader:
             tel.read_done(time.monotonic() - t0)
         if entry.size <= self.small_file_bytes:
             self._follow_window(chunks)
-        if any(offset <= c.chunk_offset < end for c in chunks):
-            # entering a new chunk: keep the read-ahead window ahead of a sequential reader
-            self._read_ahead(entry, offset, end, chunks)
-        else:
-            with self._lock:
-                self._last_end[entry.name] = end
+        self._note_read(entry, offset, end, chunks, plan=True)
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
-    def read(self, entry: Entry, offset: int, length: int) -> bytes:
+    def read(self, entry: Entry, offset: int, length: int,
+             partial: PartialRead | None = None) -> bytes:
         """Bytes ``[offset, offset+length)`` of regular file ``entry`` (short at its end).
 
-        Raises DeadlineExceeded, IntegrityError, Unavailable or FormatError; the FUSE layer
-        turns each into its errno.
+        ``partial``: what :meth:`read_cached` found on the loop for this very read (its chunk
+        map and the chunks it already read), so the read is mapped to chunks once and no
+        chunk is looked up twice. Raises DeadlineExceeded, IntegrityError, Unavailable or
+        FormatError; the FUSE layer turns each into its errno.
         """
         t0 = time.monotonic()
         try:
-            return self._read(entry, offset, length, t0 + self.read_deadline)
+            return self._read(entry, offset, length, t0 + self.read_deadline, partial)
         except ColdstartError as exc:
             msg = (f"layer {self.digest}: read {entry.name!r} [{offset}:+{length}] failed: "
                    f"{type(exc).__name__}: {exc}")
@@ -176,41 +178,38 @@ class LayerReader:
             if self.fetcher.telemetry is not None:
                 self.fetcher.telemetry.read_done(time.monotonic() - t0)
 
-    def _read(self, entry: Entry, offset: int, length: int, deadline: float) -> bytes:
+    def _read(self, entry: Entry, offset: int, length: int, deadline: float,
+              partial: PartialRead | None) -> bytes:
         if entry.type != "reg":
             raise FormatError(f"{entry.name!r} is a {entry.type}, not a regular file")
         end = min(entry.size, offset + length)
         if offset >= end:
             return b""
-        chunks = self.layer.chunks_for(entry, offset, length)
-        pieces: list[bytes | None] = []
-        spans: list[tuple[int, int]] = []
-        missing: list[int] = []
-        for i, c in enumerate(chunks):
+        if (partial is not None and partial.entry is entry and partial.offset == offset
+                and partial.end == end):
+            chunks = partial.chunks
+            done = partial.pieces
+            tel = self.fetcher.telemetry
+            if tel is not None:
+                for c, p in zip(chunks, done, strict=False):
+                    if not c.zeros:
+                        tel.cache_hit(len(p))
+        else:
+            chunks = self.layer.chunks_for(entry, offset, length)
+            done = []
+        spans: list[Span] = []
+        for c in chunks[len(done):]:
             lo = max(offset, c.chunk_offset) - c.chunk_offset
             hi = min(end, c.chunk_offset + c.chunk_size) - c.chunk_offset
-            spans.append((lo, hi))
-            data = self._cached(c, lo, hi)
-            pieces.append(data)
-            if data is None:
-                missing.append(i)
-        if missing:
-            want = [chunks[i] for i in missing]
-            if entry.size <= self.small_file_bytes:
-                want = self._whole_and_neighbors(entry, want)
-            futures = self.fetcher.request(self.target, want)
-            for i in missing:
-                c = chunks[i]
-                lo, hi = spans[i]
-                what = (f"layer {self.digest}: {entry.name!r} chunk at {c.chunk_offset} "
-                        f"({c.digest or 'no digest'})")
-                data = wait_for(futures[c], deadline, what)
-                if len(data) < hi:
-                    raise FormatError(f"{what}: decoded {len(data)} bytes, need {hi}")
-                pieces[i] = data[lo:hi]
-        self._read_ahead(entry, offset, end, chunks)
-        out = [p for p in pieces if p is not None]
-        return out[0] if len(out) == 1 else b"".join(out)
+            spans.append((c, lo, hi))
+        more = None
+        if entry.size <= self.small_file_bytes:
+            def more(missed: list[Chunk]) -> list[Chunk]:
+                return self._whole_and_neighbors(entry, missed)[len(missed):]
+        got = self.fetcher.get(self.target, spans, deadline, more=more, name=entry.name)
+        self._note_read(entry, offset, end, chunks, plan=False)
+        pieces = done + got
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     def _whole_and_neighbors(self, entry: Entry, want: list[Chunk]) -> list[Chunk]:
         """A small file's missing chunks, plus the small files' chunks stored after it."""
@@ -246,7 +245,8 @@ class LayerReader:
         """A reader walking through the small files fetched together: once it reads inside
         that window, fetch the next one in the background (a cold ``find | xargs cat`` then
         streams instead of waiting at each window's start). Costs at most one window of
-        bytes nobody reads."""
+        bytes nobody reads. On the loop: only the window check; the choosing runs in the
+        fetcher's planner thread."""
         if self.neighbor_bytes <= 0 or not chunks:
             return
         pos = chunks[0].offset
@@ -267,8 +267,11 @@ class LayerReader:
 
         self.fetcher.plan(plan)
 
-    def _read_ahead(self, entry: Entry, offset: int, end: int, chunks: list[Chunk]) -> None:
-        """Sequential reader of a big file: fetch the next chunks in the background."""
+    def _note_read(self, entry: Entry, offset: int, end: int, chunks: list[Chunk], *,
+                   plan: bool) -> None:
+        """Track the reader's position; a sequential reader entering a new chunk gets the
+        next chunks fetched ahead, chosen here (worker) or, from the loop (``plan``), in the
+        fetcher's planner thread."""
         if self.readahead_bytes <= 0 or not chunks:
             return
         with self._lock:
@@ -278,7 +281,17 @@ class LayerReader:
                 self._last_end.clear()
         if not sequential:
             return
-        i = bisect.bisect_right(self._starts(entry), chunks[-1].chunk_offset)
+        if plan and not any(offset <= c.chunk_offset < end for c in chunks):
+            return      # still inside the chunk whose read-ahead was planned already
+        after = chunks[-1].chunk_offset
+        if plan:
+            self.fetcher.plan(lambda: self._read_ahead(entry, after))
+        else:
+            self._read_ahead(entry, after)
+
+    def _read_ahead(self, entry: Entry, after: int) -> None:
+        """Sequential reader of a big file: fetch the chunks after the one at ``after``."""
+        i = bisect.bisect_right(self._starts(entry), after)
         ahead: list[Chunk] = []
         budget = self.readahead_bytes
         while i < len(entry.chunks) and budget > 0:
@@ -294,13 +307,14 @@ class LayerReader:
                 pass
 
     def _starts(self, entry: Entry) -> list[int]:
-        starts = self._chunk_starts.get(entry.name)
-        if starts is None:
-            starts = [c.chunk_offset for c in entry.chunks]
-            if len(self._chunk_starts) > 1024:
-                self._chunk_starts.clear()
-            self._chunk_starts[entry.name] = starts
-        return starts
+        with self._lock:
+            starts = self._chunk_starts.get(entry.name)
+            if starts is None:
+                starts = [c.chunk_offset for c in entry.chunks]
+                if len(self._chunk_starts) > 1024:
+                    self._chunk_starts.clear()
+                self._chunk_starts[entry.name] = starts
+            return starts
 
     # -- prefetch --------------------------------------------------------------------------
 

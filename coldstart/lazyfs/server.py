@@ -1,21 +1,15 @@
-"""The FUSE server process: serves every lazily mounted layer of the node, outlives the gRPC one.
+"""The FUSE server process: wiring and lifecycle; serves every lazily mounted layer of the node.
 
-It mounts :class:`~coldstart.lazyfs.fusefs.FuseFS` once at ``<root>/fuse`` and answers a
-JSON-lines control protocol on a unix socket (``fuse.socket``), from the same trio loop::
+stargz's ``service.go``. It builds the parts from the :class:`~coldstart.config.Config` (chunk
+cache, fetcher, registry client, :class:`~coldstart.lazyfs.resolver.LayerResolver`,
+:class:`~coldstart.lazyfs.fusefs.FuseFS`, :class:`~coldstart.lazyfs.layers.LayerTable`), mounts
+the file system once at ``<root>/fuse`` and answers the control protocol
+(:mod:`coldstart.lazyfs.control`) on a unix socket (``fuse.socket``), from the same trio loop.
 
-    {"op": "ping"}                                        -> {"ok": true, "result": {"pid": …}}
-    {"op": "mount", "mountpoint": P, "spec": {…}}         -> {"ok": true, "result": null}
-    {"op": "check", "mountpoint": P}                      -> {"ok": true, "result": null}
-    {"op": "unmount", "mountpoint": P}                    -> {"ok": true, "result": null}
-    {"op": "status"}                                      -> {"ok": true, "result": [{…}, …]}
-    failure:  {"ok": false, "error": {"kind": "IntegrityError",
-                                      "kinds": ["IntegrityError", "ColdstartError"], "message": …}}
-
-Mounting resolves the spec (range reads of the footer and TOC, verified against the manifest's
-annotation), adds the layer to the file system (one directory per layer digest, shared by every
-mountpoint of that layer) and bind-mounts it onto the mountpoint. Every mount is persisted under
-``<root>/fuse-state/``; a (re)started server lazily unmounts what a dead predecessor left and
-restores every recorded mount. SIGTERM/SIGINT: stop accepting, unmount, exit 0, keep the records.
+Start: claim the root, serve metrics (if asked), lazily unmount what a dead predecessor left
+(its binds and ``<root>/fuse``), mount FUSE, listen, then restore every mount recorded under
+``<root>/fuse-state/`` while already answering ``ping`` (other ops wait for the restore).
+SIGTERM/SIGINT: stop accepting, unmount, exit 0, keep the records.
 
 One server per root: it holds an exclusive ``flock`` on ``<root>/fuse-server.lock`` for its
 lifetime (the kernel drops it when the process dies) and refuses to start, before it touches
@@ -27,13 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import logging
 import os
 import signal
 import socket
-import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -41,60 +32,33 @@ import trio
 
 from coldstart.cache.chunks import ChunkCache
 from coldstart.config import Config
-from coldstart.errors import (
-    AlreadyExists,
-    ColdstartError,
-    FailedPrecondition,
-    IntegrityError,
-    InvalidArgument,
-    NotFound,
-)
-from coldstart.format.layer import ESTARGZ_TOC_DIGEST, ZSTD_CHUNKED_MANIFEST_CHECKSUM, open_layer
+from coldstart.errors import ColdstartError, FailedPrecondition, InvalidArgument
+from coldstart.lazyfs import control
+from coldstart.lazyfs.control import error_payload
 from coldstart.lazyfs.fetcher import ChunkFetcher
 from coldstart.lazyfs.fusefs import (
     FuseFS,
-    LayerTree,
-    build_tree,
     fuse_close,
     fuse_init,
     fuse_main,
     fuse_terminate,
     set_read_ahead,
 )
+from coldstart.lazyfs.layers import LayerTable
 from coldstart.lazyfs.metrics import FuseMetrics
-from coldstart.lazyfs.mountstate import MountState
-from coldstart.lazyfs.mountsys import bind_mount, is_mountpoint, lazy_unmount
-from coldstart.lazyfs.reader import LayerReader
+from coldstart.lazyfs.mountstate import MountRecord, MountState
+from coldstart.lazyfs.mountsys import lazy_unmount
+from coldstart.lazyfs.resolver import LayerResolver
 from coldstart.lazyfs.spec import LayerSpec
-from coldstart.oci.manifest import parse_manifest
-from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
-from coldstart.remote import RegistryBlob
 from coldstart.unixsock import socket_answers
 
-__all__ = ["LOCK_FILE", "FuseServer", "error_payload", "parse_metrics_address"]
+__all__ = ["LOCK_FILE", "FuseServer", "error_payload", "parse_metrics_address", "serve_connection"]
 
 log = logging.getLogger(__name__)
 
 #: held (flock, exclusive) by the one FUSE server of a root, for its whole life
 LOCK_FILE = "fuse-server.lock"
-_MAX_LINE = 1 << 20
-_TOC_KEYS = (ESTARGZ_TOC_DIGEST, ZSTD_CHUNKED_MANIFEST_CHECKSUM,
-             "io.containers.zstd-chunked.manifest-checksum")
-
-
-@dataclass
-class _Layer:
-    key: str
-    tree: LayerTree
-    mountpoints: set[str] = field(default_factory=set)
-
-
-@dataclass
-class _Mount:
-    mountpoint: str
-    spec: LayerSpec
-    layer: _Layer
 
 
 def parse_metrics_address(address: str) -> tuple[str, int]:
@@ -108,13 +72,6 @@ def parse_metrics_address(address: str) -> tuple[str, int]:
             or any(c.isspace() for c in address)):
         raise InvalidArgument(f"metrics address must be host:port, not {address!r}")
     return host or "127.0.0.1", int(port)
-
-
-def error_payload(exc: BaseException) -> dict[str, Any]:
-    """The wire form of an error: its kind, the kinds it derives from, its message."""
-    kinds = [c.__name__ for c in type(exc).__mro__
-             if issubclass(c, ColdstartError)] or ["ColdstartError"]
-    return {"kind": kinds[0], "kinds": kinds, "message": str(exc)}
 
 
 class FuseServer:
@@ -153,12 +110,12 @@ class FuseServer:
             docker_config=Path(r.docker_config) if r.docker_config else None,
             hosts_dir=Path(r.hosts_dir) if r.hosts_dir else None,
             timeout=r.timeout, retries=r.retries)
-        self.mounts: dict[str, _Mount] = {}
-        self.layers: dict[str, _Layer] = {}        # layer digest -> shared tree
-        self._locks: dict[str, trio.Lock] = {}
-        self._generation = 0
-        self._listener: trio.SocketListener | None = None
-        self._stopping = False
+        self.resolver = LayerResolver(self.client, self.fetcher,
+                                      request_timeout=f.request_timeout,
+                                      read_deadline=f.read_deadline,
+                                      background_rate=f.background_rate,
+                                      allow_unverified=config.allow_unverified)
+        self.layers = LayerTable(self.fs, self.fuse_dir, self.resolver, self.state)
         self._restored: trio.Event | None = None
 
     # -- process lifecycle -----------------------------------------------------------------
@@ -235,9 +192,8 @@ class FuseServer:
                 nursery.start_soon(self._restore, records)
                 nursery.start_soon(self._serve, listener)
                 await self._wait_signal()
-                self._stopping = True
                 self._unlink_socket()
-                await self._unmount_all()
+                await self.layers.stop()
                 fuse_terminate()
                 nursery.cancel_scope.cancel()
         finally:
@@ -290,239 +246,72 @@ class FuseServer:
         return trio.SocketListener(sock)
 
     async def _serve(self, listener: trio.SocketListener) -> None:
-        await trio.serve_listeners(self._handle, [listener])
+        assert self._restored is not None
+        handler = _Handler(self.fuse_dir, self.layers, self._restored)
 
-    async def _unmount_all(self) -> None:
-        for mp in list(self.mounts):
-            try:
-                await trio.to_thread.run_sync(lazy_unmount, mp)
-            except (ColdstartError, OSError) as exc:
-                log.error("unmount %s: %s", mp, exc)
+        async def connection(stream: trio.SocketStream) -> None:
+            await serve_connection(stream, handler)
 
-    # -- restore ---------------------------------------------------------------------------
+        await trio.serve_listeners(connection, [listener])
 
-    async def _restore(self, records: list[Any]) -> None:
+    async def _restore(self, records: list[MountRecord]) -> None:
         try:
             # The kernel caps read-ahead at what FUSE_INIT negotiated (128 KiB); once INIT is
             # done (a stat of the mount waits for it), the bdi setting may be raised.
             await trio.to_thread.run_sync(os.stat, self.fuse_dir)
             if not set_read_ahead(str(self.fuse_dir), self.config.fuse.read_ahead_kb):
                 log.warning("read_ahead_kb of %s not set", self.fuse_dir)
-            await self._restore_all(records)
+            await self.layers.restore(records)
         finally:
             if self._restored is not None:
                 self._restored.set()
 
-    async def _restore_all(self, records: list[Any]) -> None:
-        for rec in records:
-            if not await trio.to_thread.run_sync(os.path.isdir, rec.mountpoint):
-                # the snapshot was removed while we were down: nothing to restore
-                log.warning("restore %s: the mountpoint is gone; record dropped", rec.mountpoint)
-                await trio.to_thread.run_sync(self.state.remove, rec.mountpoint)
-                continue
-            try:
-                await self.mount(rec.mountpoint, rec.spec, restoring=True)
-                log.info("restored %s (%s)", rec.mountpoint, rec.spec.digest)
-            except ColdstartError as exc:
-                # keep the record: the next start (or a mount call) tries again
-                log.error("restore %s (%s) failed: %s: %s", rec.mountpoint, rec.spec.digest,
-                          type(exc).__name__, exc)
 
-    # -- control protocol ------------------------------------------------------------------
-
-    async def _handle(self, stream: trio.SocketStream) -> None:
-        buf = b""
-        try:
-            async with stream:
-                while True:
-                    data = await stream.receive_some(65536)
-                    if not data:
-                        return
-                    buf += data
-                    if len(buf) > _MAX_LINE and b"\n" not in buf:
-                        await stream.send_all(self._reply_error(
-                            InvalidArgument("request line too long")))
-                        return
-                    while b"\n" in buf:
-                        line, buf = buf.split(b"\n", 1)
-                        if line.strip():
-                            await stream.send_all(await self._dispatch(line))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return
-
-    def _reply_error(self, exc: BaseException) -> bytes:
-        return json.dumps({"ok": False, "error": error_payload(exc)}).encode() + b"\n"
-
-    async def _dispatch(self, line: bytes) -> bytes:
-        try:
-            req = json.loads(line)
-            if not isinstance(req, dict):
-                raise InvalidArgument("request must be a JSON object")
-            op = req.get("op")
-            result: Any = None
-            if op != "ping" and self._restored is not None:
-                await self._restored.wait()  # answer from the restored mount table
-            if op == "ping":
-                result = {"pid": os.getpid(), "fuse_dir": str(self.fuse_dir)}
-            elif op == "mount":
-                spec = LayerSpec.from_json(json.dumps(req.get("spec")))
-                await self.mount(_mountpoint(req), spec)
-            elif op == "unmount":
-                await self.unmount(_mountpoint(req))
-            elif op == "check":
-                await self.check(_mountpoint(req))
-            elif op == "status":
-                result = self.status()
-            else:
-                raise InvalidArgument(f"unknown op {op!r}")
-        except ColdstartError as exc:
-            return self._reply_error(exc)
-        except ValueError as exc:
-            return self._reply_error(InvalidArgument(f"bad request: {exc}"))
-        except Exception as exc:
-            log.exception("control request failed")
-            return self._reply_error(ColdstartError(f"internal error: {exc}"))
-        return json.dumps({"ok": True, "result": result}).encode() + b"\n"
-
-    # -- operations ------------------------------------------------------------------------
-
-    def _lock(self, mountpoint: str) -> trio.Lock:
-        lock = self._locks.get(mountpoint)
-        if lock is None:
-            lock = self._locks[mountpoint] = trio.Lock()
-        return lock
-
-    async def mount(self, mountpoint: str, spec: LayerSpec, *, restoring: bool = False) -> None:
-        """Serve ``spec``'s layer at ``mountpoint`` (idempotent for the same layer)."""
-        if self._stopping:
-            raise FailedPrecondition("the FUSE server is shutting down")
-        async with self._lock(mountpoint):
-            cur = self.mounts.get(mountpoint)
-            if cur is not None:
-                if cur.spec.digest == spec.digest:
+async def serve_connection(stream: trio.abc.HalfCloseableStream,
+                           handler: control.ControlHandler) -> None:
+    """Answer the request lines of one control connection, in order, until the peer closes it
+    (or sends a line over :data:`~coldstart.lazyfs.control.MAX_LINE`: one error reply, closed)."""
+    lines = control.LineBuffer()
+    try:
+        async with stream:
+            while True:
+                data = await stream.receive_some(65536)
+                if not data:
                     return
-                raise AlreadyExists(f"{mountpoint} already serves layer {cur.spec.digest}")
-            layer = self.layers.get(spec.digest)
-            created = False
-            if layer is not None:
-                # the layer is served already: this spec must vouch for the same TOC
-                annotations = await trio.to_thread.run_sync(self._annotations, spec)
-                _check_same_toc(annotations, layer.tree.reader.layer.toc_digest,
-                                self.config.allow_unverified, spec.digest)
-            else:
-                reader = await trio.to_thread.run_sync(self._open_reader, spec)
-                self._generation += 1
-                key = f"{spec.digest.rpartition(':')[2][:16]}-{self._generation}"
-                base = self.fs.allocate(len(reader.layer.toc.entries) + 1)
-                tree = await trio.to_thread.run_sync(build_tree, key, base, reader)
-                layer = _Layer(key, tree)
-                self.layers[spec.digest] = layer
-                self.fs.add(tree)
-                created = True
-            try:
-                if await trio.to_thread.run_sync(is_mountpoint, mountpoint):
-                    # not ours (we checked): a dead bind left by a crashed predecessor
-                    log.warning("%s: lazily unmounting a stale mount first", mountpoint)
-                    await trio.to_thread.run_sync(lazy_unmount, mountpoint)
-                await trio.to_thread.run_sync(bind_mount, str(self.fuse_dir / layer.key),
-                                              mountpoint)
-            except BaseException:
-                if created and not layer.mountpoints:
-                    self._drop_layer(spec.digest)
-                raise
-            layer.mountpoints.add(mountpoint)
-            self.mounts[mountpoint] = _Mount(mountpoint, spec, layer)
-            await trio.to_thread.run_sync(self.state.save, mountpoint, spec)
-            reader = layer.tree.reader
-            if created and (reader.layer.toc.prefetch or reader.background_rate > 0):
-                threading.Thread(target=reader.prefetch_then_rest, daemon=True,
-                                 name=f"prefetch-{layer.key}").start()
-            log.info("mounted layer %s (%s) at %s%s", spec.digest, spec.reference, mountpoint,
-                     " (restored)" if restoring else "")
+                try:
+                    requests = lines.feed(data)
+                except InvalidArgument as exc:   # a line too long: the stream is lost
+                    await stream.send_all(control.error_reply(exc))
+                    return
+                for line in requests:
+                    await stream.send_all(await control.dispatch(line, handler))
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        return
 
-    def _drop_layer(self, digest: str) -> None:
-        layer = self.layers.pop(digest, None)
-        if layer is not None:
-            self.fs.remove(layer.key)
 
-    async def unmount(self, mountpoint: str) -> None:
-        """Undo :meth:`mount` (lazily: open files keep working until closed)."""
-        async with self._lock(mountpoint):
-            cur = self.mounts.get(mountpoint)
-            if cur is None:
-                await trio.to_thread.run_sync(self.state.remove, mountpoint)
-                raise NotFound(f"nothing is mounted at {mountpoint}")
-            await trio.to_thread.run_sync(lazy_unmount, mountpoint)
-            del self.mounts[mountpoint]
-            cur.layer.mountpoints.discard(mountpoint)
-            if not cur.layer.mountpoints:
-                self._drop_layer(cur.spec.digest)
-            await trio.to_thread.run_sync(self.state.remove, mountpoint)
-            log.info("unmounted %s", mountpoint)
+class _Handler:
+    """The server as :class:`~coldstart.lazyfs.control.ControlHandler`: ``ping`` from the
+    process, the rest from the layer table once the restore is done."""
+
+    def __init__(self, fuse_dir: Path, layers: LayerTable, restored: trio.Event) -> None:
+        self.fuse_dir = fuse_dir
+        self.layers = layers
+        self.restored = restored
+
+    async def ready(self) -> None:
+        await self.restored.wait()  # answer from the restored mount table
+
+    async def ping(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "fuse_dir": str(self.fuse_dir)}
+
+    async def mount(self, mountpoint: str, spec: LayerSpec) -> None:
+        await self.layers.mount(mountpoint, spec)
 
     async def check(self, mountpoint: str) -> None:
-        """NotFound unless ``mountpoint`` is served; FailedPrecondition if its bind is gone."""
-        cur = self.mounts.get(mountpoint)
-        if cur is None:
-            raise NotFound(f"nothing is mounted at {mountpoint}")
-        if not await trio.to_thread.run_sync(is_mountpoint, mountpoint):
-            raise FailedPrecondition(f"{mountpoint} is no longer mounted")
+        await self.layers.check(mountpoint)
+
+    async def unmount(self, mountpoint: str) -> None:
+        await self.layers.unmount(mountpoint)
 
     def status(self) -> list[dict[str, Any]]:
-        """One dict per mountpoint: layer, reference, fetched bytes, errors, last error."""
-        out: list[dict[str, Any]] = []
-        for mp, m in sorted(self.mounts.items()):
-            tree = m.layer.tree
-            out.append({"mountpoint": mp, "digest": m.spec.digest,
-                        "reference": m.spec.reference, "key": m.layer.key,
-                        "format": tree.reader.layer.format, "files": len(tree.entries),
-                        **tree.reader.stats.as_dict()})
-        return out
-
-    def _annotations(self, spec: LayerSpec) -> dict[str, str]:
-        """The layer's annotations: the spec's, or its manifest's (fetched, verified)."""
-        ref = Reference.parse(spec.reference)
-        annotations = dict(spec.annotations)
-        if not any(k in annotations for k in _TOC_KEYS) and spec.manifest_digest:
-            body, media, _ = self.client.get_manifest(ref.with_digest(spec.manifest_digest))
-            manifest = parse_manifest(body, media or None)
-            for desc in manifest.layers:
-                if desc.digest == spec.digest:
-                    annotations = {**desc.annotations, **annotations}
-                    break
-            else:
-                raise NotFound(f"manifest {spec.manifest_digest} has no layer {spec.digest}")
-        return annotations
-
-    def _open_reader(self, spec: LayerSpec) -> LayerReader:
-        """Resolve a spec: blob source, annotations (from the manifest if needed), TOC."""
-        ref = Reference.parse(spec.reference)
-        annotations = self._annotations(spec)
-        timeout = self.config.fetch.request_timeout
-        source = RegistryBlob(self.client, ref, spec.digest, spec.size if spec.size >= 0 else None,
-                              timeout=timeout)
-        layer = open_layer(source, annotations=annotations,
-                           allow_unverified=self.config.allow_unverified)
-        return LayerReader(spec.digest, layer, source, self.fetcher,
-                           read_deadline=self.config.fetch.read_deadline,
-                           background_rate=self.config.fetch.background_rate)
-
-
-def _check_same_toc(annotations: dict[str, str], toc_digest: str, allow_unverified: bool,
-                    digest: str) -> None:
-    claimed = [annotations[k] for k in _TOC_KEYS if k in annotations]
-    if not claimed:
-        if allow_unverified:
-            return
-        raise FailedPrecondition(f"layer {digest}: no TOC digest annotation: cannot verify it")
-    if any(c != toc_digest for c in claimed):
-        raise IntegrityError(f"layer {digest}: annotated TOC digest {claimed[0]} does not "
-                             f"match the served layer's TOC {toc_digest}")
-
-
-def _mountpoint(req: dict[str, Any]) -> str:
-    mp = req.get("mountpoint")
-    if not isinstance(mp, str) or not os.path.isabs(mp):
-        raise InvalidArgument(f"mountpoint must be an absolute path, not {mp!r}")
-    return os.path.normpath(mp)
-
+        return self.layers.status()

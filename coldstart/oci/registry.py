@@ -1,7 +1,8 @@
 """A thin, thread-safe client for the OCI distribution API (v2) over httpx.
 
-This module is the one place that speaks HTTP to registries and maps httpx's errors and HTTP
-statuses to :mod:`coldstart.errors`:
+This module is the one place that speaks HTTP to registries and maps registry statuses to
+:mod:`coldstart.errors` (httpx's own errors through :mod:`coldstart.remote.errors`; retries,
+backoff and deadlines through :mod:`coldstart.remote.retry`; uploads in :mod:`.uploads`):
 
 - 404 → :class:`NotFound`; 401/403 → :class:`AuthError`; 416 → :class:`InvalidArgument`;
 - 5xx, 429, connection errors → retried with exponential backoff and full jitter inside the
@@ -9,8 +10,8 @@ statuses to :mod:`coldstart.errors`:
 - a downloaded blob or manifest whose bytes do not match its digest → :class:`IntegrityError`.
 
 Every public call takes ``timeout`` (seconds, covering all its retries); the client's default is
-``timeout=30``. One client may be shared by many threads (httpx's pool is thread-safe; our token
-cache is locked).
+``RegistryConfig.timeout`` (30 s). One client may be shared by many threads (httpx's pool is
+thread-safe; our token cache is locked).
 
 >>> with RegistryClient() as client:                                  # doctest: +SKIP
 ...     resolved = client.resolve(Reference.parse("127.0.0.1:5000/app:v1"))
@@ -24,8 +25,6 @@ import base64
 import contextlib
 import hashlib
 import io
-import os
-import random
 import re
 import ssl
 import threading
@@ -33,11 +32,12 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, BinaryIO
+from typing import IO, Any, BinaryIO, NoReturn
 from urllib.parse import urlencode, urljoin, urlsplit
 
 import httpx
 
+from coldstart.config import RegistryConfig
 from coldstart.errors import (
     ColdstartError,
     DeadlineExceeded,
@@ -62,18 +62,18 @@ from coldstart.oci.manifest import (
     select_platform,
 )
 from coldstart.oci.reference import Reference, validate_digest
-
-if TYPE_CHECKING:
-    from coldstart.remote.registry_blob import RegistryBlob
+from coldstart.remote.errors import BODY_ERRORS, RETRY_STATUS, is_tls_failure, map_http_error
+from coldstart.remote.retry import Again, Backoff, Deadline, only_again
+from coldstart.remote.retry import retry as retry_call
 
 __all__ = ["AuthError", "RegistryClient", "Resolved"]
 
 MAX_MANIFEST_BYTES = 4 << 20
 _MAX_SMALL_BODY = 16 << 20   # manifests, tokens, error documents: never a blob
-_RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _CHUNK = 1 << 20
 _USER_AGENT = "coldstart/0.1"
+_REGISTRY = RegistryConfig()  # the defaults, written once in coldstart.config
 
 
 class AuthError(FailedPrecondition):
@@ -95,22 +95,6 @@ class Resolved:
     digest: str
     index: Index | None = None      # set when the reference named an index
     index_digest: str | None = None
-
-
-class _Deadline:
-    def __init__(self, seconds: float, what: str) -> None:
-        self.end = time.monotonic() + seconds
-        self.seconds = seconds
-        self.what = what
-
-    def remaining(self) -> float:
-        return self.end - time.monotonic()
-
-    def check(self) -> float:
-        left = self.remaining()
-        if left <= 0:
-            raise DeadlineExceeded(f"{self.what}: no answer within {self.seconds:g} s")
-        return left
 
 
 @dataclass
@@ -160,7 +144,8 @@ class RegistryClient:
     """
 
     def __init__(self, *, insecure_hosts: Iterable[str] = (), docker_config: Path | None = None,
-                 hosts_dir: Path | None = None, timeout: float = 30.0, retries: int = 3,
+                 hosts_dir: Path | None = None, timeout: float = _REGISTRY.timeout,
+                 retries: int = _REGISTRY.retries,
                  backoff: float = 0.2, max_backoff: float = 5.0,
                  credentials: Mapping[str, Credentials | tuple[str, str]] | None = None,
                  max_connections: int = 64, blob_timeout: float = 3600.0,
@@ -172,6 +157,7 @@ class RegistryClient:
         self.retries = retries
         self.backoff = backoff
         self.max_backoff = max_backoff
+        self._backoff = Backoff(backoff, max_backoff)
         self.hosts = HostsConfig.create(hosts_dir, insecure_hosts)
         static = {h: c if isinstance(c, Credentials) else Credentials(*c)
                   for h, c in (credentials or {}).items()}
@@ -225,20 +211,10 @@ class RegistryClient:
 
     # -- the request engine ----------------------------------------------------------------
 
-    def _timeouts(self, deadline: _Deadline) -> httpx.Timeout:
+    def _timeouts(self, deadline: Deadline) -> httpx.Timeout:
         left = max(deadline.check(), 0.001)
         return httpx.Timeout(min(left, self.timeout), connect=min(left, 10.0),
                              pool=min(left, self.timeout))
-
-    def _sleep_backoff(self, attempt: int, deadline: _Deadline, floor: float = 0.0) -> bool:
-        """Sleep before retry ``attempt`` (full jitter, at least ``floor``); False if the
-        deadline would pass first."""
-        delay = random.uniform(0, min(self.max_backoff, self.backoff * (2 ** attempt)))
-        delay = max(delay, floor)
-        if deadline.remaining() <= delay:
-            return False
-        time.sleep(delay)
-        return True
 
     def _auth_header(self, ep: Endpoint, scope: str) -> str | None:
         host = ep.host
@@ -263,7 +239,7 @@ class RegistryClient:
             self.creds.lookup(ep.mirror_of) if ep.mirror_of else None)
 
     def _authenticate(self, ep: Endpoint, challenge: str, scope: str,
-                      deadline: _Deadline) -> bool:
+                      deadline: Deadline) -> bool:
         """Answer a 401 challenge; return whether a retry with new credentials makes sense."""
         scheme, params = _parse_challenge(challenge)
         host = ep.host
@@ -282,7 +258,7 @@ class RegistryClient:
         return True
 
     def _fetch_token(self, ep: Endpoint, params: Mapping[str, str], scope: str,
-                     creds: Credentials | None, deadline: _Deadline) -> _Token:
+                     creds: Credentials | None, deadline: Deadline) -> _Token:
         realm = params["realm"]
         if urlsplit(realm).scheme not in ("http", "https"):
             raise AuthError(f"{ep.host}: bad token realm {realm!r}")
@@ -307,24 +283,20 @@ class RegistryClient:
                 raw = f"{creds.username}:{creds.secret}".encode()
                 headers["Authorization"] = "Basic " + base64.b64encode(raw).decode()
             url = realm + ("&" if "?" in realm else "?") + urlencode(query)
-        attempt = 0
-        while True:
+        client = self._client(ep)
+
+        def once(_: float) -> httpx.Response:
             try:
-                resp = self._client(ep).request(method, url, headers=headers, content=content,
-                                                timeout=self._timeouts(deadline))
-            except httpx.TimeoutException as exc:
-                if deadline.remaining() <= 0 or attempt >= self.retries:
-                    raise DeadlineExceeded(f"token server {realm}: timed out") from exc
+                resp = client.request(method, url, headers=headers, content=content,
+                                      timeout=self._timeouts(deadline))
             except httpx.TransportError as exc:
-                if attempt >= self.retries or not self._sleep_backoff(attempt, deadline):
-                    raise Unavailable(f"token server {realm}: {exc}") from exc
-            else:
-                if resp.status_code in _RETRY_STATUS and attempt < self.retries \
-                        and self._sleep_backoff(attempt, deadline):
-                    attempt += 1
-                    continue
-                break
-            attempt += 1
+                raise map_http_error(exc, f"token server {realm}") from exc
+            if resp.status_code in RETRY_STATUS:
+                raise Unavailable(f"token server {realm} answered {resp.status_code}")
+            return resp
+
+        resp = retry_call(once, what=f"token server {realm}", deadline=deadline,
+                     retries=self.retries, backoff=self._backoff)
         if resp.status_code in (401, 403):
             who = f"as {creds.username!r}" if creds else "anonymously (no credentials found)"
             raise AuthError(f"{ep.host}: token server refused {scope!r} {who}")
@@ -343,7 +315,7 @@ class RegistryClient:
         return _Token(value=value, expires=time.monotonic() + max(ttl - 10.0, ttl / 2))
 
     def _send(self, ep: Endpoint, method: str, url: str, *, scope: str,
-              headers: Mapping[str, str], body: _BodyFactory | None, deadline: _Deadline,
+              headers: Mapping[str, str], body: _BodyFactory | None, deadline: Deadline,
               stream: bool) -> httpx.Response:
         """One attempt, with authentication and redirects; the caller handles statuses."""
         client = self._client(ep)
@@ -418,10 +390,10 @@ class RegistryClient:
                  ok: Iterable[int] = (200,), timeout: float | None = None,
                  stream: bool = False, retry: bool = True, what: str = "",
                  endpoints: Sequence[Endpoint] | None = None,
-                 deadline: _Deadline | None = None) -> httpx.Response:
+                 deadline: Deadline | None = None) -> httpx.Response:
         """Send to each endpoint in turn, retrying transient failures within one deadline."""
         what = what or f"{method} {ref.name}{path}"
-        deadline = deadline or _Deadline(timeout if timeout is not None else self.timeout, what)
+        deadline = deadline or Deadline(timeout if timeout is not None else self.timeout, what)
         scope = scope or f"repository:{ref.repository}:pull"
         eps = list(endpoints) if endpoints is not None else \
             self._endpoints_for(ref.registry, capability)
@@ -448,51 +420,58 @@ class RegistryClient:
 
     def _attempts(self, ep: Endpoint, method: str, url: str, *, scope: str,
                   headers: Mapping[str, str], body: _BodyFactory | None, ok: frozenset[int],
-                  deadline: _Deadline, stream: bool, retry: bool, what: str) -> httpx.Response:
-        attempt = 0
-        while True:
-            floor = 0.0
+                  deadline: Deadline, stream: bool, retry: bool, what: str) -> httpx.Response:
+        tries = 0
+
+        def once(_: float) -> httpx.Response:
+            nonlocal tries
+            tries += 1
+            last = not retry or tries > self.retries
             try:
                 resp = self._send(ep, method, url, scope=scope, headers=headers, body=body,
                                   deadline=deadline, stream=stream)
             except httpx.TimeoutException as exc:
-                if deadline.remaining() <= 0.01 or (retry and attempt >= self.retries):
-                    raise DeadlineExceeded(
-                        f"{what}: {ep.host} did not answer within "
-                        f"{deadline.seconds:g} s") from exc
+                late = DeadlineExceeded(f"{what}: {ep.host} did not answer within "
+                                        f"{deadline.seconds:g} s")
+                if deadline.remaining() <= 0.01 or (retry and last):
+                    raise late from exc
                 if not retry:
                     # one attempt timed out, the call's deadline has not: the caller may
                     # start over (a new upload session)
                     raise Unavailable(f"{what}: {ep.host} timed out: {exc}") from exc
-                cause: BaseException = exc
+                raise Again(late, out_of_time=self._gave_up(what, ep, deadline, exc)) from exc
             except httpx.TransportError as exc:
-                if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+                if is_tls_failure(exc):
                     # retrying cannot fix a certificate; say where to configure trust
                     raise Unavailable(
                         f"{what}: TLS verification of {ep.host} failed ({exc}); give its CA "
                         "with 'ca' in certs.d/<host>/hosts.toml (or skip_verify)") from exc
-                if not retry or attempt >= self.retries:
-                    raise Unavailable(f"{what}: cannot reach {ep.host}: {exc}") from exc
-                cause = exc
-            else:
-                if resp.status_code in ok:
-                    return resp
-                if resp.status_code in _RETRY_STATUS and retry and attempt < self.retries:
-                    resp.close()
-                    cause = Unavailable(f"{what}: {ep.host} answered {resp.status_code}")
-                    retry_after = resp.headers.get("Retry-After", "")
-                    floor = min(float(retry_after), self.max_backoff) \
-                        if retry_after.isdigit() else 0.0
-                else:
-                    self._raise_for(resp, what, ep)
-            if not self._sleep_backoff(attempt, deadline, floor):
-                if isinstance(cause, Unavailable):
-                    raise cause
-                raise DeadlineExceeded(f"{what}: gave up on {ep.host} within "
-                                       f"{deadline.seconds:g} s ({cause})") from cause
-            attempt += 1
+                lost = Unavailable(f"{what}: cannot reach {ep.host}: {exc}")
+                if last:
+                    raise lost from exc
+                raise Again(lost, out_of_time=self._gave_up(what, ep, deadline, exc)) from exc
+            if resp.status_code in ok:
+                return resp
+            if resp.status_code in RETRY_STATUS and not last:
+                resp.close()
+                retry_after = resp.headers.get("Retry-After", "")
+                raise Again(Unavailable(f"{what}: {ep.host} answered {resp.status_code}"),
+                            retry_after=min(float(retry_after), self.max_backoff)
+                            if retry_after.isdigit() else 0.0)
+            self._raise_for(resp, what, ep)
 
-    def _raise_for(self, resp: httpx.Response, what: str, ep: Endpoint) -> None:
+        return retry_call(once, what=what, deadline=deadline, retries=self.retries,
+                     backoff=self._backoff, classify=only_again)
+
+    @staticmethod
+    def _gave_up(what: str, ep: Endpoint, deadline: Deadline,
+                 cause: BaseException) -> DeadlineExceeded:
+        err = DeadlineExceeded(f"{what}: gave up on {ep.host} within {deadline.seconds:g} s "
+                               f"({cause})")
+        err.__cause__ = cause
+        return err
+
+    def _raise_for(self, resp: httpx.Response, what: str, ep: Endpoint) -> NoReturn:
         with contextlib.suppress(httpx.HTTPError):
             resp.read()
         resp.close()
@@ -509,7 +488,7 @@ class RegistryClient:
             raise AuthError(f"{detail}: {verb} {who}")
         if code == 416:
             raise InvalidArgument(detail)
-        if code >= 500 or code in _RETRY_STATUS:
+        if code >= 500 or code in RETRY_STATUS:
             raise Unavailable(detail)
         if code == 400 and "DIGEST_INVALID" in msg:
             raise IntegrityError(detail)
@@ -624,10 +603,11 @@ class RegistryClient:
         algo = digest.split(":", 1)[0]
         hasher = hashlib.new(algo)
         what = f"get blob {digest[:19]} from {ref.name}"
-        deadline = _Deadline(timeout if timeout is not None else self.blob_timeout, what)
+        deadline = Deadline(timeout if timeout is not None else self.blob_timeout, what)
         written = 0
-        attempt = 0
-        while True:
+
+        def once(_: float) -> None:
+            nonlocal written
             headers = {"Range": f"bytes={written}-"} if written else {}
             resp = self._request(ref, "GET", f"/blobs/{digest}", capability="pull",
                                  headers=headers, ok=(200, 206), stream=True, what=what,
@@ -655,26 +635,20 @@ class RegistryClient:
                         progress(len(chunk))
                     if deadline.remaining() <= 0:
                         raise DeadlineExceeded(f"{what}: not done within {deadline.seconds:g} s")
-                break
-            except (httpx.TransportError, httpx.StreamError) as exc:
-                self._retry_body(exc, attempt, deadline, what)
-                attempt += 1
+            except BODY_ERRORS as exc:
+                # the body broke off: resume where it stopped
+                raise Again(map_http_error(exc, f"{what}: connection lost")) from exc
             finally:
                 resp.close()
+
+        retry_call(once, what=what, deadline=deadline, retries=self.retries, backoff=self._backoff,
+              classify=only_again)
         got = f"{algo}:{hasher.hexdigest()}"
         if got != digest:
             raise IntegrityError(f"{what}: content is {got}")
         if size is not None and written != size:
             raise IntegrityError(f"{what}: {written} bytes, descriptor says {size}")
         return written
-
-    def _retry_body(self, exc: Exception, attempt: int, deadline: _Deadline, what: str) -> None:
-        """A body broke off mid-stream: sleep the backoff and return (retry), or raise once the
-        retries or the deadline are spent."""
-        if attempt >= self.retries or not self._sleep_backoff(attempt, deadline):
-            if isinstance(exc, httpx.TimeoutException):
-                raise DeadlineExceeded(f"{what}: stalled: {exc}") from exc
-            raise Unavailable(f"{what}: connection lost: {exc}") from exc
 
     def read_blob_range(self, ref: Reference, digest: str, offset: int, length: int, *,
                         timeout: float | None = None) -> bytes:
@@ -688,22 +662,24 @@ class RegistryClient:
         if length == 0:
             return b""
         what = f"read {digest[:19]}[{offset}:+{length}] from {ref.name}"
-        deadline = _Deadline(timeout if timeout is not None else self.timeout, what)
-        attempt = 0
-        while True:
+        deadline = Deadline(timeout if timeout is not None else self.timeout, what)
+
+        def once(_: float) -> bytes:
             resp = self._request(ref, "GET", f"/blobs/{digest}", capability="pull",
                                  headers={"Range": f"bytes={offset}-{offset + length - 1}"},
                                  ok=(200, 206), stream=True, what=what, deadline=deadline)
             try:
                 return self._range_body(resp, offset, length, deadline, what)
-            except (httpx.TransportError, httpx.StreamError) as exc:
-                self._retry_body(exc, attempt, deadline, what)
-                attempt += 1
+            except BODY_ERRORS as exc:
+                raise Again(map_http_error(exc, f"{what}: connection lost")) from exc
             finally:
                 resp.close()
 
+        return retry_call(once, what=what, deadline=deadline, retries=self.retries,
+                     backoff=self._backoff, classify=only_again)
+
     @staticmethod
-    def _range_body(resp: httpx.Response, offset: int, length: int, deadline: _Deadline,
+    def _range_body(resp: httpx.Response, offset: int, length: int, deadline: Deadline,
                     what: str) -> bytes:
         skip = 0
         # a 206 body is read to its end so the connection goes back to the pool
@@ -729,48 +705,7 @@ class RegistryClient:
                 raise DeadlineExceeded(f"{what}: not done within {deadline.seconds:g} s")
         return bytes(out)
 
-    def open_blob(self, ref: Reference, digest: str, size: int | None = None) -> RegistryBlob:
-        """A :class:`coldstart.remote.RegistryBlob` reading this blob with range requests."""
-        from coldstart.remote.registry_blob import RegistryBlob
-
-        return RegistryBlob(self, ref, digest, size)
-
     # -- blobs: writing --------------------------------------------------------------------
-
-    def _start_upload(self, ref: Reference, *, params: Sequence[tuple[str, str]] = (),
-                      scope: str | None = None, deadline: _Deadline) -> httpx.Response:
-        return self._request(ref, "POST", "/blobs/uploads/", capability="push",
-                             scope=scope or f"repository:{ref.repository}:pull,push",
-                             params=params, ok=(201, 202), deadline=deadline,
-                             headers={"Content-Length": "0"},
-                             what=f"start upload to {ref.name}")
-
-    def _upload_url(self, ref: Reference, resp: httpx.Response) -> str:
-        location = resp.headers.get("Location")
-        if not location:
-            raise Unavailable(f"upload to {ref.name}: registry gave no Location")
-        return str(urljoin(str(resp.request.url), location))
-
-    def _raw(self, ref: Reference, method: str, url: str, *, headers: Mapping[str, str],
-             body: _BodyFactory | None, ok: Iterable[int], deadline: _Deadline,
-             what: str, extra: Sequence[tuple[str, str]] = ()) -> httpx.Response:
-        """A request to an absolute URL given by the registry (upload sessions); no retries,
-        since PATCH/PUT on a session are not idempotent: the caller restarts the upload."""
-        if extra:
-            url += ("&" if "?" in url else "?") + urlencode(extra)
-        ep = self._endpoint_for_url(ref, url)
-        return self._attempts(ep, method, url,
-                              scope=f"repository:{ref.repository}:pull,push",
-                              headers=headers, body=body, ok=frozenset(ok), deadline=deadline,
-                              stream=False, retry=False, what=what)
-
-    def _endpoint_for_url(self, ref: Reference, url: str) -> Endpoint:
-        netloc = urlsplit(url).netloc
-        eps = self._endpoints_for(ref.registry, "push")
-        for ep in eps:
-            if ep.host == netloc:
-                return ep
-        return eps[-1]
 
     def _endpoints_for(self, host: str, capability: str) -> list[Endpoint]:
         # hosts.toml is read once per host: range reads on the FUSE path must not parse files
@@ -791,56 +726,9 @@ class RegistryClient:
         (``POST``, ``PATCH``…, ``PUT ?digest=``); otherwise one monolithic ``PUT``. A failed
         attempt restarts the whole upload session, within the call's deadline.
         """
-        src = _Source.of(data)
-        try:
-            if digest is None:
-                digest = src.digest()
-            validate_digest(digest)
-            if self.blob_exists(ref, digest, timeout=timeout):
-                return digest
-            what = f"push blob {digest[:19]} to {ref.name}"
-            deadline = _Deadline(timeout if timeout is not None else self.blob_timeout, what)
-            attempt = 0
-            while True:
-                try:
-                    self._upload_once(ref, src, digest, chunk_size, deadline, what)
-                    return digest
-                except Unavailable as exc:
-                    if isinstance(exc, DeadlineExceeded) or attempt >= self.retries \
-                            or not self._sleep_backoff(attempt, deadline):
-                        raise
-                    attempt += 1
-        finally:
-            src.close()
+        from coldstart.oci import uploads
 
-    def _upload_once(self, ref: Reference, src: _Source, digest: str, chunk_size: int | None,
-                     deadline: _Deadline, what: str) -> None:
-        start = self._start_upload(ref, deadline=deadline)
-        url = self._upload_url(ref, start)
-        size = src.size()
-        octet = {"Content-Type": "application/octet-stream"}
-        if chunk_size is None or size <= chunk_size:
-            resp = self._raw(ref, "PUT", url, headers={**octet, "Content-Length": str(size)},
-                             body=lambda: src.iter_range(0, size), ok=(201, 204),
-                             deadline=deadline, what=what, extra=[("digest", digest)])
-        else:
-            pos = 0
-            while pos < size:
-                n = min(chunk_size, size - pos)
-                start_at = pos
-                resp = self._raw(ref, "PATCH", url, headers={
-                    **octet, "Content-Length": str(n),
-                    "Content-Range": f"{start_at}-{start_at + n - 1}"},
-                    body=lambda s=start_at, k=n: src.iter_range(s, k),  # type: ignore[misc]
-                    ok=(202, 204), deadline=deadline, what=what)
-                url = self._upload_url(ref, resp)
-                pos += n
-            resp = self._raw(ref, "PUT", url, headers={"Content-Length": "0"}, body=None,
-                             ok=(201, 204), deadline=deadline, what=what,
-                             extra=[("digest", digest)])
-        echoed = resp.headers.get("Docker-Content-Digest")
-        if echoed and echoed != digest:
-            raise IntegrityError(f"{what}: registry stored {echoed}")
+        return uploads.push_blob(self, ref, data, digest, chunk_size=chunk_size, timeout=timeout)
 
     def mount_blob(self, ref: Reference, digest: str, from_repository: str, *,
                    timeout: float | None = None) -> bool:
@@ -848,20 +736,9 @@ class RegistryClient:
 
         Returns ``True`` if mounted, ``False`` if the registry declined (then upload instead).
         """
-        validate_digest(digest)
-        what = f"mount blob {digest[:19]} from {from_repository} into {ref.name}"
-        deadline = _Deadline(timeout if timeout is not None else self.timeout, what)
-        scope = (f"repository:{ref.repository}:pull,push "
-                 f"repository:{from_repository}:pull")
-        resp = self._start_upload(ref, params=[("mount", digest), ("from", from_repository)],
-                                  scope=scope, deadline=deadline)
-        if resp.status_code == 201:
-            return True
-        # 202: the registry opened an ordinary upload session instead; do not leave it dangling
-        with contextlib.suppress(ColdstartError):
-            self._raw(ref, "DELETE", self._upload_url(ref, resp), headers={}, body=None,
-                      ok=(200, 202, 204, 404), deadline=deadline, what=what)
-        return False
+        from coldstart.oci import uploads
+
+        return uploads.mount_blob(self, ref, digest, from_repository, timeout=timeout)
 
     def delete_manifest(self, ref: Reference, *, timeout: float | None = None) -> None:
         """Delete a manifest by digest (registries refuse deletes by tag)."""
@@ -870,56 +747,3 @@ class RegistryClient:
         self._request(ref, "DELETE", f"/manifests/{ref.digest}", capability="push",
                       scope=f"repository:{ref.repository}:pull,push,delete",
                       ok=(200, 202), timeout=timeout, what=f"delete manifest {ref}")
-
-
-class _Source:
-    """A re-readable upload source: bytes in memory, or a seekable file read with pread."""
-
-    def __init__(self, data: bytes | None, fd: int | None, owned: bool, size: int) -> None:
-        self._data = data
-        self._fd = fd
-        self._owned = owned
-        self._size = size
-
-    @classmethod
-    def of(cls, data: bytes | Path | BinaryIO) -> _Source:
-        if isinstance(data, bytes | bytearray | memoryview):
-            b = bytes(data)
-            return cls(b, None, False, len(b))
-        if isinstance(data, Path | str):
-            fd = os.open(data, os.O_RDONLY)
-            return cls(None, fd, True, os.fstat(fd).st_size)
-        try:
-            fd = data.fileno()
-        except (AttributeError, OSError, io.UnsupportedOperation):
-            data.seek(0)
-            b = data.read()
-            return cls(b, None, False, len(b))
-        return cls(None, fd, False, os.fstat(fd).st_size)
-
-    def size(self) -> int:
-        return self._size
-
-    def iter_range(self, offset: int, length: int) -> Iterator[bytes]:
-        if self._data is not None:
-            yield self._data[offset: offset + length]
-            return
-        assert self._fd is not None
-        end = offset + length
-        while offset < end:
-            chunk = os.pread(self._fd, min(_CHUNK, end - offset), offset)
-            if not chunk:
-                raise IntegrityError("upload source shrank while uploading")
-            offset += len(chunk)
-            yield chunk
-
-    def digest(self) -> str:
-        h = hashlib.sha256()
-        for chunk in self.iter_range(0, self._size):
-            h.update(chunk)
-        return f"sha256:{h.hexdigest()}"
-
-    def close(self) -> None:
-        if self._owned and self._fd is not None:
-            os.close(self._fd)
-            self._fd = None

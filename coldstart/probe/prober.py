@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from coldstart.config import ProbeTimingConfig
 from coldstart.errors import InvalidArgument
 from coldstart.probe.checks import Check, GrpcHealthCheck
 from coldstart.probe.endpoint import ReadyEndpoint
@@ -36,12 +37,14 @@ __all__ = ["ProbeConfig", "Prober"]
 
 log = logging.getLogger("coldstart.probe")
 
+_T = ProbeTimingConfig()  # the defaults, written once in coldstart.config
 FORWARDED_SIGNALS = (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
 
 
 @dataclass(frozen=True)
 class ProbeConfig:
-    """Every knob of the prober, in seconds. Defaults suit a GPU model server.
+    """Every knob of the prober, in seconds. Defaults (``coldstart.config.ProbeTimingConfig``,
+    where each is described) suit a GPU model server.
 
     >>> ProbeConfig(service="llama", target="10.0.0.5:8000").startup_interval
     0.005
@@ -49,17 +52,16 @@ class ProbeConfig:
 
     service: str = "default"
     target: str = "127.0.0.1"          # the address routers send requests to
-    startup_interval: float = 0.005    # between tries while STARTING/LOADING
-    startup_try_timeout: float = 0.1   # deadline of one try while starting (Knative: 100 ms)
-    interval: float = 0.1              # between tries once READY or DEGRADED
-    try_timeout: float = 1.0           # deadline of one try once READY
-    heartbeat: float = 1.0             # sinks' keep-alive period
-    ttl: float = 3.0                   # a router stops picking a target this long after its
-    #                                    last heartbeat
-    progress_every: float = 0.1        # progress-only updates are pushed at most this often
-    drain_delay: float = 0.0           # after routers know we drain, before the app's SIGTERM
-    grace: float = 30.0                # the app's grace period after its SIGTERM
-    flush_timeout: float = 2.0         # how long to wait for sinks to take a change when draining
+    startup_interval: float = _T.startup_interval
+    startup_try_timeout: float = _T.startup_try_timeout
+    interval: float = _T.interval
+    try_timeout: float = _T.try_timeout
+    heartbeat: float = _T.heartbeat
+    ttl: float = _T.ttl
+    progress_every: float = _T.progress_every
+    drain_delay: float = _T.drain_delay
+    grace: float = _T.grace
+    flush_timeout: float = _T.flush_timeout
     thresholds: Thresholds = field(default_factory=Thresholds)
 
     def __post_init__(self) -> None:

@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from coldstart.config import ProbeTimingConfig
 from coldstart.errors import InvalidArgument, NotFound, Unavailable
 
 __all__ = [
@@ -36,6 +37,8 @@ __all__ = [
     "keys",
     "load_library",
 ]
+
+_T = ProbeTimingConfig()  # the defaults, written once in coldstart.config
 
 LIBRARY_NAME = "coldstart_v1"
 
@@ -268,7 +271,7 @@ class Router:
         self.keys = keys(service)
 
     @classmethod
-    def connect(cls, url: str, service: str, timeout: float = 2.0) -> Router:
+    def connect(cls, url: str, service: str, timeout: float = _T.router_timeout) -> Router:
         """A router on its own connection pool; every call has ``timeout`` seconds."""
         import redis
 

@@ -22,11 +22,14 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, Protocol
 
+from coldstart.config import ProbeTimingConfig
 from coldstart.errors import InvalidArgument, Unavailable
 from coldstart.probe.router import LIBRARY, channel, keys
 from coldstart.probe.states import State, Status
 
 __all__ = ["KubernetesSink", "RedisSink", "Sink", "WebhookSink", "make_sink"]
+
+_T = ProbeTimingConfig()  # the defaults, written once in coldstart.config
 
 log = logging.getLogger("coldstart.probe")
 
@@ -56,8 +59,8 @@ class RedisSink:
     """
 
     def __init__(
-        self, url: str, service: str, target: str, *, ttl: float = 3.0, timeout: float = 1.0,
-        capacity: int = 0,
+        self, url: str, service: str, target: str, *, ttl: float = _T.ttl,
+        timeout: float = _T.redis_timeout, capacity: int = 0,
     ) -> None:
         import redis.asyncio
 
@@ -139,7 +142,8 @@ class WebhookSink:
     """
 
     def __init__(
-        self, url: str, service: str, target: str, *, timeout: float = 2.0, retries: int = 3,
+        self, url: str, service: str, target: str, *, timeout: float = _T.http_timeout,
+        retries: int = _T.sink_retries,
     ) -> None:
         import httpx
 
@@ -188,7 +192,7 @@ class KubernetesSink:
     def __init__(
         self, namespace: str, pod: str, *, api: str | None = None,
         condition: str = "coldstart.dev/ready", token: str | None = None,
-        ca: str | None = None, timeout: float = 2.0, retries: int = 3,
+        ca: str | None = None, timeout: float = _T.http_timeout, retries: int = _T.sink_retries,
     ) -> None:
         import httpx
 
@@ -257,7 +261,7 @@ class KubernetesSink:
 
 
 def make_sink(
-    url: str, service: str, target: str, *, ttl: float = 3.0, capacity: int = 0,
+    url: str, service: str, target: str, *, ttl: float = _T.ttl, capacity: int = 0,
 ) -> Sink:
     """Build the sink a ``--sink`` URL names.
 

@@ -18,6 +18,7 @@ import enum
 import math
 from dataclasses import dataclass, field, replace
 
+from coldstart.config import ProbeTimingConfig
 from coldstart.errors import InvalidArgument
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "Status",
     "Thresholds",
 ]
+
+_T = ProbeTimingConfig()  # the defaults, written once in coldstart.config
 
 
 class State(enum.StrEnum):
@@ -88,7 +91,7 @@ class Thresholds:
     failures: int = 3
     successes: int = 2
     slow: float = 0.25
-    startup_timeout: float = 600.0
+    startup_timeout: float = _T.startup_timeout
 
     def __post_init__(self) -> None:
         if self.failures < 1 or self.successes < 1:

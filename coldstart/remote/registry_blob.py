@@ -1,55 +1,54 @@
-"""A registry blob read with HTTP range requests, with coalesced multi-range reads."""
+"""A registry blob as a :class:`~coldstart.remote.source.Source`: HTTP range requests through a
+registry client, with coalesced multi-range reads.
+
+The client is taken through :class:`RangeClient`, the two calls this module needs (``oci``'s
+``RegistryClient`` is one): remote sits below oci and never imports it. The client owns auth,
+mirrors, redirects, retries and deadlines; ``timeout`` here is passed through to each call.
+
+>>> blob = RegistryBlob(client, ref, "sha256:" + "0" * 64, size=1234)    # doctest: +SKIP
+>>> blob.read_at(0, 512, timeout=5.0)                                    # doctest: +SKIP
+"""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from coldstart.errors import FormatError, InvalidArgument, Unavailable
 from coldstart.format.readat import check_range
+from coldstart.remote.ranges import coalesce
+from coldstart.remote.source import bytes_view, fill_from_chunks
 
-if TYPE_CHECKING:
-    from coldstart.oci.reference import Reference
-    from coldstart.oci.registry import RegistryClient
-
-__all__ = ["RegistryBlob", "coalesce"]
+__all__ = ["RangeClient", "RegistryBlob", "coalesce", "open_blob"]
 
 
-def coalesce(ranges: Sequence[tuple[int, int]], max_gap: int,
-             max_length: int | None = None) -> list[tuple[int, int]]:
-    """Merge ``(offset, length)`` ranges whose gap is at most ``max_gap``; sorted by offset.
+class RangeClient(Protocol):
+    """What a registry blob needs of a registry client. ``ref`` is the client's own reference
+    type (``coldstart.oci.reference.Reference``), opaque here: typed ``Any`` because a protocol
+    parameter typed ``object`` would demand clients that take any object."""
 
-    A merge that would make one request longer than ``max_length`` is not done (a single range
-    longer than that stays as it is).
+    def blob_size(self, ref: Any, digest: str, *, timeout: float | None = None) -> int: ...
 
-    >>> coalesce([(0, 10), (12, 4), (100, 1)], max_gap=2)
-    [(0, 16), (100, 1)]
-    """
-    out: list[tuple[int, int]] = []
-    for off, length in sorted(r for r in ranges if r[1] > 0):
-        if out and off <= out[-1][0] + out[-1][1] + max_gap:
-            start = out[-1][0]
-            merged = max(out[-1][0] + out[-1][1], off + length) - start
-            if max_length is None or merged <= max_length or off + length <= start + out[-1][1]:
-                out[-1] = (start, merged)
-                continue
-        out.append((off, length))
-    return out
+    def read_blob_range(self, ref: Any, digest: str, offset: int, length: int, *,
+                        timeout: float | None = None) -> bytes: ...
 
 
 class RegistryBlob:
-    """Random access to one blob in a registry: ``read_at``/``size`` over range GETs.
+    """Random access to one blob in a registry: ``read_at``/``read_into``/``size`` over range
+    GETs.
 
-    Shares the (thread-safe) client; counts requests and bytes for observability and tests.
+    Shares the (thread-safe) client, which it does not close; counts ``requests`` and ``bytes``
+    for observability and tests.
     """
 
-    def __init__(self, client: RegistryClient, ref: Reference, digest: str,
+    def __init__(self, client: RangeClient, ref: object, digest: str,
                  size: int | None = None, *, timeout: float | None = None) -> None:
         self.client = client
         self.ref = ref
         self.digest = digest
         self.timeout = timeout
+        self.name = f"{ref}@{digest}" if "@" not in str(ref) else str(ref)
         self._size = size
         self._lock = threading.Lock()
         self.requests = 0
@@ -58,7 +57,7 @@ class RegistryBlob:
     def size(self) -> int:
         """The blob's size (one HEAD request the first time, unless given)."""
         if self._size is None:
-            n = self.client.blob_size(self.ref, self.digest, timeout=self.timeout)
+            n = int(self.client.blob_size(self.ref, self.digest, timeout=self.timeout))
             with self._lock:
                 self._size = n
                 self.requests += 1
@@ -68,6 +67,13 @@ class RegistryBlob:
         with self._lock:
             self.requests += 1
             self.bytes += n
+
+    def _fetch(self, offset: int, length: int, timeout: float | None) -> bytes:
+        data: bytes = self.client.read_blob_range(
+            self.ref, self.digest, offset, length,
+            timeout=self.timeout if timeout is None else timeout)
+        self._count(len(data))
+        return data
 
     def read_at(self, offset: int, length: int, *, timeout: float | None = None) -> bytes:
         """Exactly ``length`` bytes from ``offset``, within ``timeout`` seconds (default: the
@@ -80,9 +86,7 @@ class RegistryBlob:
             raise InvalidArgument(f"bad range: offset {offset}, length {length}")
         if length == 0:
             return b""
-        data = self.client.read_blob_range(self.ref, self.digest, offset, length,
-                                           timeout=self.timeout if timeout is None else timeout)
-        self._count(len(data))
+        data = self._fetch(offset, length, timeout)
         if len(data) != length:
             if known is not None:
                 raise Unavailable(f"blob {self.digest}: asked {length} bytes at {offset}, "
@@ -90,6 +94,16 @@ class RegistryBlob:
             raise FormatError(f"blob {self.digest}: range {offset}..{offset + length} is "
                               f"outside the blob (got {len(data)} bytes)")
         return data
+
+    def read_into(self, offset: int, buffers: Sequence[memoryview], *,
+                  timeout: float | None = None) -> None:
+        """Fill ``buffers`` back to back from ``offset`` (one range request)."""
+        views = [bytes_view(b) for b in buffers]
+        total = sum(v.nbytes for v in views)
+        if total == 0:
+            return
+        data = self.read_at(offset, total, timeout=timeout)
+        fill_from_chunks(self.name, offset, views, [data])
 
     def read_ranges(self, ranges: Sequence[tuple[int, int]], *, max_gap: int = 64 << 10,
                     max_length: int = 32 << 20) -> list[bytes]:
@@ -111,3 +125,15 @@ class RegistryBlob:
             else:
                 raise FormatError(f"blob {self.digest}: range {off}+{length} beyond its end")
         return out
+
+    def close(self) -> None:
+        """Nothing to release: the client is shared (its owner closes it)."""
+
+
+def open_blob(client: RangeClient, ref: object, digest: str, size: int | None = None, *,
+              timeout: float | None = None) -> RegistryBlob:
+    """A :class:`RegistryBlob` reading ``digest`` of ``ref`` through ``client``.
+
+    >>> blob = open_blob(RegistryClient(), ref, layer.digest, layer.size)  # doctest: +SKIP
+    """
+    return RegistryBlob(client, ref, digest, size, timeout=timeout)

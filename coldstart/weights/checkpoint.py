@@ -13,18 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from coldstart.errors import FormatError, InvalidArgument, NotFound
+from coldstart.config import SourceConfig
+from coldstart.errors import FormatError, NotFound
+from coldstart.remote.http import http_client
+from coldstart.remote.locations import scheme_of
+from coldstart.remote.s3 import map_s3_error, s3_client, split_s3_url
 from coldstart.weights.header import Header, parse_header, parse_length
-from coldstart.weights.sources import (
-    HttpSource,
-    LocalSource,
-    RegistrySource,
-    S3Source,
-    Source,
-    map_s3_error,
-    s3_client,
-    split_s3_url,
-)
+from coldstart.weights.sources import Source, name_of, open_source
 
 __all__ = ["INDEX_NAME", "Checkpoint", "Opener", "ShardFile", "read_header"]
 
@@ -32,6 +27,7 @@ INDEX_NAME = "model.safetensors.index.json"
 _SINGLE_NAME = "model.safetensors"
 # First read of a file: most headers fit, so one request usually gets all of it.
 _HEAD_GUESS = 1 << 20
+_SOURCE = SourceConfig()
 
 
 @dataclass
@@ -58,19 +54,20 @@ class Checkpoint:
 def read_header(source: Source) -> Header:
     """Read and validate the header of the file behind ``source`` (one request when it is small).
 
-    >>> from coldstart.weights.sources import LocalSource
+    >>> from coldstart.weights import LocalSource
     >>> read_header(LocalSource("model.safetensors")).tensors  # doctest: +SKIP
     """
     size = source.size()
+    name = name_of(source)
     first = bytearray(min(size, _HEAD_GUESS))
     if first:
         source.read_into(0, [memoryview(first)])
-    n = parse_length(bytes(first[:8]), size, source.name)
+    n = parse_length(bytes(first[:8]), size, name)
     if 8 + n > len(first):
         rest = bytearray(8 + n - len(first))
         source.read_into(len(first), [memoryview(rest)])
         first += rest
-    return parse_header(bytes(first[: 8 + n]), size, source.name)
+    return parse_header(bytes(first[: 8 + n]), size, name)
 
 
 class Opener:
@@ -80,8 +77,8 @@ class Opener:
     ...     ckpt = opener.checkpoint("s3://models/llama/3/")
     """
 
-    def __init__(self, *, concurrency: int = 16, timeout: float = 30.0,
-                 direct: bool = False) -> None:
+    def __init__(self, *, concurrency: int = _SOURCE.concurrency,
+                 timeout: float = _SOURCE.timeout, direct: bool = False) -> None:
         self.concurrency = concurrency
         self.timeout = timeout
         self.direct = direct
@@ -100,7 +97,7 @@ class Opener:
             self._http = None
 
     def _scheme(self, location: str) -> str:
-        return urlsplit(location).scheme if "://" in location else ""
+        return scheme_of(location)
 
     def s3(self) -> Any:
         if self._s3 is None:
@@ -109,31 +106,16 @@ class Opener:
 
     def http(self) -> Any:
         if self._http is None:
-            import httpx
-
-            self._http = httpx.Client(
-                timeout=httpx.Timeout(self.timeout, connect=min(self.timeout, 10.0)),
-                limits=httpx.Limits(max_connections=self.concurrency,
-                                    max_keepalive_connections=self.concurrency),
-                follow_redirects=True,
-            )
+            self._http = http_client(timeout=self.timeout, concurrency=self.concurrency)
         return self._http
 
     def open(self, location: str) -> Source:
-        """Open one file."""
+        """Open one file (network sources share this opener's S3 client / HTTP pool)."""
         scheme = self._scheme(location)
-        if scheme == "s3":
-            return S3Source(location, client=self.s3(), timeout=self.timeout)
-        if scheme in ("http", "https"):
-            return HttpSource(location, client=self.http(), timeout=self.timeout)
-        if scheme == "oci":
-            return RegistrySource(location, timeout=self.timeout)
-        if scheme == "file":
-            return LocalSource(location[len("file://"):], direct=self.direct)
-        if scheme == "":
-            return LocalSource(location, direct=self.direct)
-        raise InvalidArgument(f"{location}: unsupported source scheme {scheme!r} "
-                              "(use a path, s3://, http(s):// or oci://)")
+        return open_source(location, concurrency=self.concurrency, timeout=self.timeout,
+                           direct=self.direct,
+                           http_client=self.http() if scheme in ("http", "https") else None,
+                           s3_client=self.s3() if scheme == "s3" else None)
 
     def read_small(self, location: str) -> bytes:
         """Read a small whole file (an index)."""
@@ -245,7 +227,7 @@ class Opener:
                                       "checkpoint's folder")
                 src = self.open(self._join(index_location, name))
                 files.append(ShardFile(src, read_header(src)))
-            by_file = {posixpath.basename(f.source.name): f for f in files}
+            by_file = {posixpath.basename(name_of(f.source)): f for f in files}
             for tensor, fname in weight_map.items():
                 shard = by_file[posixpath.basename(fname)]
                 if tensor not in shard.header.tensors:
@@ -265,5 +247,5 @@ def _check_unique(location: str, files: list[ShardFile]) -> None:
         for name in f.header.tensors:
             if name in seen:
                 raise FormatError(f"{location}: tensor {name!r} is in both {seen[name]} and "
-                                  f"{f.source.name}")
-            seen[name] = f.source.name
+                                  f"{name_of(f.source)}")
+            seen[name] = name_of(f.source)

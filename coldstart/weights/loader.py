@@ -29,18 +29,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from coldstart.config import SourceConfig, WeightsConfig
 from coldstart.errors import FormatError, InvalidArgument, NotFound
 from coldstart.weights.checkpoint import Checkpoint, Opener, ShardFile, read_header
 from coldstart.weights.dtypes import BITS, torch_dtype, torch_shape
 from coldstart.weights.header import TensorInfo
-from coldstart.weights.sources import LocalSource, Source
+from coldstart.weights.sources import LocalSource, Source, name_of
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["LoadStats", "Slice", "iter_load", "load", "tensor_parallel"]
 
-DEFAULT_CONCURRENCY = 16  # network sources: many requests in flight hide latency
+_SOURCE = SourceConfig()
+_WEIGHTS = WeightsConfig()
+DEFAULT_CONCURRENCY = _SOURCE.concurrency  # network sources: many requests in flight hide latency
 
 
 def local_concurrency(mapped: bool) -> int:
@@ -48,8 +51,8 @@ def local_concurrency(mapped: bool) -> int:
     a few per core; populating a file map mostly waits on the disk, so more."""
     cpus = os.cpu_count() or 1
     return max(8, min(16, 4 * cpus)) if mapped else max(2, min(16, 2 * cpus))
-DEFAULT_CHUNK = 16 << 20
-DEFAULT_MAX_HOST = 512 << 20
+DEFAULT_CHUNK = _WEIGHTS.chunk_bytes
+DEFAULT_MAX_HOST = _WEIGHTS.max_host_bytes
 # Gaps up to this size between wanted ranges are read and dropped rather than cut into two reads.
 _COALESCE_GAP = 256 << 10
 
@@ -383,7 +386,7 @@ def iter_load(
     select: Select = None,
     direct: bool = False,
     cpu_mode: str = "auto",
-    timeout: float = 30.0,
+    timeout: float = _SOURCE.timeout,
     progress: Callable[[int], None] | None = None,
     stats: LoadStats | None = None,
 ) -> Generator[tuple[str, torch.Tensor], None, None]:
@@ -432,7 +435,7 @@ def iter_load(
                     direct=direct)
     try:
         if isinstance(source, Source):
-            ckpt = Checkpoint(source.name, [ShardFile(source, read_header(source))], {})
+            ckpt = Checkpoint(name_of(source), [ShardFile(source, read_header(source))], {})
         else:
             ckpt = opener.checkpoint(source)
         try:
@@ -614,7 +617,7 @@ def load(
     select: Select = None,
     direct: bool = False,
     cpu_mode: str = "auto",
-    timeout: float = 30.0,
+    timeout: float = _SOURCE.timeout,
     progress: Callable[[int], None] | None = None,
     stats: LoadStats | None = None,
 ) -> dict[str, torch.Tensor]:

@@ -11,10 +11,13 @@ import tempfile
 from pathlib import Path
 from typing import Any, Protocol
 
+from coldstart.config import SourceConfig
 from coldstart.errors import InvalidArgument, NotFound
-from coldstart.weights.sources import map_s3_error, s3_client, split_s3_url
+from coldstart.remote.s3 import map_s3_error, s3_client, s3_errors, split_s3_url
 
 __all__ = ["LocalStore", "S3Store", "Store", "open_store"]
+
+_SOURCE = SourceConfig()
 
 
 class Store(Protocol):
@@ -123,14 +126,13 @@ class S3Store:
     >>> store = S3Store("s3://models/repo")  # doctest: +SKIP
     """
 
-    def __init__(self, url: str, *, client: Any = None, timeout: float = 30.0) -> None:
-        from botocore.exceptions import BotoCoreError, ClientError
-
+    def __init__(self, url: str, *, client: Any = None,
+                 timeout: float = _SOURCE.timeout) -> None:
         self.root = url.rstrip("/")
         self.bucket, prefix = split_s3_url(url)
         self.prefix = prefix.strip("/")
-        self._client = client or s3_client(concurrency=16, timeout=timeout)
-        self._errors = (BotoCoreError, ClientError)
+        self._client = client or s3_client(concurrency=_SOURCE.concurrency, timeout=timeout)
+        self._errors = s3_errors()
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key

@@ -30,6 +30,7 @@ from coldstart.oci.manifest import (
 )
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
+from coldstart.remote import open_blob
 from tests.fixtures.registry import Registry
 from tests.integration.oci.oci_testimages import (
     BuiltImage,
@@ -143,7 +144,7 @@ def test_registry_index_to_registry(registry: Registry, tmp_path: Path) -> None:
             r = client.resolve(Reference.parse(dst_text), desc.platform)
             assert all(x.media_type == OCI_LAYER_ZSTD for x in r.manifest.layers)
             top = r.manifest.layers[-1]   # upper_layer() in both platforms
-            blob = client.open_blob(r.ref, top.digest, top.size)
+            blob = open_blob(client, r.ref, top.digest, top.size)
             opened = open_layer(blob, annotations=top.annotations)
             assert opened.read_file("data/new.txt") == b"new in layer 2\n" * 100
 
@@ -199,7 +200,7 @@ def test_layout_to_registry_and_cli(registry: Registry, tmp_path: Path) -> None:
     with RegistryClient() as client:
         r = client.resolve(Reference.parse(dst))
         top = r.manifest.layers[1]
-        blob = client.open_blob(r.ref, top.digest, top.size)
+        blob = open_blob(client, r.ref, top.digest, top.size)
         layer = open_layer(blob, annotations=top.annotations)
         assert layer.read_file("etc/hostname") == b"converted\n"
     with tarfile.open(fileobj=io.BytesIO(_untar(client_blob(registry, r.ref, top.digest))),

@@ -1,45 +1,26 @@
-"""Helpers for the lazy data plane tests: build layers, push them, run the FUSE server."""
+"""Helpers for the lazy data plane tests: build layers (test data, here), push them and run the
+FUSE server (real daemons: :mod:`coldstart.stack`, re-exported under their old names)."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
-import json
-import os
-import random
-import subprocess
-import sys
 import tarfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from coldstart.format.writer import LayerResult, convert_layer
-from coldstart.lazyfs.client import FuseServerClient
-from coldstart.lazyfs.mountsys import lazy_unmount, mounted_paths
-from coldstart.lazyfs.spec import LayerSpec
-from coldstart.oci.manifest import OCI_CONFIG, Descriptor, build_manifest
-from coldstart.oci.reference import Reference
-from coldstart.oci.registry import RegistryClient
-from tests.fixtures.procs import daemon, unix_open
+from coldstart.stack.images import realistic_bytes
+from coldstart.stack.mounts import unmount_under
+from coldstart.stack.registry import push_layer
+from coldstart.stack.snapshotter import fuse_server
+from coldstart.stack.snapshotter import fuse_server_config as write_config
+
+__all__ = ["MTIME", "REPO_ROOT", "SourceTree", "convert", "fuse_server", "metadata_tar",
+           "push_layer", "realistic_bytes", "sha", "unmount_under", "write_config"]
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 MTIME = 1_700_000_000
-
-
-def realistic_bytes(n: int, seed: int) -> bytes:
-    """Compressible but not trivial: random bytes mixed with text."""
-    rng = random.Random(seed)
-    words = [b"torch", b"cuda", b"import", b"def ", b"return", b"self", b"\n", b"    ",
-             b"tensor", b"0x7f", b"lib", b".so", b"python3"]
-    out = bytearray()
-    while len(out) < n:
-        if rng.random() < 0.3:
-            out += rng.randbytes(rng.randint(16, 256))
-        else:
-            out += b" ".join(rng.choice(words) for _ in range(rng.randint(4, 40)))
-    return bytes(out[:n])
 
 
 def _info(name: str, type_: bytes, mode: int, *, uid: int = 0, gid: int = 0,
@@ -124,79 +105,6 @@ def convert(tar: bytes, fmt: str, chunk_size: int = 64 << 10,
     result = convert_layer(io.BytesIO(tar), out, format=fmt, chunk_size=chunk_size,
                            prefetch=prefetch)
     return out.getvalue(), result
-
-
-def push_layer(host: str, repo: str, blob: bytes, result: LayerResult, *,
-               with_annotations: bool = True, pull_host: str | None = None) -> LayerSpec:
-    """Push ``blob`` and a manifest naming it; a spec (annotations optional: the server then
-    finds them in the manifest)."""
-    ref = Reference.parse(f"{host}/{repo}:v1")
-    with RegistryClient(insecure_hosts=[host]) as client:
-        client.push_blob(ref, blob, result.digest)
-        config = json.dumps({"architecture": "amd64", "os": "linux",
-                             "rootfs": {"type": "layers", "diff_ids": [result.diff_id]}}).encode()
-        cdigest = client.push_blob(ref, config)
-        manifest = build_manifest(
-            Descriptor(media_type=OCI_CONFIG, digest=cdigest, size=len(config)),
-            [Descriptor(media_type=result.media_type, digest=result.digest, size=result.size,
-                        annotations=dict(result.annotations))])
-        mdigest = client.push_manifest(ref, manifest.to_bytes(), manifest.media_type)
-    return LayerSpec(reference=f"{pull_host or host}/{repo}:v1", digest=result.digest,
-                     size=result.size, media_type=result.media_type, manifest_digest=mdigest,
-                     annotations=dict(result.annotations) if with_annotations else {})
-
-
-def write_config(path: Path, root: Path, *, registry_host: str, read_deadline: float = 10.0,
-                 request_timeout: float = 5.0, cache_max: int = 1 << 30,
-                 max_coalesce: int = 16 << 20) -> Path:
-    path.write_text(
-        f'root = "{root}"\n'
-        "[registry]\n"
-        f'insecure_hosts = ["{registry_host}"]\n'
-        f'hosts_dir = "{root}/certs.d"\n'
-        f'docker_config = "{root}/docker-config.json"\n'
-        "timeout = 5.0\nretries = 0\n"
-        "[fetch]\n"
-        f"read_deadline = {read_deadline}\nrequest_timeout = {request_timeout}\n"
-        f"max_coalesce_bytes = {max_coalesce}\nconcurrency = 4\n"
-        "[cache]\n"
-        f"max_bytes = {cache_max}\n"
-        "[fuse]\n"
-        f'socket = "{root}/fuse.sock"\n'
-    )
-    return path
-
-
-@contextlib.contextmanager
-def fuse_server(tmp: Path, *, registry_host: str, log_name: str = "fuse-server.log",
-                extra_args: tuple[str, ...] = (), **config: float | int
-                ) -> Iterator[tuple[subprocess.Popen[bytes], FuseServerClient, Path]]:
-    """Start ``coldstart fuse-server`` for a test; stop it and unmount everything after."""
-    root = tmp / "root"
-    root.mkdir(exist_ok=True)
-    cfg = write_config(tmp / "config.toml", root, registry_host=registry_host,
-                       **config)  # type: ignore[arg-type]
-    sock = root / "fuse.sock"
-    with contextlib.suppress(FileNotFoundError):
-        sock.unlink()
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    try:
-        with daemon([sys.executable, "-m", "coldstart.cli", "fuse-server", "--config", str(cfg),
-                     *extra_args],
-                    log=tmp / log_name, ready=unix_open(sock), what="fuse-server",
-                    env=env, cwd=REPO_ROOT) as proc:
-            yield proc, FuseServerClient(str(sock), timeout=30.0), root
-    finally:
-        unmount_under(tmp)
-
-
-def unmount_under(path: Path) -> None:
-    """Lazily unmount every mount at or below ``path`` (deepest first)."""
-    prefix = os.path.realpath(path)
-    mps = [p for p, _ in mounted_paths() if p == prefix or p.startswith(prefix + "/")]
-    for mp in sorted(mps, key=len, reverse=True):
-        with contextlib.suppress(Exception):
-            lazy_unmount(mp)
 
 
 def sha(data: bytes) -> str:

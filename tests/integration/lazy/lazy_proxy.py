@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 
-from tests.fixtures.procs import free_port
+from coldstart.stack.procs import free_port
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d+)")
 

@@ -21,7 +21,7 @@ from coldstart.oci.layout import OciLayout
 from coldstart.oci.manifest import OCI_INDEX, OCI_MANIFEST, Platform, digest_of
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import AuthError, RegistryClient
-from coldstart.remote import RegistryBlob
+from coldstart.remote import RegistryBlob, open_blob
 from tests.fixtures.registry import AuthRegistry, Registry, TLSRegistry, faulty_proxy
 from tests.integration.oci.oci_testimages import (
     base_layer,
@@ -113,7 +113,7 @@ def test_range_reads_and_blob_source(registry: Registry, client: RegistryClient)
     assert client.read_blob_range(ref, d, 1000, 70_000) == BLOB[1000:71_000]
     assert client.read_blob_range(ref, d, len(BLOB) - 5, 100) == BLOB[-5:]  # short at the end
 
-    blob = client.open_blob(ref, d)
+    blob = open_blob(client, ref, d)
     assert isinstance(blob, RegistryBlob)
     assert blob.size() == len(BLOB)
     parts = blob.read_ranges([(500, 10), (0, 100), (120, 30), (1_000_000, 5)], max_gap=64)

@@ -1,8 +1,8 @@
 """Helpers for the pull tests: private daemons, tiny busybox images built in Python, the
 registry's access log, and a file-by-file walk of mounted snapshots.
 
-containerd and the coldstart snapshotter are started with the factories of
-tests/fixtures/containerd.py, each test module getting its own (a fresh snapshotter root, so
+containerd and the coldstart snapshotter are started with coldstart.stack's factories, each
+test module getting its own (a fresh snapshotter root, so
 byte counts and lazy/downloaded outcomes do not depend on other modules), in short directories
 under /tmp (unix socket paths are limited to 108 bytes; /tmp is ext4 here, so overlayfs works).
 """
@@ -12,17 +12,13 @@ from __future__ import annotations
 import contextlib
 import gzip
 import hashlib
-import io
 import json
 import os
-import re
-import shutil
 import stat
 import subprocess
-import tarfile
 import tempfile
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -30,133 +26,32 @@ from coldstart.containerd import Containerd
 from coldstart.oci.manifest import OCI_CONFIG, OCI_INDEX, OCI_LAYER_GZIP, OCI_MANIFEST, digest_of
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
-from tests.fixtures.containerd import Containerd as ContainerdProc
-from tests.fixtures.containerd import (
-    SnapshotterDaemon,
-    snapshotter_config,
-    start_containerd,
-    unmount_under,
-)
+from coldstart.stack.containerd import temp_containerd
+from coldstart.stack.images import APPLETS, Entry, busybox_entries, layer_tar
+from coldstart.stack.procs import coldstart_cli
+from coldstart.stack.registry import AccessLog, Served
+from coldstart.stack.snapshotter import LocalStack, temp_local_stack
 
-BUSYBOX = Path("/bin/busybox") if Path("/bin/busybox").exists() else Path("/usr/bin/busybox")
-
-
-@contextlib.contextmanager
-def containerd(proxy_socket: str | None = None) -> Iterator[ContainerdProc]:
-    """A private containerd (the shared fixture module's factory) in a short /tmp directory;
-    ``ctr`` runs in namespace ``default`` unless told otherwise, like ``coldstart pull``."""
-    base = Path(tempfile.mkdtemp(prefix="cs-ctd-", dir="/tmp"))
-    try:
-        with start_containerd(base, proxy_socket) as proc:
-            proc.namespace = "default"
-            yield proc
-    finally:
-        unmount_under(base)
-        shutil.rmtree(base, ignore_errors=True)
+__all__ = ["APPLETS", "HELLO", "SMALL", "UNREAD", "WORKLOAD", "AccessLog", "Entry", "LazyStack",
+           "Node", "PushedImage", "Served", "busybox_entries", "coldstart_cli", "containerd",
+           "layer_tar", "lazy_stack", "mounted_view", "push_image", "push_index", "rich_layers",
+           "walk_tree", "workload_expected"]
 
 
-@dataclass(frozen=True)
-class LazyStack:
-    ctd: ContainerdProc
-    snapshotter: SnapshotterDaemon
-
-    @property
-    def fuse_log(self) -> Path:
-        return self.snapshotter.root / "fuse-server.log"
+# the private containerd and the snapshotter + containerd stack are coldstart.stack's
+containerd = temp_containerd
+LazyStack = LocalStack
 
 
-@contextlib.contextmanager
 def lazy_stack(log_level: str = "info", background_rate: int | None = None
-               ) -> Iterator[LazyStack]:
-    """``coldstart snapshotter`` (which spawns its FUSE server) and a containerd that knows it
-    as ``coldstart``, fresh, under one temporary directory; stopped by PID, mounts undone.
-
-    The snapshotter's config is the fixture module's, at ``log_level`` (its default, debug,
-    costs CPU on every FUSE request, which a benchmark must not pay)."""
-    base = Path(tempfile.mkdtemp(prefix="cs-lz-", dir="/tmp"))
-    sn_base = base / "sn"
-    sn_base.mkdir()
-    config = sn_base / "config.toml"
-    text = snapshotter_config(sn_base).replace('log_level = "debug"', f'log_level = "{log_level}"')
-    if background_rate is not None:
-        text += f"[fetch]\nbackground_rate = {background_rate}\n"
-    config.write_text(text)
-    sn = SnapshotterDaemon(base=sn_base, root=sn_base / "root", socket=str(sn_base / "s.sock"),
-                           config=config, log=sn_base / "snapshotter.log")
-    try:
-        sn.start()
-        with start_containerd(base / "ctrd", proxy_socket=sn.socket) as ctd:
-            ctd.namespace = "default"
-            yield LazyStack(ctd=ctd, snapshotter=sn)
-    finally:
-        sn.stop()
-        unmount_under(base)
-        shutil.rmtree(base, ignore_errors=True)
+               ) -> contextlib.AbstractContextManager[LocalStack]:
+    """coldstart.stack's snapshotter + containerd in a fresh /tmp directory (see
+    :func:`coldstart.stack.snapshotter.temp_local_stack`)."""
+    return temp_local_stack(log_level=log_level, background_rate=background_rate)
 
 
-# -- images ------------------------------------------------------------------------------------
+# -- images: coldstart.stack.images (Entry, layer_tar, busybox_entries, APPLETS) --------------
 
-@dataclass
-class Entry:
-    """One tar member. ``kind``: file, dir, symlink, hardlink, whiteout, opaque."""
-
-    path: str
-    kind: str = "file"
-    data: bytes = b""
-    mode: int = 0o644
-    uid: int = 0
-    gid: int = 0
-    target: str = ""
-    xattrs: dict[str, str] = field(default_factory=dict)
-    mtime: int = 1_700_000_000
-
-
-def layer_tar(entries: Sequence[Entry]) -> bytes:
-    """An uncompressed PAX tar of ``entries`` (whiteouts in the OCI ``.wh.`` form)."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for e in entries:
-            name = e.path
-            if e.kind == "whiteout":
-                head, _, base = name.rpartition("/")
-                name = f"{head}/.wh.{base}" if head else f".wh.{base}"
-            elif e.kind == "opaque":
-                name = f"{name.rstrip('/')}/.wh..wh..opq"
-            ti = tarfile.TarInfo(name)
-            ti.mode, ti.uid, ti.gid, ti.mtime = e.mode, e.uid, e.gid, e.mtime
-            ti.uname = ti.gname = ""
-            if e.xattrs:
-                ti.pax_headers = {f"SCHILY.xattr.{k}": v for k, v in e.xattrs.items()}
-            data: bytes | None = None
-            if e.kind == "dir":
-                ti.type = tarfile.DIRTYPE
-            elif e.kind == "symlink":
-                ti.type, ti.linkname = tarfile.SYMTYPE, e.target
-                ti.mode = 0o777
-            elif e.kind == "hardlink":
-                ti.type, ti.linkname = tarfile.LNKTYPE, e.target
-            elif e.kind in ("whiteout", "opaque"):
-                ti.type, ti.size = tarfile.REGTYPE, 0
-                data = b""
-            else:
-                ti.type, ti.size = tarfile.REGTYPE, len(e.data)
-                data = e.data
-            tar.addfile(ti, io.BytesIO(data) if data is not None else None)
-    return buf.getvalue()
-
-
-APPLETS = ("sh", "cat", "ls", "echo", "sha256sum", "head", "tail", "wc", "stat", "find", "sleep")
-
-
-def busybox_entries(applets: Sequence[str] = APPLETS) -> list[Entry]:
-    """/bin/busybox (static) and its applets as symlinks: enough for ``sh -c``."""
-    out = [Entry("bin", "dir", mode=0o755),
-           Entry("bin/busybox", data=BUSYBOX.read_bytes(), mode=0o755)]
-    out += [Entry(f"bin/{a}", "symlink", target="busybox") for a in applets]
-    out += [Entry("tmp", "dir", mode=0o1777), Entry("proc", "dir", mode=0o555),
-            Entry("dev", "dir", mode=0o755), Entry("sys", "dir", mode=0o555),
-            Entry("etc", "dir", mode=0o755)]
-    return out
 
 
 @dataclass(frozen=True)
@@ -200,53 +95,6 @@ def push_image(client: RegistryClient, ref: str, layers: Sequence[Sequence[Entry
                        layer_digests=tuple(str(d["digest"]) for d in descs),
                        layer_sizes=tuple(sizes),
                        diff_ids=tuple(diff_ids))
-
-
-def coldstart_cli(*args: str, timeout: float = 300.0) -> subprocess.CompletedProcess[str]:
-    """Run the ``coldstart`` CLI in a subprocess, as a user would."""
-    venv_python = Path(__file__).resolve().parents[3] / ".venv" / "bin" / "python"
-    python = str(venv_python) if venv_python.exists() else "python3"
-    return subprocess.run([python, "-c", "from coldstart.cli import main; main()", *args],
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-# -- registry access log -----------------------------------------------------------------------
-
-_ACCESS_RE = re.compile(r'"(GET|HEAD|PUT|POST|PATCH|DELETE) (\S+) HTTP/[\d.]+" (\d{3}) (\d+|-)')
-
-
-@dataclass(frozen=True)
-class Served:
-    method: str
-    path: str
-    status: int
-    bytes: int
-
-
-class AccessLog:
-    """Requests a registry logged after the moment this object was made."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.start = path.stat().st_size
-
-    def requests(self) -> list[Served]:
-        with open(self.path, "rb") as f:
-            f.seek(self.start)
-            text = f.read().decode(errors="replace")
-        out = []
-        for m in _ACCESS_RE.finditer(text):
-            out.append(Served(m.group(1), m.group(2), int(m.group(3)),
-                              0 if m.group(4) == "-" else int(m.group(4))))
-        return out
-
-    def blob_requests(self, digest: str) -> list[Served]:
-        return [r for r in self.requests() if r.method == "GET"
-                and r.path.endswith(f"/blobs/{digest}")]
-
-    def blob_bytes(self, digest: str) -> int:
-        return sum(r.bytes for r in self.blob_requests(digest))
 
 
 def push_index(client: RegistryClient, ref: str, image: PushedImage) -> str:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from coldstart.remote.s3 import split_s3_url
 from coldstart.weights import ModelRepository
-from coldstart.weights.sources import split_s3_url
 from tests.fixtures.s3 import s3_client
 from tests.unit.weights.repo_suite import RepositorySuite
 

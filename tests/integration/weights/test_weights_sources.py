@@ -331,8 +331,8 @@ def test_s3_dribbling_body_hits_the_deadline(http_files: RangeServer, files: Pat
     import time
 
     from coldstart.errors import DeadlineExceeded
-    from coldstart.weights.sources import S3Source
-    from coldstart.weights.sources import s3_client as make_client
+    from coldstart.remote.s3 import S3Source
+    from coldstart.remote.s3 import s3_client as make_client
 
     for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x",
                  "AWS_DEFAULT_REGION": "us-east-1"}.items():

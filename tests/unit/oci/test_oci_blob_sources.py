@@ -9,14 +9,14 @@ import pytest
 
 from coldstart.errors import FormatError, InvalidArgument, NotFound
 from coldstart.format.readat import ReadAt
-from coldstart.remote import BlobSource, LocalFileBlob, coalesce
+from coldstart.remote import LocalFileBlob, Source, coalesce
 
 
 def test_local_file_blob(tmp_path: Path) -> None:
     data = bytes(range(256)) * 100
     (tmp_path / "b").write_bytes(data)
     with LocalFileBlob(tmp_path / "b") as blob:
-        assert isinstance(blob, BlobSource) and isinstance(blob, ReadAt)
+        assert isinstance(blob, Source) and isinstance(blob, ReadAt)
         assert blob.size() == len(data)
         assert blob.read_at(10, 5) == data[10:15]
         assert blob.read_at(len(data), 0) == b""

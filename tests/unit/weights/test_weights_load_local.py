@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from coldstart.errors import FormatError, InvalidArgument, NotFound
+from coldstart.remote.local import bounce_buffers_made
 from coldstart.weights import LoadStats, LocalSource, Slice, iter_load, load, tensor_parallel
-from coldstart.weights.sources import bounce_buffers_made
 from tests.unit.weights.weights_data import assert_identical, every_dtype, save, save_sharded
 
 

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from coldstart.errors import IntegrityError
+from coldstart.remote.registry_verify import OrderedDigest as _OrderedDigest
 from coldstart.weights import LoadStats, RegistrySource, iter_load, load
 from coldstart.weights.checkpoint import Opener
-from coldstart.weights.sources import _OrderedDigest
 from tests.unit.weights.weights_data import assert_identical, every_dtype, save
 
 

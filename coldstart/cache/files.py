@@ -1,0 +1,104 @@
+"""The loose-file store: big chunks, one file each, ``sha256/ab/abcdef…`` (CONVENTIONS §7).
+
+A chunk is written two-phase: a temporary file in ``wip/``, then ``rename(2)`` into place, so a
+reader sees the whole chunk or nothing; its name is its digest, so two processes that store one
+chunk write the same bytes. Temp files older than ``WIP_MAX_AGE`` are leftovers of a crashed
+writer and go at start-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+import time
+from pathlib import Path
+
+from coldstart.cache.index import Found
+
+__all__ = ["FileStore"]
+
+_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
+# temp files older than this are leftovers of a crashed writer
+WIP_MAX_AGE = 3600.0
+
+
+class FileStore:
+    """Big chunks as files under ``objects`` (temp files in ``wip``)."""
+
+    def __init__(self, objects: Path, wip: Path, *, durable: bool) -> None:
+        self.objects = objects
+        self.wip = wip
+        self.durable = durable
+        for d in (objects, wip):
+            d.mkdir(parents=True, exist_ok=True)
+        self._shards: set[str] = set()              # sha256/<xx> directories known to exist
+
+    def path(self, hexd: str) -> Path:
+        return self.objects / hexd[:2] / hexd
+
+    def scan(self) -> list[Found]:
+        """Every chunk file (for the start-up index), with its mtime and size."""
+        found: list[Found] = []
+        with os.scandir(self.objects) as shards:
+            for shard in shards:
+                if not shard.is_dir(follow_symlinks=False):
+                    continue
+                self._shards.add(shard.name)
+                with os.scandir(shard.path) as files:
+                    for f in files:
+                        if not _HEX_RE.match(f.name) or f.name[:2] != shard.name:
+                            continue
+                        try:
+                            st = f.stat(follow_symlinks=False)
+                        except FileNotFoundError:
+                            continue
+                        found.append((st.st_mtime, f.name, 0, f.name, st.st_size, None))
+        return found
+
+    def clean_wip(self) -> None:
+        """Remove temp files a crashed writer left (older than ``WIP_MAX_AGE``)."""
+        now = time.time()
+        with os.scandir(self.wip) as wips:
+            for w in wips:
+                with contextlib.suppress(OSError):
+                    if now - w.stat(follow_symlinks=False).st_mtime > WIP_MAX_AGE:
+                        os.unlink(w.path)
+
+    def exists(self, hexd: str) -> bool:
+        return self.path(hexd).exists()
+
+    def open(self, hexd: str) -> int | None:
+        """A read-only descriptor of the chunk's file, or None if there is none."""
+        try:
+            return os.open(self.path(hexd), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+
+    def write(self, hexd: str, data: bytes | bytearray | memoryview) -> None:
+        """Store the chunk's file: temp file, (fsync if durable), rename into place."""
+        path = self.path(hexd)
+        if hexd[:2] not in self._shards:
+            path.parent.mkdir(exist_ok=True)
+            self._shards.add(hexd[:2])
+        tmp = self.wip / f"{hexd}.{os.getpid()}.{threading.get_ident()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            if self.durable:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        os.close(fd)
+        os.rename(tmp, path)
+
+    def unlink(self, hexd: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path(hexd))

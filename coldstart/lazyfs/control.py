@@ -1,0 +1,240 @@
+"""The FUSE server's control protocol, both sides of it: framing, ops, shapes, errors, dispatch.
+
+The gRPC snapshotter (through :mod:`coldstart.lazyfs.client`) and the FUSE server (through
+:mod:`coldstart.lazyfs.server`) meet only here and at the layer spec. One JSON object per line
+(UTF-8, ``\\n``-terminated), one request per connection in practice, any number allowed; blank
+lines are skipped; a request line over :data:`MAX_LINE` bytes ends the connection with an
+``InvalidArgument`` reply::
+
+    {"op": "ping"}                                        -> {"ok": true, "result": {"pid": …}}
+    {"op": "mount", "mountpoint": P, "spec": {…}}         -> {"ok": true, "result": null}
+    {"op": "check", "mountpoint": P}                      -> {"ok": true, "result": null}
+    {"op": "unmount", "mountpoint": P}                    -> {"ok": true, "result": null}
+    {"op": "status"}                                      -> {"ok": true, "result": [{…}, …]}
+    failure:  {"ok": false, "error": {"kind": "IntegrityError",
+                                      "kinds": ["IntegrityError", "ColdstartError"], "message": …}}
+
+``P`` is an absolute path (normalized by the server); ``spec`` is a
+:class:`~coldstart.lazyfs.spec.LayerSpec`'s JSON object. An error travels as its kind and the
+kinds it derives from, most specific first, so a reader that does not know a new kind (a server
+newer than its client) rebuilds its nearest known base: :func:`error_payload` and
+:func:`error_from_payload` are each other's inverse. The wire form is frozen: snapshotters and FUSE
+servers of different versions talk to each other across an upgrade.
+
+This module does no I/O and imports neither trio nor pyfuse3 (the snapshotter imports it): the
+server's trio loop feeds received bytes to a :class:`LineBuffer` and hands each line to
+:func:`dispatch`, which calls a :class:`ControlHandler`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Protocol
+
+from coldstart import errors
+from coldstart.errors import ColdstartError, InvalidArgument
+from coldstart.lazyfs.spec import LayerSpec
+
+__all__ = [
+    "CHECK",
+    "MAX_LINE",
+    "MOUNT",
+    "OPS",
+    "PING",
+    "STATUS",
+    "UNMOUNT",
+    "ControlHandler",
+    "LineBuffer",
+    "check_request",
+    "decode_reply",
+    "dispatch",
+    "encode",
+    "error_from_payload",
+    "error_payload",
+    "error_reply",
+    "mount_request",
+    "ok_reply",
+    "ping_request",
+    "status_request",
+    "unmount_request",
+]
+
+log = logging.getLogger(__name__)
+
+#: longest request line the server reads (a layer spec with its annotations is a few KiB)
+MAX_LINE = 1 << 20
+
+PING = "ping"
+MOUNT = "mount"
+CHECK = "check"
+UNMOUNT = "unmount"
+STATUS = "status"
+OPS = (PING, MOUNT, CHECK, UNMOUNT, STATUS)
+
+
+# -- framing -------------------------------------------------------------------------------
+
+def encode(message: dict[str, Any]) -> bytes:
+    """One message as its wire line (requests and replies alike)."""
+    return json.dumps(message).encode() + b"\n"
+
+
+class LineBuffer:
+    """Split a byte stream into lines: ``feed(data)`` returns the complete, non-blank ones.
+
+    ``max_line`` (None: no limit) bounds what may pile up without a newline: beyond it
+    :meth:`feed` raises InvalidArgument, and the connection is beyond repair.
+
+    >>> b = LineBuffer()
+    >>> b.feed(b'{"op": "ping"}\\n\\n{"op"'), b.feed(b': "status"}\\n')
+    ([b'{"op": "ping"}'], [b'{"op": "status"}'])
+    """
+
+    def __init__(self, max_line: int | None = MAX_LINE) -> None:
+        self.max_line = max_line
+        self._buf = b""
+
+    def feed(self, data: bytes | bytearray) -> list[bytes]:
+        self._buf += data
+        if (self.max_line is not None and len(self._buf) > self.max_line
+                and b"\n" not in self._buf):
+            raise InvalidArgument("request line too long")
+        *lines, self._buf = self._buf.split(b"\n")
+        return [line for line in lines if line.strip()]
+
+
+# -- requests (client side) ----------------------------------------------------------------
+
+def ping_request() -> dict[str, Any]:
+    return {"op": PING}
+
+
+def mount_request(mountpoint: str, spec: LayerSpec) -> dict[str, Any]:
+    return {"op": MOUNT, "mountpoint": mountpoint, "spec": json.loads(spec.to_json())}
+
+
+def check_request(mountpoint: str) -> dict[str, Any]:
+    return {"op": CHECK, "mountpoint": mountpoint}
+
+
+def unmount_request(mountpoint: str) -> dict[str, Any]:
+    return {"op": UNMOUNT, "mountpoint": mountpoint}
+
+
+def status_request() -> dict[str, Any]:
+    return {"op": STATUS}
+
+
+# -- replies and errors --------------------------------------------------------------------
+
+def error_payload(exc: BaseException) -> dict[str, Any]:
+    """The wire form of an error: its kind, the kinds it derives from, its message.
+
+    >>> error_payload(errors.NotFound("no layer"))["kinds"]
+    ['NotFound', 'ColdstartError']
+    """
+    kinds = [c.__name__ for c in type(exc).__mro__
+             if issubclass(c, ColdstartError)] or ["ColdstartError"]
+    return {"kind": kinds[0], "kinds": kinds, "message": str(exc)}
+
+
+def error_from_payload(payload: dict[str, Any]) -> ColdstartError:
+    """The inverse of :func:`error_payload`: the first kind of ``kinds`` that
+    :mod:`coldstart.errors` knows, with the message (ColdstartError if none is known).
+
+    >>> error_from_payload({"kinds": ["AuthError", "FailedPrecondition"], "message": "no"})
+    FailedPrecondition('no')
+    """
+    message = str(payload.get("message", "FUSE server error"))
+    kinds = payload.get("kinds") or [payload.get("kind", "ColdstartError")]
+    for kind in kinds:
+        cls = getattr(errors, str(kind), None)
+        if isinstance(cls, type) and issubclass(cls, ColdstartError):
+            return cls(message)
+    return ColdstartError(message)
+
+
+def ok_reply(result: Any = None) -> bytes:
+    return encode({"ok": True, "result": result})
+
+
+def error_reply(exc: BaseException) -> bytes:
+    return encode({"ok": False, "error": error_payload(exc)})
+
+
+def decode_reply(line: bytes) -> Any:
+    """A reply line's result; raises the error it carries (:func:`error_from_payload`), or
+    ValueError if the line is not a reply at all."""
+    reply = json.loads(line)
+    if not isinstance(reply, dict):
+        raise ValueError("the reply is not a JSON object")
+    if reply.get("ok"):
+        return reply.get("result")
+    raise error_from_payload(reply.get("error") or {})
+
+
+# -- dispatch (server side) ----------------------------------------------------------------
+
+class ControlHandler(Protocol):
+    """What :func:`dispatch` calls: the FUSE server's operations, one per op.
+
+    ``mountpoint`` arrives absolute and normalized. :meth:`ready` is awaited before every op but
+    ``ping``, so that those answer from the restored mount table, while ``ping`` answers at once
+    (a snapshotter waiting for a restarting server sees it alive)."""
+
+    async def ready(self) -> None: ...
+
+    async def ping(self) -> dict[str, Any]: ...
+
+    async def mount(self, mountpoint: str, spec: LayerSpec) -> None: ...
+
+    async def check(self, mountpoint: str) -> None: ...
+
+    async def unmount(self, mountpoint: str) -> None: ...
+
+    def status(self) -> list[dict[str, Any]]: ...
+
+
+async def dispatch(line: bytes, handler: ControlHandler) -> bytes:
+    """Answer one request line: the reply line, never an exception.
+
+    Expected failures go back as their kind; a malformed request as InvalidArgument; anything
+    else is logged here and goes back as a plain ColdstartError (``internal error: …``)."""
+    try:
+        req = json.loads(line)
+        if not isinstance(req, dict):
+            raise InvalidArgument("request must be a JSON object")
+        op = req.get("op")
+        result: Any = None
+        if op != PING:
+            await handler.ready()
+        if op == PING:
+            result = await handler.ping()
+        elif op == MOUNT:
+            spec = LayerSpec.from_json(json.dumps(req.get("spec")))
+            await handler.mount(_mountpoint(req), spec)
+        elif op == UNMOUNT:
+            await handler.unmount(_mountpoint(req))
+        elif op == CHECK:
+            await handler.check(_mountpoint(req))
+        elif op == STATUS:
+            result = handler.status()
+        else:
+            raise InvalidArgument(f"unknown op {op!r}")
+    except ColdstartError as exc:
+        return error_reply(exc)
+    except ValueError as exc:
+        return error_reply(InvalidArgument(f"bad request: {exc}"))
+    except Exception as exc:
+        log.exception("control request failed")
+        return error_reply(ColdstartError(f"internal error: {exc}"))
+    return ok_reply(result)
+
+
+def _mountpoint(req: dict[str, Any]) -> str:
+    mp = req.get("mountpoint")
+    if not isinstance(mp, str) or not os.path.isabs(mp):
+        raise InvalidArgument(f"mountpoint must be an absolute path, not {mp!r}")
+    return os.path.normpath(mp)

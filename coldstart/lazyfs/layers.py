@@ -1,0 +1,182 @@
+"""The layer table: which layers the FUSE file system serves and which mountpoints show them.
+
+stargz's ``fs/fs.go`` (``Mount``/``Check``/``Unmount``). A layer is served once, as one directory
+``<fuse_dir>/<key>`` of :class:`~coldstart.lazyfs.fusefs.FuseFS`, however many mountpoints show
+it: mounting binds that directory onto the mountpoint (read-only), unmounting detaches the bind
+lazily (open files keep working until closed), and the last unmount of a layer drops it from the
+file system. A second spec for a layer served already must vouch for the same TOC.
+
+Every mount is persisted in :class:`~coldstart.lazyfs.mountstate.MountState` after its bind, and
+its record removed after its unbind; :meth:`LayerTable.restore` mounts the records a previous
+server left. Operations on one mountpoint are serialized (a lock each); mount syscalls and the
+resolver run in worker threads, since binding makes the kernel ask this process's own FUSE loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from coldstart.errors import AlreadyExists, ColdstartError, FailedPrecondition, NotFound
+from coldstart.lazyfs.fusefs import FuseFS, LayerTree, build_tree
+from coldstart.lazyfs.mountstate import MountRecord, MountState
+from coldstart.lazyfs.mountsys import bind_mount, is_mountpoint, lazy_unmount
+from coldstart.lazyfs.resolver import LayerResolver
+from coldstart.lazyfs.spec import LayerSpec
+
+__all__ = ["LayerTable"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Layer:
+    key: str
+    tree: LayerTree
+    mountpoints: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Mount:
+    mountpoint: str
+    spec: LayerSpec
+    layer: _Layer
+
+
+class LayerTable:
+    """The served layers of one FUSE file system mounted at ``fuse_dir``; trio-side methods."""
+
+    def __init__(self, fs: FuseFS, fuse_dir: Path, resolver: LayerResolver,
+                 state: MountState) -> None:
+        self.fs = fs
+        self.fuse_dir = fuse_dir
+        self.resolver = resolver
+        self.state = state
+        self.mounts: dict[str, _Mount] = {}
+        self.layers: dict[str, _Layer] = {}        # layer digest -> shared tree
+        self._locks: dict[str, trio.Lock] = {}
+        self._generation = 0
+        self._stopping = False
+
+    def _lock(self, mountpoint: str) -> trio.Lock:
+        lock = self._locks.get(mountpoint)
+        if lock is None:
+            lock = self._locks[mountpoint] = trio.Lock()
+        return lock
+
+    async def mount(self, mountpoint: str, spec: LayerSpec, *, restoring: bool = False) -> None:
+        """Serve ``spec``'s layer at ``mountpoint`` (idempotent for the same layer)."""
+        if self._stopping:
+            raise FailedPrecondition("the FUSE server is shutting down")
+        async with self._lock(mountpoint):
+            cur = self.mounts.get(mountpoint)
+            if cur is not None:
+                if cur.spec.digest == spec.digest:
+                    return
+                raise AlreadyExists(f"{mountpoint} already serves layer {cur.spec.digest}")
+            layer = self.layers.get(spec.digest)
+            created = False
+            if layer is not None:
+                # the layer is served already: this spec must vouch for the same TOC
+                await trio.to_thread.run_sync(self.resolver.check_same_toc, spec,
+                                              layer.tree.reader.layer.toc_digest)
+            else:
+                reader = await trio.to_thread.run_sync(self.resolver.open, spec)
+                self._generation += 1
+                key = f"{spec.digest.rpartition(':')[2][:16]}-{self._generation}"
+                base = self.fs.allocate(len(reader.layer.toc.entries) + 1)
+                tree = await trio.to_thread.run_sync(build_tree, key, base, reader)
+                layer = _Layer(key, tree)
+                self.layers[spec.digest] = layer
+                self.fs.add(tree)
+                created = True
+            try:
+                if await trio.to_thread.run_sync(is_mountpoint, mountpoint):
+                    # not ours (we checked): a dead bind left by a crashed predecessor
+                    log.warning("%s: lazily unmounting a stale mount first", mountpoint)
+                    await trio.to_thread.run_sync(lazy_unmount, mountpoint)
+                await trio.to_thread.run_sync(bind_mount, str(self.fuse_dir / layer.key),
+                                              mountpoint)
+            except BaseException:
+                if created and not layer.mountpoints:
+                    self._drop_layer(spec.digest)
+                raise
+            layer.mountpoints.add(mountpoint)
+            self.mounts[mountpoint] = _Mount(mountpoint, spec, layer)
+            await trio.to_thread.run_sync(self.state.save, mountpoint, spec)
+            reader = layer.tree.reader
+            if created and (reader.layer.toc.prefetch or reader.background_rate > 0):
+                threading.Thread(target=reader.prefetch_then_rest, daemon=True,
+                                 name=f"prefetch-{layer.key}").start()
+            log.info("mounted layer %s (%s) at %s%s", spec.digest, spec.reference, mountpoint,
+                     " (restored)" if restoring else "")
+
+    def _drop_layer(self, digest: str) -> None:
+        layer = self.layers.pop(digest, None)
+        if layer is not None:
+            self.fs.remove(layer.key)
+
+    async def unmount(self, mountpoint: str) -> None:
+        """Undo :meth:`mount` (lazily: open files keep working until closed)."""
+        async with self._lock(mountpoint):
+            cur = self.mounts.get(mountpoint)
+            if cur is None:
+                await trio.to_thread.run_sync(self.state.remove, mountpoint)
+                raise NotFound(f"nothing is mounted at {mountpoint}")
+            await trio.to_thread.run_sync(lazy_unmount, mountpoint)
+            del self.mounts[mountpoint]
+            cur.layer.mountpoints.discard(mountpoint)
+            if not cur.layer.mountpoints:
+                self._drop_layer(cur.spec.digest)
+            await trio.to_thread.run_sync(self.state.remove, mountpoint)
+            log.info("unmounted %s", mountpoint)
+
+    async def check(self, mountpoint: str) -> None:
+        """NotFound unless ``mountpoint`` is served; FailedPrecondition if its bind is gone."""
+        cur = self.mounts.get(mountpoint)
+        if cur is None:
+            raise NotFound(f"nothing is mounted at {mountpoint}")
+        if not await trio.to_thread.run_sync(is_mountpoint, mountpoint):
+            raise FailedPrecondition(f"{mountpoint} is no longer mounted")
+
+    def status(self) -> list[dict[str, Any]]:
+        """One dict per mountpoint: layer, reference, fetched bytes, errors, last error."""
+        out: list[dict[str, Any]] = []
+        for mp, m in sorted(self.mounts.items()):
+            tree = m.layer.tree
+            out.append({"mountpoint": mp, "digest": m.spec.digest,
+                        "reference": m.spec.reference, "key": m.layer.key,
+                        "format": tree.reader.layer.format, "files": len(tree.entries),
+                        **tree.reader.stats.as_dict()})
+        return out
+
+    async def restore(self, records: list[MountRecord]) -> None:
+        """Mount what a previous server recorded; a failure keeps its record for the next try."""
+        for rec in records:
+            if not await trio.to_thread.run_sync(os.path.isdir, rec.mountpoint):
+                # the snapshot was removed while we were down: nothing to restore
+                log.warning("restore %s: the mountpoint is gone; record dropped", rec.mountpoint)
+                await trio.to_thread.run_sync(self.state.remove, rec.mountpoint)
+                continue
+            try:
+                await self.mount(rec.mountpoint, rec.spec, restoring=True)
+                log.info("restored %s (%s)", rec.mountpoint, rec.spec.digest)
+            except ColdstartError as exc:
+                # keep the record: the next start (or a mount call) tries again
+                log.error("restore %s (%s) failed: %s: %s", rec.mountpoint, rec.spec.digest,
+                          type(exc).__name__, exc)
+
+    async def stop(self) -> None:
+        """Refuse further mounts; lazily unmount every bind (the records stay, for a restore)."""
+        self._stopping = True
+        for mp in list(self.mounts):
+            try:
+                await trio.to_thread.run_sync(lazy_unmount, mp)
+            except (ColdstartError, OSError) as exc:
+                log.error("unmount %s: %s", mp, exc)

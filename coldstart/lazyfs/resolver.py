@@ -1,0 +1,102 @@
+"""The layer resolver: a :class:`~coldstart.lazyfs.spec.LayerSpec` in, a verified layer out.
+
+stargz's ``layer.Resolver``. Resolving a spec means: its annotations (the spec's own, or, when
+they lack the TOC digest and the manifest digest is known, the layer descriptor's in that
+manifest, fetched by digest and so verified); a :class:`coldstart.remote.RegistryBlob` for the
+blob; its footer and TOC read with range requests and checked against the annotated TOC digest
+(:func:`coldstart.format.layer.open_layer`: IntegrityError on a mismatch, FailedPrecondition
+with no digest unless unverified layers are allowed); and the
+:class:`~coldstart.lazyfs.reader.LayerReader` that serves its chunks through the shared fetcher.
+
+A layer served already is not opened again: :meth:`LayerResolver.check_same_toc` only makes sure
+that the new spec vouches for the same TOC.
+
+It knows nothing of FUSE, sockets or mountpoints. Every method blocks on the network: call it
+from a worker thread, never from the trio loop.
+"""
+
+from __future__ import annotations
+
+from coldstart.errors import FailedPrecondition, IntegrityError, NotFound
+from coldstart.format.layer import ESTARGZ_TOC_DIGEST, ZSTD_CHUNKED_MANIFEST_CHECKSUM, open_layer
+from coldstart.lazyfs.fetcher import ChunkFetcher
+from coldstart.lazyfs.reader import LayerReader
+from coldstart.lazyfs.spec import LayerSpec
+from coldstart.oci.manifest import parse_manifest
+from coldstart.oci.reference import Reference
+from coldstart.oci.registry import RegistryClient
+from coldstart.remote import RegistryBlob
+
+__all__ = ["TOC_KEYS", "LayerResolver", "check_same_toc"]
+
+#: annotations that carry a layer's TOC digest (eStargz; zstd:chunked, both spellings)
+TOC_KEYS = (ESTARGZ_TOC_DIGEST, ZSTD_CHUNKED_MANIFEST_CHECKSUM,
+            "io.containers.zstd-chunked.manifest-checksum")
+
+
+class LayerResolver:
+    """Resolve specs against one registry client, into readers on one fetcher.
+
+    >>> f = config.fetch                                                  # doctest: +SKIP
+    >>> resolver = LayerResolver(client, fetcher, request_timeout=f.request_timeout,
+    ...                          read_deadline=f.read_deadline, background_rate=0,
+    ...                          allow_unverified=False)                  # doctest: +SKIP
+    >>> reader = resolver.open(spec)                                      # doctest: +SKIP
+    """
+
+    def __init__(self, client: RegistryClient, fetcher: ChunkFetcher, *,
+                 request_timeout: float, read_deadline: float, background_rate: int,
+                 allow_unverified: bool) -> None:
+        # every value from the one config tree (FetchConfig, Config.allow_unverified): no
+        # defaults restated here
+        self.client = client
+        self.fetcher = fetcher
+        self.request_timeout = request_timeout
+        self.read_deadline = read_deadline
+        self.background_rate = background_rate
+        self.allow_unverified = allow_unverified
+
+    def annotations(self, spec: LayerSpec) -> dict[str, str]:
+        """The layer's annotations: the spec's, or its manifest's (fetched, verified)."""
+        ref = Reference.parse(spec.reference)
+        annotations = dict(spec.annotations)
+        if not any(k in annotations for k in TOC_KEYS) and spec.manifest_digest:
+            body, media, _ = self.client.get_manifest(ref.with_digest(spec.manifest_digest))
+            manifest = parse_manifest(body, media or None)
+            for desc in manifest.layers:
+                if desc.digest == spec.digest:
+                    annotations = {**desc.annotations, **annotations}
+                    break
+            else:
+                raise NotFound(f"manifest {spec.manifest_digest} has no layer {spec.digest}")
+        return annotations
+
+    def open(self, spec: LayerSpec) -> LayerReader:
+        """Resolve a spec: blob source, annotations (from the manifest if needed), TOC."""
+        ref = Reference.parse(spec.reference)
+        annotations = self.annotations(spec)
+        source = RegistryBlob(self.client, ref, spec.digest, spec.size if spec.size >= 0 else None,
+                              timeout=self.request_timeout)
+        layer = open_layer(source, annotations=annotations,
+                           allow_unverified=self.allow_unverified)
+        return LayerReader(spec.digest, layer, source, self.fetcher,
+                           read_deadline=self.read_deadline,
+                           background_rate=self.background_rate)
+
+    def check_same_toc(self, spec: LayerSpec, toc_digest: str) -> None:
+        """Raise unless ``spec`` vouches for the TOC ``toc_digest`` of the layer served already."""
+        check_same_toc(self.annotations(spec), toc_digest, self.allow_unverified, spec.digest)
+
+
+def check_same_toc(annotations: dict[str, str], toc_digest: str, allow_unverified: bool,
+                   digest: str) -> None:
+    """IntegrityError if ``annotations`` claim another TOC than ``toc_digest``; with no claim,
+    FailedPrecondition unless ``allow_unverified``."""
+    claimed = [annotations[k] for k in TOC_KEYS if k in annotations]
+    if not claimed:
+        if allow_unverified:
+            return
+        raise FailedPrecondition(f"layer {digest}: no TOC digest annotation: cannot verify it")
+    if any(c != toc_digest for c in claimed):
+        raise IntegrityError(f"layer {digest}: annotated TOC digest {claimed[0]} does not "
+                             f"match the served layer's TOC {toc_digest}")
