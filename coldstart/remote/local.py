@@ -197,9 +197,11 @@ class LocalFileBlob:
                     got = 0
 
     def _thread_fd(self) -> int:
+        # checked on every read: after close() a thread's descriptor number may already name
+        # another file
+        first = self._open_fd()
         fd: int | None = getattr(self._local, "fd", None)
         if fd is None:
-            first = self._open_fd()
             try:
                 fd = os.open(self.name, os.O_RDONLY | os.O_CLOEXEC)
             except OSError:

@@ -8,20 +8,19 @@ Also: header parsing and validation (:func:`parse_header`), byte sources behind 
 :mod:`.hotswap`).
 """
 
+from typing import TYPE_CHECKING
+
 from coldstart.weights.checkpoint import INDEX_NAME, Checkpoint, Opener, read_header
 from coldstart.weights.header import Header, TensorInfo, parse_header
 from coldstart.weights.hotswap import ModelWatcher, Served
 from coldstart.weights.loader import LoadStats, Slice, iter_load, load, tensor_parallel
 from coldstart.weights.repository import ModelRepository, VersionInfo
-from coldstart.weights.sources import (
-    HttpSource,
-    LocalSource,
-    RegistrySource,
-    S3Source,
-    Source,
-    open_source,
-)
+from coldstart.weights.sources import LocalSource, RegistrySource, Source, open_source
 from coldstart.weights.stores import LocalStore, S3Store, Store, open_store
+
+if TYPE_CHECKING:  # at run time: module __getattr__ below (httpx, boto3 only when used)
+    from coldstart.remote.http import HttpSource
+    from coldstart.remote.s3 import S3Source
 
 __all__ = [
     "INDEX_NAME",
@@ -51,3 +50,11 @@ __all__ = [
     "read_header",
     "tensor_parallel",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # HttpSource, S3Source: imported on first use (see coldstart.weights.sources)
+    if name in ("HttpSource", "S3Source"):
+        from coldstart.weights import sources
+        return getattr(sources, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,7 +15,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 from coldstart.config import SourceConfig
 from coldstart.errors import FormatError, NotFound
-from coldstart.remote.http import http_client
 from coldstart.remote.locations import scheme_of
 from coldstart.remote.s3 import map_s3_error, s3_client, split_s3_url
 from coldstart.weights.header import Header, parse_header, parse_length
@@ -106,6 +105,8 @@ class Opener:
 
     def http(self) -> Any:
         if self._http is None:
+            from coldstart.remote.http import http_client  # httpx: only when HTTP is used
+
             self._http = http_client(timeout=self.timeout, concurrency=self.concurrency)
         return self._http
 

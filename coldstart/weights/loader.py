@@ -434,10 +434,10 @@ def iter_load(
     opener = Opener(concurrency=concurrency or DEFAULT_CONCURRENCY, timeout=timeout,
                     direct=direct)
     try:
-        if isinstance(source, Source):
-            ckpt = Checkpoint(name_of(source), [ShardFile(source, read_header(source))], {})
-        else:
+        if isinstance(source, str | os.PathLike):
             ckpt = opener.checkpoint(source)
+        else:  # a source object: anything with size, read_into and close
+            ckpt = Checkpoint(name_of(source), [ShardFile(source, read_header(source))], {})
         try:
             copies = _copies_for(dev)
             staged = copies is not None

@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coldstart.config import SourceConfig, WeightsConfig
 from coldstart.errors import InvalidArgument
 from coldstart.oci.reference import Reference
-from coldstart.remote.http import HttpSource
 from coldstart.remote.local import LocalFileBlob
 from coldstart.remote.locations import open_source as _open_location
 from coldstart.remote.locations import scheme_of
 from coldstart.remote.registry_verify import VerifiedRegistryBlob
-from coldstart.remote.s3 import S3Source
 from coldstart.remote.source import Source
+
+if TYPE_CHECKING:  # at run time: module __getattr__ below (httpx, boto3 only when used)
+    from coldstart.remote.http import HttpSource
+    from coldstart.remote.s3 import S3Source
 
 __all__ = [
     "HttpSource",
@@ -98,3 +100,15 @@ def open_source(location: str | os.PathLike[str], *, concurrency: int = _SOURCE.
         return RegistrySource(text, timeout=timeout)
     return _open_location(text, concurrency=concurrency, timeout=timeout, direct=direct,
                           http_client=http_client, s3_client=s3_client)
+
+
+def __getattr__(name: str) -> Any:
+    # HttpSource and S3Source load their client libraries (httpx, boto3 on use) only when
+    # asked for: `import coldstart.weights` stays light for local loads.
+    if name == "HttpSource":
+        from coldstart.remote.http import HttpSource
+        return HttpSource
+    if name == "S3Source":
+        from coldstart.remote.s3 import S3Source
+        return S3Source
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,3 +23,11 @@ def test_the_notify_helper_does_not_import_clients() -> None:
             "print(sorted(m for m in ('redis', 'httpx', 'grpc') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_importing_weights_does_not_import_network_clients() -> None:
+    # local loads must not pay for httpx or boto3; HttpSource/S3Source load them on first use
+    code = ("import sys, coldstart.weights; "
+            "print(sorted(m for m in ('httpx', 'boto3', 'botocore') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr

@@ -47,3 +47,30 @@ def test_coalesce() -> None:
     # a cap on request size keeps far-reaching merges apart
     assert coalesce([(0, 10), (10, 10), (20, 10)], 0, max_length=20) == [(0, 20), (20, 10)]
     assert coalesce([(0, 50), (10, 5)], 0, max_length=20) == [(0, 50)]   # contained
+
+
+def test_local_file_reads_after_close_are_refused_in_every_thread(tmp_path: Path) -> None:
+    # a thread's own descriptor must not be used after close(): its number may name another
+    # file by then
+    (tmp_path / "b").write_bytes(b"x" * 8192)
+    blob = LocalFileBlob(tmp_path / "b")
+    buf = bytearray(100)
+    errors: list[BaseException] = []
+    ready, closed = threading.Event(), threading.Event()
+
+    def reader() -> None:
+        blob.read_into(0, [memoryview(buf)])     # opens this thread's descriptor
+        ready.set()
+        closed.wait(10)
+        try:
+            blob.read_into(0, [memoryview(buf)])
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    assert ready.wait(10)
+    blob.close()
+    closed.set()
+    t.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], InvalidArgument), errors

@@ -340,3 +340,27 @@ def test_cuda_load(model: Path, tensors: dict[str, torch.Tensor]) -> None:  # pr
     assert_identical(tensors, got)
     conv = load(model, device="cuda", dtype=torch.float32, select=["t.BF16"])
     assert torch.equal(conv["t.BF16"].cpu(), tensors["t.BF16"].float())
+
+
+def test_a_source_object_needs_only_size_read_into_and_close(
+        model: Path, tensors: dict[str, torch.Tensor]) -> None:
+    # the loader's own contract: an object written to it (no read_at) is a source, not a path
+    class Minimal:
+        def __init__(self, path: Path) -> None:
+            self.inner = LocalSource(path)
+            self.name = str(path)
+
+        def size(self) -> int:
+            return self.inner.size()
+
+        def read_into(self, offset: int, buffers: Any, *, timeout: float | None = None) -> None:
+            self.inner.read_into(offset, buffers)
+
+        def close(self) -> None:
+            self.inner.close()
+
+    src = Minimal(model)
+    try:
+        assert_identical(load(src, cpu_mode="read"), tensors)  # type: ignore[arg-type]
+    finally:
+        src.close()
