@@ -331,14 +331,7 @@ class LayerReader:
             if e is not None and e.type == "reg":
                 todo.extend(c for c in e.chunks if not self._is_cached(c))
         fetched = 0
-        batches: list[list[Chunk]] = [[]]
-        size = 0
-        for c in todo:
-            if size >= PREFETCH_BATCH:
-                batches.append([])
-                size = 0
-            batches[-1].append(c)
-            size += c.compressed_size
+        batches = _batches(todo, PREFETCH_BATCH)
         for batch in batches:
             if self._stop.is_set() or not batch:
                 break
@@ -376,14 +369,7 @@ class LayerReader:
                 seen.add(k)
                 todo.append(c)
         todo.sort(key=lambda c: (c.offset, c.inner_offset))
-        batches: list[list[Chunk]] = [[]]
-        size = 0
-        for c in todo:
-            if size >= BACKGROUND_REQUEST:
-                batches.append([])
-                size = 0
-            batches[-1].append(c)
-            size += c.compressed_size
+        batches = _batches(todo, BACKGROUND_REQUEST)
         fetched = 0
         start = clock()
         window: list[tuple[int, dict[Chunk, Future[bytes]]]] = []
@@ -421,6 +407,19 @@ class LayerReader:
         if self.layer.toc.prefetch:
             self.prefetch()
         self.fetch_rest()
+
+
+def _batches(chunks: list[Chunk], limit: int) -> list[list[Chunk]]:
+    """``chunks`` in order, cut into batches of about ``limit`` compressed bytes each."""
+    batches: list[list[Chunk]] = [[]]
+    size = 0
+    for c in chunks:
+        if size >= limit:
+            batches.append([])
+            size = 0
+        batches[-1].append(c)
+        size += c.compressed_size
+    return batches
 
 
 def _settle(futures: dict[Chunk, Future[bytes]], timeout: float) -> int:
