@@ -56,6 +56,9 @@ PREFETCH_BATCH = 32 << 20
 #: Compressed bytes per request of the background fetch of the rest of a layer: large enough
 #: that requests are few, small enough that a read waiting on one is not held up long.
 BACKGROUND_REQUEST = 4 << 20
+#: A read-ahead that finds its whole window local checks up to this many chunks further (in
+#: memory), so a sequential read of a warm file asks the planner thread only now and then.
+_LOOK_FURTHER = 64
 #: The background fetch keeps this many requests outstanding.
 BACKGROUND_DEPTH = 2
 
@@ -104,6 +107,9 @@ class LayerReader:
         self.target = FetchTarget(digest, layer, source, self.stats)
         self._last_end: dict[str, int] = {}
         self._chunk_starts: dict[str, list[int]] = {}
+        # per file: (first chunk index of the last read-ahead window, chunk index up to which
+        # the chunks after it are known local or requested); the loop replans only past it
+        self._planned: dict[str, tuple[int, int]] = {}
         self._window = (0, 0)   # blob range of the last small-file window fetched
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -285,21 +291,51 @@ class LayerReader:
             return      # still inside the chunk whose read-ahead was planned already
         after = chunks[-1].chunk_offset
         if plan:
+            if self._planned_past(entry, after):
+                return      # the window ahead is already local or in flight: no thread hop
             self.fetcher.plan(lambda: self._read_ahead(entry, after))
         else:
             self._read_ahead(entry, after)
 
-    def _read_ahead(self, entry: Entry, after: int) -> None:
-        """Sequential reader of a big file: fetch the chunks after the one at ``after``."""
+    def _planned_past(self, entry: Entry, after: int) -> bool:
+        """Whether an earlier read-ahead already covered the window after chunk ``after``
+        (in-memory only: the loop calls it)."""
+        with self._lock:
+            planned = self._planned.get(entry.name)
+        if planned is None:
+            return False
+        first, covered = planned
         i = bisect.bisect_right(self._starts(entry), after)
-        ahead: list[Chunk] = []
+        return first <= i and self._window_end(entry, i) <= covered
+
+    def _window_end(self, entry: Entry, i: int) -> int:
+        """Index past the read-ahead window that starts at chunk ``i``."""
         budget = self.readahead_bytes
-        while i < len(entry.chunks) and budget > 0:
-            c = entry.chunks[i]
+        n = len(entry.chunks)
+        while i < n and budget > 0:
+            budget -= entry.chunks[i].compressed_size
             i += 1
-            budget -= c.compressed_size
-            if not self._is_cached(c):
-                ahead.append(c)
+        return i
+
+    def _read_ahead(self, entry: Entry, after: int) -> None:
+        """Sequential reader of a big file: fetch the chunks after the one at ``after``.
+
+        Records how far ahead the file is known local or requested; when the whole window
+        was local it looks further (while chunks stay local, up to ``_LOOK_FURTHER``), so a
+        warm file is replanned every so many chunks instead of at every chunk."""
+        first = bisect.bisect_right(self._starts(entry), after)
+        end = self._window_end(entry, first)
+        ahead = [c for c in entry.chunks[first:end] if not self._is_cached(c)]
+        covered = end
+        if not ahead:
+            n = len(entry.chunks)
+            while (covered < n and covered - first < _LOOK_FURTHER
+                   and self._is_cached(entry.chunks[covered])):
+                covered += 1
+        with self._lock:
+            if len(self._planned) > 4096:
+                self._planned.clear()
+            self._planned[entry.name] = (first, covered)
         if ahead:
             try:
                 self.fetcher.request(self.target, ahead, max_bytes=READAHEAD_REQUEST)

@@ -250,3 +250,39 @@ def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.005)
+
+
+def test_a_warm_sequential_reader_is_not_replanned_at_every_chunk(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch
+                                                                 ) -> None:
+    # the read-ahead of a file whose next chunks are all local records how far it looked;
+    # the loop then skips the planner thread until the reader gets near that point
+    reader, _src, fetcher = make(tmp_path, "zstd:chunked")
+    tree = metadata_tar()
+    big = reader.layer.resolve(BIG)
+    n = len(big.chunks)
+    assert n >= 8
+    step = big.chunks[1].chunk_offset                 # one chunk per read
+    reader.readahead_bytes = 0                        # warm the whole file first
+    for i in range(n):
+        off = big.chunks[i].chunk_offset
+        assert fuse_read(reader, big, off, step) == tree.files[BIG][off:off + step]
+    assert fetcher.cache is not None and fetcher.cache.flush()
+    _wait(lambda: fetcher.inflight() == 0)
+
+    reader.readahead_bytes = 2 * max(c.compressed_size for c in big.chunks)  # ~2 chunks
+    planned: list[int] = []
+    real_plan = fetcher.plan
+
+    def plan_now(fn: Callable[[], object]) -> None:   # run it inline: deterministic
+        planned.append(1)
+        fn()
+
+    monkeypatch.setattr(fetcher, "plan", plan_now)
+    for i in range(n):
+        off = big.chunks[i].chunk_offset
+        got = reader.read_cached(big, off, step)
+        assert got == tree.files[BIG][off:off + step]
+    # one plan at the second chunk covers up to _LOOK_FURTHER chunks ahead; not one per chunk
+    assert 1 <= len(planned) <= 1 + n // 64, (len(planned), n)
+    monkeypatch.setattr(fetcher, "plan", real_plan)
