@@ -121,7 +121,7 @@ class Tx:
 
     def _need_write(self) -> None:
         if not self.writable:
-            raise ColdstartError("write in a read-only transaction")
+            raise FailedPrecondition("write in a read-only transaction")
 
     def _row(self, key: str) -> sqlite3.Row:
         row: sqlite3.Row | None = self._conn.execute(

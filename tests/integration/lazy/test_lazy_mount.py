@@ -1,4 +1,7 @@
-"""Lazy mounts through the real FUSE server, a real registry and a counting proxy."""
+"""Lazy mounts through the real FUSE server, a real registry and a counting proxy.
+
+The integrity checks (TOC on open and on re-mount, corrupt chunks) are in test_lazy_integrity.py.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +18,8 @@ import httpx
 import pytest
 
 from coldstart.cache import ChunkCache
-from coldstart.errors import FailedPrecondition, IntegrityError, NotFound
-from coldstart.format.layer import ESTARGZ_TOC_DIGEST, ZSTD_CHUNKED_MANIFEST_CHECKSUM, open_layer
+from coldstart.errors import NotFound
+from coldstart.format.layer import open_layer
 from coldstart.format.readat import BytesReadAt
 from coldstart.lazyfs.client import FuseServerClient
 from coldstart.lazyfs.fetcher import MAX_GAP
@@ -176,57 +179,6 @@ def test_spec_without_annotations_resolves_them_from_the_manifest(server: Server
                                                                   tree: SourceTree) -> None:
     mp, _, _ = _mount(server, proxy, tree, "estargz", "lazy/by-manifest", annotations={})
     assert (mp / "etc/os-release").read_bytes() == tree.files["etc/os-release"]
-
-
-def test_toc_that_does_not_match_its_digest_is_refused(server: Server, proxy: Proxy,
-                                                       tree: SourceTree) -> None:
-    _, client, tmp = server
-    for fmt, key in (("estargz", ESTARGZ_TOC_DIGEST),
-                     ("zstd:chunked", ZSTD_CHUNKED_MANIFEST_CHECKSUM)):
-        blob, res = convert(tree.tar, fmt)
-        spec = push_layer(proxy.upstream_host, f"lazy/badtoc-{fmt[:4]}", blob, res,
-                          pull_host=proxy.host)
-        bad = dict(spec.annotations)
-        bad[key] = "sha256:" + "0" * 64
-        mp = tmp / f"badtoc-{fmt[:4]}"
-        mp.mkdir()
-        with pytest.raises(IntegrityError):
-            client.mount(str(mp), LayerSpec(**{**json.loads(spec.to_json()),
-                                               "annotations": bad, "manifest_digest": ""}))
-        assert not is_mountpoint(str(mp))
-        unverified = {k: v for k, v in spec.annotations.items() if k != key}
-        with pytest.raises(FailedPrecondition):
-            client.mount(str(mp), LayerSpec(**{**json.loads(spec.to_json()),
-                                               "annotations": unverified,
-                                               "manifest_digest": ""}))
-    with pytest.raises(NotFound):
-        client.check(str(tmp / "badtoc-estargz"))
-
-
-def test_corrupted_chunk_is_eio_not_cached_and_logged(server: Server, proxy: Proxy) -> None:
-    _, client, tmp = server
-    tree = metadata_tar(big_size=1 << 20, seed=2)
-    mp, spec, blob = _mount(server, proxy, tree, "zstd:chunked", "lazy/corrupt")
-    layer = open_layer(BytesReadAt(blob), annotations=spec.annotations)
-    entry = layer.resolve("usr/share/doc/f020.txt")
-    chunk = entry.chunks[0]
-    proxy.flip = (chunk.offset + 3, chunk.offset + 40)
-    try:
-        with pytest.raises(OSError) as exc:
-            (mp / "usr/share/doc/f020.txt").read_bytes()
-        assert exc.value.errno == errno.EIO
-    finally:
-        proxy.flip = None
-    assert not in_cache(tmp / "root/cache", chunk.digest)
-    st = next(s for s in client.status() if s["digest"] == spec.digest)
-    assert chunk.digest in st["last_error"] and spec.digest in st["last_error"]
-    log = (tmp / "fuse-server.log").read_text()
-    assert any(spec.digest in line and chunk.digest in line and "usr/share/doc/f020.txt" in line
-               for line in log.splitlines())
-    # the proxy behaves again: the same read now succeeds and is cached
-    assert (mp / "usr/share/doc/f020.txt").read_bytes() == tree.files["usr/share/doc/f020.txt"]
-    wait_for(lambda: in_cache(tmp / "root/cache", chunk.digest), timeout=30,
-             what="the chunk written to the cache")     # written by the cache's writer thread
 
 
 def test_hanging_registry_gives_eio_within_the_deadline(server: Server, proxy: Proxy) -> None:

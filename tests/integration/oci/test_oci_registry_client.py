@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from coldstart.errors import IntegrityError, InvalidArgument, NotFound, Unavailable
+from coldstart.errors import FormatError, IntegrityError, InvalidArgument, NotFound, Unavailable
 from coldstart.oci.layout import OciLayout
 from coldstart.oci.manifest import OCI_INDEX, OCI_MANIFEST, Platform, digest_of
 from coldstart.oci.reference import Reference
@@ -119,8 +119,10 @@ def test_range_reads_and_blob_source(registry: Registry, client: RegistryClient)
     parts = blob.read_ranges([(500, 10), (0, 100), (120, 30), (1_000_000, 5)], max_gap=64)
     assert parts == [BLOB[500:510], BLOB[:100], BLOB[120:150], BLOB[1_000_000:1_000_005]]
     assert blob.requests == 1 + 3      # HEAD, then (0..150) + (500..510) + (1e6..)
-    with pytest.raises(Exception, match="outside"):
+    requests = blob.requests
+    with pytest.raises(FormatError, match="outside"):
         blob.read_at(len(BLOB) - 1, 2)
+    assert blob.requests == requests   # refused from the known size, nothing asked
 
     # many threads share the client and the blob
     errors: list[BaseException] = []

@@ -9,7 +9,7 @@ import os
 import shutil
 import subprocess
 import tarfile
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -226,20 +226,26 @@ def test_source_stream_is_left_alone_after_return() -> None:
             self.pos += n
             return n
 
+    data = os.urandom(300_000)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tf:
-        add(tf, "a", os.urandom(300_000))
+        add(tf, "a", data)
     tar = buf.getvalue() + bytes(5 << 20)  # trailing padding the caller may still read
-    for data in (tar, tar[:100_000]):
-        src = Src(data)
-        try:
-            convert_layer(src, io.BytesIO())  # type: ignore[arg-type]
-        except FormatError:
-            pass
-        src.closed_for_us = True
-        pos = src.pos
-        time.sleep(0.3)
-        assert src.pos == pos
+    threads = set(threading.enumerate())
+    src = Src(tar)
+    out = io.BytesIO()
+    result = convert_layer(src, out)  # type: ignore[arg-type]
+    src.closed_for_us = True
+    blob = out.getvalue()
+    assert result.size == len(blob)
+    assert open_layer(BytesReadAt(blob), annotations=result.annotations).read_file("a") == data
+    # every thread convert_layer started is gone: nothing of it can read src any more
+    assert set(threading.enumerate()) == threads
+    truncated = Src(tar[:100_000])             # cut inside the file's data
+    with pytest.raises(FormatError, match=r"'a'.*end of data"):
+        convert_layer(truncated, io.BytesIO())  # type: ignore[arg-type]
+    truncated.closed_for_us = True
+    assert set(threading.enumerate()) == threads
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

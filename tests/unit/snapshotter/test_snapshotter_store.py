@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from coldstart.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from coldstart.errors import (
+    AlreadyExists,
+    ColdstartError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+)
 from coldstart.snapshotter.store import Kind, Store, Usage
 
 
@@ -65,8 +71,11 @@ def test_a_failed_transaction_changes_nothing(store: Store) -> None:
         raise RuntimeError("boom")
     with store.transaction() as tx:
         assert tx.walk() == []
-        with pytest.raises(Exception, match="read-only"):
+        # Store._need_write raises the bare base class (no more specific kind): not sqlite's
+        # "readonly database", but coldstart's refusal before any SQL runs
+        with pytest.raises(ColdstartError, match="write in a read-only transaction"):
             tx.create(Kind.ACTIVE, "a", "", {})
+        assert tx.walk() == []
 
 
 def test_ids_are_never_reused(store: Store) -> None:
