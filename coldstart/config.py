@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from coldstart.errors import InvalidArgument
 
 __all__ = [
+    "CACHE_VERIFY_MODES",
     "CacheConfig",
     "Config",
     "FetchConfig",
@@ -88,12 +89,28 @@ class FetchConfig(_Checked):
     background_rate: int = 0
 
 
+#: values of ``cache.verify``
+CACHE_VERIFY_MODES = ("first-read", "always", "never")
+
+
 @dataclass(frozen=True)
 class CacheConfig(_Checked):
     # node-wide chunk cache directory; "" means <root>/cache
     dir: str = ""
     # size limit; least-recently-used chunks are evicted beyond it
     max_bytes: int = 20 * GiB
+    # when a big chunk's file is re-hashed before it is served (a mismatch: dropped, fetched
+    # again). "first-read": files this process did not write (found at start, or stored by
+    # another process), once each per process lifetime; "always": every read, also pack
+    # records; "never": trust the disk. Chunks this process writes are verified before they
+    # are cached, and pack records whenever a pack is scanned, in every mode.
+    verify: str = "first-read"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.verify not in CACHE_VERIFY_MODES:
+            raise InvalidArgument(f"config: cache.verify must be one of "
+                                  f"{', '.join(CACHE_VERIFY_MODES)}, not {self.verify!r}")
 
 
 @dataclass(frozen=True)

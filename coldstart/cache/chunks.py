@@ -30,11 +30,23 @@ LRU order across restarts: a hit re-stamps the big chunk's file, or the pack of 
 at most once a minute (from the writer thread for hits on the FUSE loop); at start, chunks are
 ordered by that ``mtime`` (a pack's records by offset).
 
-Trust: :meth:`ChunkCache.put` hashes the data unless the caller says it already verified it
-(the layer reader does: ``decode_chunk`` checks every chunk's digest). Reads check the chunk's
-size against the size the caller expects but do not re-hash (``verify_reads=True`` re-hashes
-every read for paranoid setups; the loop's fast path then defers to :meth:`~ChunkCache.read`);
-pack records are re-hashed whenever a pack is scanned.
+Trust (``verify``, the config key ``cache.verify``): :meth:`ChunkCache.put` hashes the data
+unless the caller says it already verified it (the layer reader does: ``decode_chunk`` checks
+every chunk's digest), so what this process writes is trusted. Pack records are re-hashed
+whenever a pack is scanned. A big chunk's file this process did not write (found at start, or
+stored by another process) is, with the default ``"first-read"``, re-hashed on its first read
+in this process (the whole chunk: one sha256, ~1.7 GB/s on a core with SHA extensions), then
+trusted; a mismatch drops it (logged, counted in ``stats.corrupt``) and the read is a miss, so
+the chunk is fetched again. Until then :meth:`~ChunkCache.read_local` says None for it, so the
+hash runs in a worker thread, never on the FUSE loop. ``"always"`` re-hashes every read (the
+loop's fast path then always defers to :meth:`~ChunkCache.read`); ``"never"`` trusts the disk.
+Every read checks the chunk's size against the size the caller expects.
+
+Write failures (a full disk: ENOSPC, an I/O error) leave nothing behind (a big chunk's temp
+file is removed, a pack is truncated back to its last whole record); the chunk stays uncached
+and is served from the registry. They are counted (``stats.write_errors``), reported to
+``on_error`` (kind :data:`WRITE_ERROR`) and logged (repeats of one errno at most once a
+minute, with the count of those not logged).
 """
 
 from __future__ import annotations
@@ -46,15 +58,23 @@ import re
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 from coldstart.cache.files import FileStore
 from coldstart.cache.index import CacheIndex, CacheStats
 from coldstart.cache.packfile import Pack, log, pread_all
 from coldstart.cache.packs import PackStore
+from coldstart.config import CACHE_VERIFY_MODES, CacheConfig
 from coldstart.errors import ColdstartError, IntegrityError, InvalidArgument
 
-__all__ = ["CacheStats", "ChunkCache"]
+__all__ = ["CORRUPT", "WRITE_ERROR", "CacheStats", "ChunkCache"]
+
+#: ``on_error`` kinds: a chunk that could not be written (not cached), one found corrupt
+WRITE_ERROR = "cache_write"
+CORRUPT = "cache_corrupt"
+# repeated write failures with one errno are logged at most this often (all are counted)
+_WRITE_ERROR_LOG_INTERVAL = 60.0
 
 _DIGEST_RE = re.compile(r"^sha256:([0-9a-f]{64})$")
 # put_async blocks while this many bytes wait for the writer thread (backpressure)
@@ -88,14 +108,25 @@ class ChunkCache:
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, max_bytes: int,
-                 durable: bool = False, verify_reads: bool = False,
-                 pack_threshold: int = PACK_THRESHOLD, pack_bytes: int = PACK_BYTES) -> None:
+                 durable: bool = False, verify: str = CacheConfig.verify,
+                 verify_reads: bool = False,
+                 pack_threshold: int = PACK_THRESHOLD, pack_bytes: int = PACK_BYTES,
+                 on_error: Callable[[str], object] | None = None) -> None:
         if max_bytes <= 0:
             raise InvalidArgument(f"chunk cache: max_bytes must be positive, not {max_bytes}")
+        if verify not in CACHE_VERIFY_MODES:
+            raise InvalidArgument(f"chunk cache: verify must be one of "
+                                  f"{', '.join(CACHE_VERIFY_MODES)}, not {verify!r}")
         self.dir = Path(directory)
         self.max_bytes = max_bytes
         self.durable = durable
-        self.verify_reads = verify_reads
+        #: "first-read", "always" or "never" (see the module doc); ``verify_reads``: "always"
+        self.verify = "always" if verify_reads else verify
+        self.verify_reads = self.verify == "always"
+        #: called with :data:`WRITE_ERROR` or :data:`CORRUPT` (e.g. a metrics counter)
+        self.on_error = on_error
+        self._err_logged: tuple[int | None, float] = (None, 0.0)   # errno, when
+        self._err_unlogged = 0
         #: chunks of at most this many bytes are appended to packs (0: every chunk is a file)
         self.pack_threshold = pack_threshold
         #: a pack is rolled over past this size
@@ -122,7 +153,7 @@ class ChunkCache:
         and drop stale temp files."""
         loose = self._files.scan()
         packed, packs = self._packs.scan()
-        self._ix.load(loose + packed, packs)
+        self._ix.load(loose + packed, packs, trust_files=self.verify != "first-read")
         self._files.clean_wip()
         self._evict()
 
@@ -226,7 +257,8 @@ class ChunkCache:
         chunk from memory, a packed one by one ``pread`` on its pack's open descriptor, a big
         one by ``open`` + ``pread`` of its file. No rescan, no ``stat``, no LRU re-stamp (the
         writer thread does it), no pack opened. None: ask :meth:`read` (a miss, a pack not
-        open yet, a short or odd-sized chunk, ``verify_reads``); nothing is dropped here."""
+        open yet, a short or odd-sized chunk, a chunk to verify first); nothing is dropped
+        here."""
         m = _DIGEST_RE.match(digest)
         if m is None:
             return None
@@ -237,9 +269,9 @@ class ChunkCache:
             if pending is not None:
                 return self._pending_hit_locked(pending, offset, length)
             size = ix.sizes.get(hexd)
-            if size is None or self.verify_reads or (expected_size is not None
-                                                     and size != expected_size):
-                return None
+            if (size is None or self.verify_reads or hexd in ix.unverified
+                    or (expected_size is not None and size != expected_size)):
+                return None     # not-yet-verified: the worker's read() hashes it
             packed = hexd in ix.packed
         start = min(size, max(0, offset))
         want = max(0, (size if length < 0 else min(size, offset + length)) - start)
@@ -277,10 +309,14 @@ class ChunkCache:
         if fd is None:
             self._ix.forget_file(hexd)
             return None
+        ix = self._ix
+        with self._lock:    # first read of a file we did not write (found at start, or new)
+            check = self.verify_reads or (self.verify == "first-read"
+                                          and (hexd in ix.unverified or hexd not in ix.sizes))
         try:
             size = os.fstat(fd).st_size
             data = self._read_region(fd, 0, size, digest, hexd, offset, length, expected_size,
-                                     "on disk")
+                                     "on disk", check)
         finally:
             os.close(fd)
         if data is not None:
@@ -295,7 +331,7 @@ class ChunkCache:
         pack, fd, base, size = loc
         try:
             data = self._read_region(fd, base, size, digest, hexd, offset, length,
-                                     expected_size, f"in {pack.path}")
+                                     expected_size, f"in {pack.path}", self.verify_reads)
         finally:
             self._packs.release(pack)
         if data is not None:
@@ -303,20 +339,31 @@ class ChunkCache:
         return data
 
     def _read_region(self, fd: int, base: int, size: int, digest: str, hexd: str, offset: int,
-                     length: int, expected_size: int | None, where: str) -> bytes | None:
+                     length: int, expected_size: int | None, where: str,
+                     check: bool) -> bytes | None:
         """``length`` bytes at ``offset`` of the chunk stored at ``base`` in ``fd`` (``size``
-        bytes: a loose file, or a pack record). A wrong size, or with ``verify_reads`` a wrong
-        digest, drops the chunk and gives None."""
+        bytes: a loose file, or a pack record). A wrong size, or with ``check`` a wrong
+        digest, drops the chunk and gives None; a chunk that passes ``check`` is trusted
+        from then on."""
         if expected_size is not None and size != expected_size:
             log.warning("chunk cache: %s has %d bytes, expected %d; dropping it",
                         digest, size, expected_size)
             self._drop(hexd)
             return None
-        if self.verify_reads:
+        if check:
             whole = pread_all(fd, size, base)
-            if len(whole) != size or hashlib.sha256(whole).hexdigest() != hexd:
-                log.error("chunk cache: %s is corrupt %s; dropping it", digest, where)
+            ok = len(whole) == size and hashlib.sha256(whole).hexdigest() == hexd
+            with self._lock:
+                self.stats.verified += 1
+                if ok:
+                    self._ix.unverified.discard(hexd)
+                else:
+                    self.stats.corrupt += 1
+            if not ok:
+                log.error("chunk cache: %s is corrupt %s; dropping it (it will be fetched "
+                          "again)", digest, where)
                 self._drop(hexd)
+                self._report(CORRUPT)
                 return None
             return whole[offset:] if length < 0 else whole[offset:offset + length]
         start = min(size, max(0, offset))
@@ -353,16 +400,25 @@ class ChunkCache:
                 self._ix.bump_locked(hexd)
                 return
         if size <= self.pack_threshold:
-            if self._packs.append(hexd, data):
+            try:
+                appended = self._packs.append(hexd, data)
+            except OSError:
+                self._count_write_error()
+                raise
+            if appended:
                 with self._lock:
                     self.stats.puts += 1
                     self.stats.put_bytes += size
                 self._evict(keep=hexd)
             return
-        if self._files.exists(hexd):  # another process stored it
-            self._ix.adopt(hexd, size)
+        if self._files.exists(hexd):  # another process stored it: hashed on its first read
+            self._ix.adopt(hexd, size, trusted=False)
             return
-        self._files.write(hexd, data)
+        try:
+            self._files.write(hexd, data)
+        except OSError:
+            self._count_write_error()
+            raise
         with self._lock:
             self.stats.puts += 1
             self.stats.put_bytes += size
@@ -418,12 +474,41 @@ class ChunkCache:
             try:
                 self.put("sha256:" + hexd, data, verified=True)
             except (OSError, ColdstartError) as exc:
-                log.warning("chunk cache: writing sha256:%s failed: %s", hexd, exc)
+                self._log_write_error(hexd, exc)
             finally:
                 with self._lock:
                     self._pending.pop(hexd, None)
                     self._pending_bytes -= len(data)
                     self._pending_cv.notify_all()
+
+    def _count_write_error(self) -> None:
+        with self._lock:
+            self.stats.write_errors += 1
+        self._report(WRITE_ERROR)
+
+    def _report(self, kind: str) -> None:
+        if self.on_error is not None:
+            try:
+                self.on_error(kind)
+            except Exception:  # a telemetry hook must not break the data path
+                log.exception("chunk cache: on_error hook failed")
+
+    def _log_write_error(self, hexd: str, exc: BaseException) -> None:
+        """Log a failed background write; repeats of one errno at most once a minute (a full
+        disk fails every write)."""
+        code = exc.errno if isinstance(exc, OSError) else None
+        now = time.monotonic()
+        with self._lock:
+            last_code, last_at = self._err_logged
+            if code is not None and code == last_code and \
+                    now - last_at < _WRITE_ERROR_LOG_INTERVAL:
+                self._err_unlogged += 1
+                return
+            unlogged, self._err_unlogged = self._err_unlogged, 0
+            self._err_logged = (code, now)
+        more = f" ({unlogged} more failed writes not logged)" if unlogged else ""
+        log.warning("chunk cache %s: writing sha256:%s failed: %s; not cached, served from "
+                    "the registry%s", self.dir, hexd, exc, more)
 
     def flush(self, timeout: float = 60.0) -> bool:
         """Wait until every :meth:`put_async` chunk is on disk; False on timeout."""

@@ -49,6 +49,12 @@ class CacheStats:
     puts: int = 0
     evictions: int = 0
     evicted_bytes: int = 0
+    #: loose chunks hashed on a read (verify "first-read": once each per process; "always")
+    verified: int = 0
+    #: chunks found corrupt on a read (dropped; the read is a miss and refetches)
+    corrupt: int = 0
+    #: chunk writes that failed (a full disk: ENOSPC, EIO...); the chunk is not cached
+    write_errors: int = 0
 
 
 class CacheIndex:
@@ -62,6 +68,10 @@ class CacheIndex:
         # eviction units, least recently used first: a big chunk's hex, or PACK_KEY + name
         self.lru: OrderedDict[str, None] = OrderedDict()
         self.touched: dict[str, float] = {}              # big chunk -> last mtime stamp
+        # big chunks whose file this process neither wrote nor has hashed yet (verify
+        # "first-read": found at start or adopted from another process); never served
+        # before a read re-hashes them
+        self.unverified: set[str] = set()
         self.total = 0
         self.packed: dict[str, tuple[Pack, int]] = {}    # hex -> (pack, offset of the data)
         self.pack_hexes: dict[str, set[str]] = {}        # pack name -> its indexed digests
@@ -69,18 +79,23 @@ class CacheIndex:
         self.open: OrderedDict[str, Pack] = OrderedDict()  # packs with an open fd, LRU
         self.wpack: Pack | None = None                   # the pack this process appends to
 
-    def load(self, found: list[Found], packs: list[Pack]) -> None:
+    def load(self, found: list[Found], packs: list[Pack], *, trust_files: bool = True) -> None:
         """Replace the tables by what a start-up scan found (oldest first; a chunk that is
-        both a file and a pack record is indexed as the file)."""
+        both a file and a pack record is indexed as the file). Unless ``trust_files``, the
+        big chunks' files are marked :attr:`unverified` (pack records were hashed by the
+        scan)."""
         in_files = {x[3] for x in found if x[5] is None}
         found = sorted(found, key=lambda x: (x[0], x[1], x[2]))
         with self.lock:
             self.sizes.clear()
             self.lru.clear()
+            self.unverified.clear()
             self.total = 0
             for mtime, _, off, hexd, size, owner in found:
                 if owner is None:
                     self.sizes[hexd] = size
+                    if not trust_files:
+                        self.unverified.add(hexd)
                     self.lru[hexd] = None
                     self.touched[hexd] = mtime
                     self.total += size
@@ -106,13 +121,17 @@ class CacheIndex:
         self.pack_hexes.setdefault(pack.name, set()).add(hexd)
         return True
 
-    def adopt(self, hexd: str, size: int) -> None:
-        """Index a big chunk whose file is in place (or mark it used if indexed)."""
+    def adopt(self, hexd: str, size: int, *, trusted: bool = True) -> None:
+        """Index a big chunk whose file is in place (or mark it used if indexed); not
+        ``trusted`` (another process wrote the file): :attr:`unverified` until a read
+        hashes it."""
         with self.lock:
             if hexd not in self.sizes:
                 self.sizes[hexd] = size
                 self.lru[hexd] = None
                 self.total += size
+                if not trusted:
+                    self.unverified.add(hexd)
             else:
                 self.bump_locked(hexd)
             self.touched[hexd] = time.time()
@@ -162,6 +181,7 @@ class CacheIndex:
         with self.lock:
             size = self.sizes.pop(hexd, None)
             self.touched.pop(hexd, None)
+            self.unverified.discard(hexd)
             ent = self.packed.pop(hexd, None)
             if ent is not None:
                 pack = ent[0]
@@ -185,6 +205,7 @@ class CacheIndex:
                 return
             size = self.sizes.pop(hexd, None)
             self.touched.pop(hexd, None)
+            self.unverified.discard(hexd)
             if size is not None:
                 self.total -= size
                 self.lru.pop(hexd, None)
@@ -301,6 +322,7 @@ class CacheIndex:
                 del self.lru[hexd]
                 size = self.sizes.pop(hexd, 0)
                 self.touched.pop(hexd, None)
+                self.unverified.discard(hexd)
                 self.total -= size
                 self.stats.evictions += 1
                 self.stats.evicted_bytes += size

@@ -157,6 +157,14 @@ class PackStore:
                     with contextlib.suppress(OSError):
                         os.ftruncate(pack.fd, off)
                     ix.unuse_locked(pack)
+                    # a pack that never got a record (a full disk fails every append, each
+                    # in a new pack): delete it, or each failure leaves a file and an fd
+                    empty = off == 0 and not ix.pack_hexes.get(pack.name)
+                    if empty:
+                        ix.drop_pack_locked(pack)
+                if empty:
+                    with contextlib.suppress(OSError):
+                        os.unlink(pack.path)
                 raise
             with ix.lock:
                 indexed = False

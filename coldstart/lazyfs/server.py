@@ -96,7 +96,10 @@ class FuseServer:
         self.state = MountState(self.root / "fuse-state")
         self.metrics = FuseMetrics()
         cache_dir = config.cache.dir or str(self.root / "cache")
-        self.cache = ChunkCache(cache_dir, max_bytes=config.cache.max_bytes)
+        # write failures (a full disk) and corrupt chunks count in coldstart_fuse_errors
+        # (kinds "cache_write", "cache_corrupt")
+        self.cache = ChunkCache(cache_dir, max_bytes=config.cache.max_bytes,
+                                verify=config.cache.verify, on_error=self.metrics.error)
         f = config.fetch
         self.fetcher = ChunkFetcher(self.cache, concurrency=f.concurrency,
                                     max_coalesce_bytes=f.max_coalesce_bytes,

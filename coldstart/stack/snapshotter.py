@@ -207,21 +207,31 @@ def temp_local_stack(*, log_level: str = "info", background_rate: int | None = N
 
 def fuse_server_config(path: Path, root: Path, *, registry_host: str,
                        read_deadline: float = 10.0, request_timeout: float = 5.0,
-                       cache_max: int = 1 << 30, max_coalesce: int = 16 << 20) -> Path:
+                       cache_max: int = 1 << 30, max_coalesce: int = 16 << 20,
+                       background_rate: int = 0, cache_dir: Path | None = None,
+                       registry_timeout: float = 5.0) -> Path:
     """Write a FUSE server config at ``path`` (root, cache and socket under ``root``; plain
-    HTTP to ``registry_host``, no retries) and return ``path``."""
+    HTTP to ``registry_host``, no retries) and return ``path``.
+
+    ``background_rate``: ``fetch.background_rate`` (bytes/s of the background fetch of whole
+    layers; 0: off); ``cache_dir``: the chunk cache somewhere else than ``root/cache``;
+    ``registry_timeout``: ``registry.timeout`` (also how long a response may stall)."""
+    # written only when set: an older checkout's server (``source_root``) may not know them
+    cache = f'dir = "{cache_dir}"\n' if cache_dir is not None else ""
+    background = f"background_rate = {background_rate}\n" if background_rate else ""
     path.write_text(
         f'root = "{root}"\n'
         "[registry]\n"
         f'insecure_hosts = ["{registry_host}"]\n'
         f'hosts_dir = "{root}/certs.d"\n'
         f'docker_config = "{root}/docker-config.json"\n'
-        "timeout = 5.0\nretries = 0\n"
+        f"timeout = {registry_timeout}\nretries = 0\n"
         "[fetch]\n"
         f"read_deadline = {read_deadline}\nrequest_timeout = {request_timeout}\n"
         f"max_coalesce_bytes = {max_coalesce}\nconcurrency = 4\n"
+        f"{background}"
         "[cache]\n"
-        f"max_bytes = {cache_max}\n"
+        f"{cache}max_bytes = {cache_max}\n"
         "[fuse]\n"
         f'socket = "{root}/fuse.sock"\n'
     )
@@ -232,10 +242,13 @@ def fuse_server_config(path: Path, root: Path, *, registry_host: str,
 def fuse_server(tmp: Path, *, registry_host: str, log_name: str = "fuse-server.log",
                 extra_args: tuple[str, ...] = (), read_deadline: float = 10.0,
                 request_timeout: float = 5.0, cache_max: int = 1 << 30,
-                max_coalesce: int = 16 << 20, source_root: Path | None = None
+                max_coalesce: int = 16 << 20, source_root: Path | None = None,
+                background_rate: int = 0, cache_dir: Path | None = None,
+                registry_timeout: float = 5.0
                 ) -> Iterator[tuple[subprocess.Popen[bytes], FuseServerClient, Path]]:
     """Run ``coldstart fuse-server`` on ``tmp/root`` (config :func:`fuse_server_config`);
-    yield ``(process, control client, root)``; stop it and unmount everything after.
+    yield ``(process, control client, root)``; stop it and unmount everything after (below
+    ``tmp``: a ``cache_dir`` on a file system of its own belongs outside it).
 
     ``source_root``: the coldstart checkout the server runs from (default: this one; a
     benchmark may point it at an older commit's tree)."""
@@ -244,7 +257,9 @@ def fuse_server(tmp: Path, *, registry_host: str, log_name: str = "fuse-server.l
     root.mkdir(exist_ok=True)
     cfg = fuse_server_config(tmp / "config.toml", root, registry_host=registry_host,
                              read_deadline=read_deadline, request_timeout=request_timeout,
-                             cache_max=cache_max, max_coalesce=max_coalesce)
+                             cache_max=cache_max, max_coalesce=max_coalesce,
+                             background_rate=background_rate, cache_dir=cache_dir,
+                             registry_timeout=registry_timeout)
     sock = root / "fuse.sock"
     with contextlib.suppress(FileNotFoundError):
         sock.unlink()
