@@ -16,7 +16,9 @@ call names all of its keys::
     coldstart:{svc}:capacity    hash  target -> most requests in flight (absent/0: no limit)
 
 Changes are published on ``coldstart:{svc}:changes`` (the JSON document). Deadlines use the
-server's clock (``TIME``), so prober and router clocks never need to agree.
+server's clock (``TIME``), so prober and router clocks never need to agree. ``pick``,
+``quarantine`` and ``list`` take an optional last argument, a server time in ms to act at
+instead of ``TIME``: tests drive time with it rather than sleeping (routers never pass it).
 """
 
 from __future__ import annotations
@@ -50,7 +52,11 @@ LIBRARY = """#!lua name=coldstart_v1
 -- KEYS (always all nine, same hash tag): state epoch doc ready heartbeat quarantine strikes
 -- inflight capacity
 
-local function now_ms()
+-- at: an explicit time (ms) to act at, for tests that drive time; absent or '': TIME
+local function now_ms(at)
+  if at and at ~= '' then
+    return tonumber(at)
+  end
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
@@ -107,10 +113,10 @@ local function heartbeat(keys, args)
   return 1
 end
 
--- pick(): the READY, live, non-quarantined target with the fewest requests in flight and room
--- for one more; its count goes up by one in the same call. nil when there is none.
+-- pick([at]): the READY, live, non-quarantined target with the fewest requests in flight and
+-- room for one more; its count goes up by one in the same call. nil when there is none.
 local function pick(keys, args)
-  local now = now_ms()
+  local now = now_ms(args[1])
   local ready = redis.call('ZRANGE', keys[4], 0, -1, 'WITHSCORES')
   for i = 1, #ready, 2 do
     local target, load = ready[i], tonumber(ready[i + 1])
@@ -148,13 +154,13 @@ local function release(keys, args)
   return n
 end
 
--- quarantine(target, base_ms, max_ms): backoff doubles with each consecutive strike
+-- quarantine(target, base_ms, max_ms, [at]): backoff doubles with each consecutive strike
 local function quarantine(keys, args)
   local target = args[1]
   local strikes = redis.call('HINCRBY', keys[7], target, 1)
   local backoff = math.min(tonumber(args[2]) * 2 ^ (strikes - 1), tonumber(args[3]))
   backoff = math.floor(backoff)
-  redis.call('ZADD', keys[6], now_ms() + backoff, target)
+  redis.call('ZADD', keys[6], now_ms(args[4]) + backoff, target)
   return backoff
 end
 
@@ -171,9 +177,9 @@ local function forget(keys, args)
   return n
 end
 
--- list(): target, state, inflight, heartbeat ms left, quarantine ms left, strikes, doc
+-- list([at]): target, state, inflight, heartbeat ms left, quarantine ms left, strikes, doc
 local function list(keys, args)
-  local now = now_ms()
+  local now = now_ms(args[1])
   local out = {}
   local states = redis.call('HGETALL', keys[1])
   for i = 1, #states, 2 do
@@ -241,6 +247,11 @@ def load_library(client: Any) -> None:
         raise Unavailable(f"cannot load the coldstart functions into Redis: {exc}") from exc
 
 
+def _at(at_ms: int | None) -> tuple[str, ...]:
+    """The optional time argument of a library function: none, or ``at_ms`` as an integer."""
+    return () if at_ms is None else (str(int(at_ms)),)
+
+
 @dataclass(frozen=True)
 class TargetView:
     """One target as ``list`` sees it. ``heartbeat_ms`` < 0: expired or never sent."""
@@ -303,12 +314,14 @@ class Router:
                 raise Unavailable(f"{function}: {exc}") from exc
         raise AssertionError("unreachable")
 
-    def pick(self) -> str:
+    def pick(self, *, at_ms: int | None = None) -> str:
         """Take the least-loaded READY target (its in-flight count goes up by one).
 
-        Raises :class:`NotFound` when no target can take the request.
+        Raises :class:`NotFound` when no target can take the request. ``at_ms``: decide as if
+        the store's clock read this (ms), for tests that drive time; by default the store's
+        ``TIME``.
         """
-        target = self._call("coldstart_pick")
+        target = self._call("coldstart_pick", *_at(at_ms))
         if not target:
             raise NotFound(f"no READY target with room in service {self.service!r}")
         return str(target)
@@ -317,24 +330,28 @@ class Router:
         """One request to ``target`` is over; returns its in-flight count now."""
         return int(self._call("coldstart_release", target, "1" if ok else "0"))
 
-    def quarantine(self, target: str, base: float = 1.0, limit: float = 60.0) -> float:
+    def quarantine(self, target: str, base: float = 1.0, limit: float = 60.0, *,
+                   at_ms: int | None = None) -> float:
         """Keep ``target`` out of picks after a connection failure; returns the backoff (s).
 
         The backoff doubles with each consecutive strike (``base``, 2 * ``base``, … up to
         ``limit``); a successful :meth:`release` or the target turning READY again clears it.
+        The quarantine runs from ``at_ms`` (as :meth:`pick`), by default from now.
         """
         if base <= 0 or limit < base:
             raise InvalidArgument("quarantine needs 0 < base <= limit")
-        ms = self._call("coldstart_quarantine", target, int(base * 1000), int(limit * 1000))
+        ms = self._call("coldstart_quarantine", target, int(base * 1000), int(limit * 1000),
+                        *_at(at_ms))
         return int(ms) / 1000.0
 
     def forget(self, target: str) -> bool:
         """Remove a target entirely (gone for good). True if anything was removed."""
         return int(self._call("coldstart_forget", target)) > 0
 
-    def list(self) -> list[TargetView]:
-        """Every target the service knows, sorted by name."""
-        flat = self._call("coldstart_list")
+    def list(self, *, at_ms: int | None = None) -> list[TargetView]:
+        """Every target the service knows, sorted by name; times left as of ``at_ms`` (as
+        :meth:`pick`), by default now."""
+        flat = self._call("coldstart_list", *_at(at_ms))
         views = []
         for i in range(0, len(flat), 7):
             try:

@@ -23,7 +23,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from coldstart.errors import DeadlineExceeded, Unavailable
@@ -35,16 +35,22 @@ T = TypeVar("T")
 
 
 class Deadline:
-    """A monotonic end time for one call: ``Deadline(seconds, what)``."""
+    """A monotonic end time for one call: ``Deadline(seconds, what)``.
 
-    def __init__(self, seconds: float, what: str) -> None:
-        self.end = time.monotonic() + seconds
+    ``clock`` (``time.monotonic``) is where "now" comes from; a test passes a fake clock's to
+    drive time instead of sleeping.
+    """
+
+    def __init__(self, seconds: float, what: str, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.end = clock() + seconds
         self.seconds = seconds
         self.what = what
 
     def remaining(self) -> float:
         """Seconds left (negative once passed)."""
-        return self.end - time.monotonic()
+        return self.end - self.clock()
 
     def check(self) -> float:
         """Seconds left; :class:`DeadlineExceeded` once none are."""
@@ -57,16 +63,20 @@ class Deadline:
         """The monotonic time ``seconds`` from now, or this deadline's end if that is sooner."""
         if seconds is None:
             return self.end
-        return min(time.monotonic() + seconds, self.end)
+        return min(self.clock() + seconds, self.end)
 
 
 @dataclass(frozen=True)
 class Backoff:
     """Exponential backoff with full jitter: the pause before retry ``n`` (0-based) is uniform in
-    ``[0, min(cap, base * 2**n)]``, at least ``floor`` (a server's ``Retry-After``)."""
+    ``[0, min(cap, base * 2**n)]``, at least ``floor`` (a server's ``Retry-After``).
+
+    ``wait`` (``time.sleep``) takes a pause; a test passes a fake clock's, with the same clock
+    in the :class:`Deadline`."""
 
     base: float = 0.1
     cap: float = 2.0
+    wait: Callable[[float], None] = field(default=time.sleep, repr=False, compare=False)
 
     def delay(self, attempt: int, floor: float = 0.0) -> float:
         return max(floor, random.uniform(0, min(self.cap, self.base * 2 ** attempt)))
@@ -77,7 +87,7 @@ class Backoff:
         pause = self.delay(attempt, floor)
         if deadline.remaining() <= pause:
             return False
-        time.sleep(pause)
+        self.wait(pause)
         return True
 
 
@@ -143,11 +153,12 @@ def retry(attempt: Callable[[float], T], *, what: str, deadline: Deadline, retri
             raise final from cause
 
 
-def until(deadline: float, what: str, chunks: Iterator[bytes]) -> Iterator[bytes]:
+def until(deadline: float, what: str, chunks: Iterator[bytes], *,
+          clock: Callable[[], float] = time.monotonic) -> Iterator[bytes]:
     """``chunks``, cut off with :class:`DeadlineExceeded` once the monotonic ``deadline``
-    passes (checked between reads)."""
+    passes (checked between reads; ``clock`` says when "now" is)."""
     while True:
-        if time.monotonic() >= deadline:
+        if clock() >= deadline:
             raise DeadlineExceeded(f"{what}: not received within its deadline (the server "
                                    "is sending too slowly)")
         chunk = next(chunks, None)

@@ -167,20 +167,29 @@ def test_fifty_concurrent_picks_spread_evenly(redis_server: str, router: Router)
     assert all(v.inflight == 0 for v in router.list())
 
 
+def server_ms(r: Router) -> int:
+    """The store's clock (TIME) in ms: where a test that drives time starts."""
+    seconds, micros = r.client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
 def test_quarantine_backs_off_exponentially_and_clears(router: Router) -> None:
+    """Time is driven explicitly (``at_ms``), from the store's clock before the targets were
+    written (so their 10 s heartbeats outlive every time used here): no step depends on how
+    long the machine takes between calls."""
+    t = server_ms(router)
     put(router, "a:1", "READY", 1)
     put(router, "b:1", "READY", 1)
-    assert router.quarantine("a:1", base=0.2, limit=0.5) == 0.2
-    assert {router.pick() for _ in range(4)} == {"b:1"}
-    assert router.quarantine("a:1", base=0.2, limit=0.5) == 0.4
-    assert router.quarantine("a:1", base=0.2, limit=0.5) == 0.5  # capped
-    view = next(v for v in router.list() if v.target == "a:1")
-    assert view.strikes == 3 and 0 < view.quarantine_ms <= 500
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and next(
-            v for v in router.list() if v.target == "a:1").quarantine_ms > 0:
-        time.sleep(0.05)
-    assert "a:1" in {router.pick() for _ in range(6)}  # back once the quarantine ran out
+    assert router.quarantine("a:1", base=0.2, limit=0.5, at_ms=t) == 0.2
+    assert {router.pick(at_ms=t + 199) for _ in range(4)} == {"b:1"}
+    assert router.quarantine("a:1", base=0.2, limit=0.5, at_ms=t) == 0.4
+    assert router.quarantine("a:1", base=0.2, limit=0.5, at_ms=t) == 0.5  # capped
+    view = next(v for v in router.list(at_ms=t + 100) if v.target == "a:1")
+    assert view.strikes == 3 and view.quarantine_ms == 400
+    # out of picks until its quarantine ends, back from that millisecond on
+    assert {router.pick(at_ms=t + 499) for _ in range(4)} == {"b:1"}
+    assert router.pick(at_ms=t + 500) == "a:1"  # the least loaded, once it may be picked
+    assert next(v for v in router.list(at_ms=t + 500) if v.target == "a:1").quarantine_ms == 0
     router.release("a:1", ok=True)  # a request that worked clears the strikes
     assert next(v for v in router.list() if v.target == "a:1").strikes == 0
     assert router.quarantine("a:1", base=0.2, limit=0.5) == 0.2

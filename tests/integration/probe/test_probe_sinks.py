@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from coldstart.errors import NotFound
 from coldstart.probe.checks import HttpCheck
 from coldstart.probe.prober import ProbeConfig, Prober
 from coldstart.probe.router import Router
@@ -147,10 +148,17 @@ def test_webhook_gives_up_on_a_refusal(recorder: tuple[Recorder, int]) -> None:
 
 
 def test_redis_heartbeat_rewrites_a_forgotten_target(redis_server: str) -> None:
+    """The store loses every key; the next heartbeat finds the target unknown and writes the
+    whole state again, and later heartbeats keep pushing its TTL on.
+
+    The TTL (30 s) is far longer than anything here takes, so no real expiry can happen
+    however slow the machine; that the heartbeats keep the target alive past the TTL the
+    rewrite gave it is asked of ``pick`` at that moment, on the store's clock (``at_ms``)."""
     service, target = f"svc-{uuid.uuid4().hex[:8]}", "a:1"
     router = Router.connect(redis_server, service)
-    sink = RedisSink(redis_server, service, target, ttl=0.5)
-    config = ProbeConfig(service=service, target=target, heartbeat=0.05, ttl=0.5)
+    heartbeats = router.keys[4]  # target -> heartbeat deadline (server ms)
+    sink = RedisSink(redis_server, service, target, ttl=30.0)
+    config = ProbeConfig(service=service, target=target, heartbeat=0.05, ttl=30.0)
     prober = Prober(config, None, [sink], notify_path=None)
 
     async def main() -> None:
@@ -164,8 +172,17 @@ def test_redis_heartbeat_rewrites_a_forgotten_target(redis_server: str) -> None:
         router.release(target)
         router.client.delete(*router.keys)  # the store restarted without persistence
         await until(lambda: bool(router.list()) and router.list()[0].state == "READY")
-        await asyncio.sleep(0.7)  # longer than the TTL: heartbeats keep it alive
-        assert router.pick() == target
+        rewritten = router.client.zscore(heartbeats, target)  # the rewrite's TTL ends here
+        assert rewritten is not None
+        await until(lambda: (router.client.zscore(heartbeats, target) or 0) > rewritten)
+        # at the end of the rewrite's TTL the target is still picked: a later heartbeat
+        # pushed its deadline on; long after the newest one it is not (the TTL still counts)
+        assert router.pick(at_ms=int(rewritten)) == target
+        router.release(target)
+        newest = router.client.zscore(heartbeats, target)
+        assert newest is not None and newest > rewritten
+        with pytest.raises(NotFound):
+            router.pick(at_ms=int(newest) + 60_000)
         prober.request_drain()
         await task
 

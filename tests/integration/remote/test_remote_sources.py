@@ -273,15 +273,15 @@ def test_5xx_then_success(open_kind: Callable[..., tuple[Source, Any]], kind: st
 @pytest.mark.parametrize("kind", NETWORK)
 def test_stalled_body_is_cut_off_at_its_deadline(open_kind: Callable[..., tuple[Source, Any]],
                                                  kind: str) -> None:
+    """The stalled attempt is cut off at its deadline (DeadlineExceeded, not the error of a
+    body the server ends short 20 s later), and its retries share the read's budget (twice
+    the timeout for HTTP and S3, one timeout for a registry blob): at most two stalled
+    attempts, not the 1 + 3 the retry count allows."""
     src, state = open_kind(kind, "stall")
     src.size()
-    started = time.monotonic()
     with pytest.raises(DeadlineExceeded):
         src.read_at(4096, 100_000, timeout=TIMEOUT)
-    took = time.monotonic() - started
-    # one attempt's deadline, and its retries within twice that, plus the backoff pauses
-    assert took < 2 * TIMEOUT + 2.5, f"took {took:.1f} s"
-    assert state.injected >= 1
+    assert 1 <= state.injected <= 2
 
 
 @pytest.mark.parametrize("kind", NETWORK)

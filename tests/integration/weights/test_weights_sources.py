@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -291,45 +292,40 @@ def _dribbling(http_files: RangeServer, monkeypatch: pytest.MonkeyPatch, *, ever
 def test_http_dribbling_range_is_cut_off_and_retried(http_files: RangeServer, files: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A server that sends a byte every 20 ms never trips a per-read timeout; the range's own
-    deadline cuts it off, and the retry (a healthy answer) completes the load."""
-    import time
+    deadline cuts it off, and the retry (a healthy answer) completes the load.
 
+    A loader without that deadline would also finish, slowly (the dribble ends after 8 s), but
+    in one request: the second request for the same range is the evidence of the cut-off."""
     (http_files.root / "m.safetensors").write_bytes((files / "model.safetensors").read_bytes())
     dribbled = _dribbling(http_files, monkeypatch, every=False)
-    started = time.monotonic()
     got = load(url_of(http_files, "m.safetensors"), chunk_bytes=1 << 20, concurrency=1,
                timeout=1.0)
-    took = time.monotonic() - started
     assert dribbled, "the dribble was not exercised"
     assert_identical(_reference(files), got)
-    assert took < 5.0, f"took {took:.1f} s: the dribbling range was not cut off"
     retried = [r for r in http_files.requests if r.endswith(dribbled[0])]
-    assert len(retried) >= 2  # the cut-off range was asked for again
+    assert len(retried) == 2  # the cut-off range was asked for again, once
 
 
 def test_http_dribbling_server_hits_the_deadline(http_files: RangeServer, files: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    import time
-
+    """Every data range dribbles: each attempt is cut off (a dribble that ran its 8 s would
+    complete the load), and the range's budget of twice the timeout ends the retries: at most
+    two attempts of one timeout each, of the 1 + 3 the retry count would allow."""
     from coldstart.errors import DeadlineExceeded
 
     (http_files.root / "m.safetensors").write_bytes((files / "model.safetensors").read_bytes())
-    _dribbling(http_files, monkeypatch, every=True)
-    started = time.monotonic()
+    dribbled = _dribbling(http_files, monkeypatch, every=True)
     with pytest.raises(DeadlineExceeded, match=r"too slowly|timed out"):
         load(url_of(http_files, "m.safetensors"), chunk_bytes=1 << 20, concurrency=1,
              timeout=1.0)
-    took = time.monotonic() - started
-    # Budget: 2 x timeout for the range's attempts (plus backoff and the header's request).
-    assert took < 5.0, f"took {took:.1f} s"
+    assert dribbled, "the dribble was not exercised"
+    assert max(Counter(dribbled).values()) <= 2, dribbled
 
 
 def test_s3_dribbling_body_hits_the_deadline(http_files: RangeServer, files: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """S3Source against a loopback server speaking just enough S3 (a ranged GET of
     ``/bucket/key``) that dribbles the body: cut off by the range deadline, not hung."""
-    import time
-
     from coldstart.errors import DeadlineExceeded
     from coldstart.remote.s3 import S3Source
     from coldstart.remote.s3 import s3_client as make_client
@@ -340,15 +336,14 @@ def test_s3_dribbling_body_hits_the_deadline(http_files: RangeServer, files: Pat
     (http_files.root / "b").mkdir()
     (http_files.root / "b" / "m.safetensors").write_bytes(
         (files / "model.safetensors").read_bytes())
-    _dribbling(http_files, monkeypatch, every=True)
+    dribbled = _dribbling(http_files, monkeypatch, every=True)
     client = make_client(timeout=1.0, endpoint_url=url_of(http_files).rstrip("/"))
     src = S3Source("s3://b/m.safetensors", client=client, timeout=1.0)
     buf = bytearray(64 << 10)
-    started = time.monotonic()
-    with pytest.raises(DeadlineExceeded):
+    with pytest.raises(DeadlineExceeded, match=r"too slowly|timed out"):
         src.read_into(4096, [memoryview(buf)])
-    took = time.monotonic() - started
-    assert took < 5.0, f"took {took:.1f} s"
+    # cut off (not waited out), within the range's budget: at most two attempts
+    assert 1 <= len(dribbled) <= 2, dribbled
     # A healthy range through the same client still reads (the pool's sockets are sound).
     monkeypatch.undo()
     for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x",
