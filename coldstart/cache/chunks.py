@@ -412,7 +412,7 @@ class ChunkCache:
                 self._evict(keep=hexd)
             return
         if self._files.exists(hexd):  # another process stored it: hashed on its first read
-            self._ix.adopt(hexd, size, trusted=False)
+            self._ix.adopt(hexd, size, trusted=self.verify != "first-read")
             return
         try:
             self._files.write(hexd, data)
@@ -541,7 +541,10 @@ class ChunkCache:
             with contextlib.suppress(OSError):
                 os.unlink(empty.path)
         if not packed:
-            self._files.unlink(hexd)
+            try:
+                self._files.unlink(hexd)
+            except OSError as exc:  # a read-only or foreign cache dir: the read is a miss anyway
+                log.warning("chunk cache: cannot remove %s: %s", hexd, exc)
 
     def _evict(self, keep: str | None = None) -> None:
         """Remove least-recently-used chunks and packs until the cache fits its limit (the

@@ -96,8 +96,13 @@ class FileStore:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        os.close(fd)
-        os.rename(tmp, path)
+        try:
+            os.close(fd)     # a full disk or quota may be reported only here
+            os.rename(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
     def unlink(self, hexd: str) -> None:
         with contextlib.suppress(FileNotFoundError):

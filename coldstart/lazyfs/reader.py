@@ -108,8 +108,9 @@ class LayerReader:
         self._last_end: dict[str, int] = {}
         self._chunk_starts: dict[str, list[int]] = {}
         # per file: (first chunk index of the last read-ahead window, chunk index up to which
-        # the chunks after it are known local or requested); the loop replans only past it
-        self._planned: dict[str, tuple[int, int]] = {}
+        # the chunks after it are known local or requested, the cache's eviction count then);
+        # the loop replans only past it, or once the cache has evicted anything since
+        self._planned: dict[str, tuple[int, int, int]] = {}
         self._window = (0, 0)   # blob range of the last small-file window fetched
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -304,9 +305,15 @@ class LayerReader:
             planned = self._planned.get(entry.name)
         if planned is None:
             return False
-        first, covered = planned
+        first, covered, evictions = planned
+        if evictions != self._evictions():
+            return False
         i = bisect.bisect_right(self._starts(entry), after)
         return first <= i and self._window_end(entry, i) <= covered
+
+    def _evictions(self) -> int:
+        stats = getattr(self.cache, "stats", None)
+        return int(getattr(stats, "evictions", 0))
 
     def _window_end(self, entry: Entry, i: int) -> int:
         """Index past the read-ahead window that starts at chunk ``i``."""
@@ -323,6 +330,7 @@ class LayerReader:
         Records how far ahead the file is known local or requested; when the whole window
         was local it looks further (while chunks stay local, up to ``_LOOK_FURTHER``), so a
         warm file is replanned every so many chunks instead of at every chunk."""
+        evictions = self._evictions()       # before looking: an eviction meanwhile replans
         first = bisect.bisect_right(self._starts(entry), after)
         end = self._window_end(entry, first)
         ahead = [c for c in entry.chunks[first:end] if not self._is_cached(c)]
@@ -335,7 +343,7 @@ class LayerReader:
         with self._lock:
             if len(self._planned) > 4096:
                 self._planned.clear()
-            self._planned[entry.name] = (first, covered)
+            self._planned[entry.name] = (first, covered, evictions)
         if ahead:
             try:
                 self.fetcher.request(self.target, ahead, max_bytes=READAHEAD_REQUEST)

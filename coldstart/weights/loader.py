@@ -436,8 +436,11 @@ def iter_load(
     try:
         if isinstance(source, str | os.PathLike):
             ckpt = opener.checkpoint(source)
-        else:  # a source object: anything with size, read_into and close
+        elif all(callable(getattr(source, m, None)) for m in ("size", "read_into", "close")):
             ckpt = Checkpoint(name_of(source), [ShardFile(source, read_header(source))], {})
+        else:
+            raise InvalidArgument(f"cannot load from a {type(source).__name__}: give a path, "
+                                  "a URL or a source (size, read_into, close)")
         try:
             copies = _copies_for(dev)
             staged = copies is not None

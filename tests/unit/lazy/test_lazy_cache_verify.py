@@ -265,3 +265,31 @@ def test_fuse_server_builds_its_cache_from_the_config(tmp_path: Path) -> None:
         srv2.cache.close()
         srv2.client.close()
         srv2._release_root()
+
+
+def test_with_verify_never_an_adopted_file_is_served_on_the_loop(tmp_path: Path) -> None:
+    # "never" trusts the disk: a chunk file another process stored, adopted by a put, must not
+    # stay marked unverified (nothing would ever clear it: every read would leave the loop)
+    mine = ChunkCache(tmp_path, max_bytes=1 << 30, verify="never")
+    other = ChunkCache(tmp_path, max_bytes=1 << 30)
+    data = chunk(40)
+    other.put(dg(data), data)
+    mine.put(dg(data), data)
+    assert mine.read_local(dg(data), 0, 10) == data[:10]
+    assert mine.stats.verified == 0
+
+
+def test_a_corrupt_chunk_that_cannot_be_removed_is_a_miss_not_an_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    c = ChunkCache(tmp_path, max_bytes=1 << 30)
+    data = chunk(41)
+    c.put(dg(data), data)
+    c.close()
+    rot(loose_file(tmp_path, dg(data)))
+    c2 = ChunkCache(tmp_path, max_bytes=1 << 30)
+
+    def refuse(path: object) -> None:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr("os.unlink", refuse)
+    assert c2.get(dg(data)) is None and c2.stats.corrupt == 1
