@@ -5,21 +5,27 @@ from __future__ import annotations
 
 import hashlib
 import io
+import subprocess
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from coldstart.cache import ChunkCache
 from coldstart.format.writer import LayerResult, convert_layer
+from coldstart.lazyfs.client import FuseServerClient
 from coldstart.stack.images import realistic_bytes
 from coldstart.stack.mounts import unmount_under
 from coldstart.stack.registry import push_layer
 from coldstart.stack.snapshotter import fuse_server
 from coldstart.stack.snapshotter import fuse_server_config as write_config
 
-__all__ = ["MTIME", "REPO_ROOT", "SourceTree", "convert", "fuse_server", "metadata_tar",
-           "push_layer", "realistic_bytes", "sha", "unmount_under", "write_config"]
+__all__ = ["MTIME", "REPO_ROOT", "Server", "SourceTree", "convert", "fuse_server", "in_cache",
+           "metadata_tar", "push_layer", "realistic_bytes", "sha", "unmount_under",
+           "write_config"]
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
+#: what the ``server`` fixture yields: (process, control client, its temp dir)
+Server = tuple[subprocess.Popen[bytes], FuseServerClient, Path]
 MTIME = 1_700_000_000
 
 
@@ -109,3 +115,12 @@ def convert(tar: bytes, fmt: str, chunk_size: int = 64 << 10,
 
 def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def in_cache(cache_dir: Path, digest: str) -> bool:
+    """Whether the node cache on disk holds the chunk (a file, or a record in a pack)."""
+    cache = ChunkCache(cache_dir, max_bytes=1 << 50)
+    try:
+        return digest in cache
+    finally:
+        cache.close()

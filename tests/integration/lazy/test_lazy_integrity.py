@@ -20,14 +20,11 @@ import errno
 import io
 import json
 import random
-import subprocess
 import tarfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from coldstart.cache import ChunkCache
 from coldstart.errors import FailedPrecondition, IntegrityError, NotFound
 from coldstart.format.codec import gunzip_member, unzstd_frame
 from coldstart.format.layer import ESTARGZ_TOC_DIGEST, ZSTD_CHUNKED_MANIFEST_CHECKSUM, open_layer
@@ -37,38 +34,23 @@ from coldstart.lazyfs.client import FuseServerClient
 from coldstart.lazyfs.mountsys import is_mountpoint
 from coldstart.lazyfs.spec import LayerSpec
 from tests.fixtures.procs import wait_for
-from tests.fixtures.registry import Registry
 from tests.integration.lazy.lazy_helpers import (
     MTIME,
+    Server,
     SourceTree,
     convert,
-    fuse_server,
+    in_cache,
     metadata_tar,
     push_layer,
     sha,
 )
-from tests.integration.lazy.lazy_proxy import Proxy, proxy_for
+from tests.integration.lazy.lazy_proxy import Proxy
 
 pytestmark = pytest.mark.integration
 
 FORMATS = ["zstd:chunked", "estargz"]
 TOC_KEY = {"estargz": ESTARGZ_TOC_DIGEST, "zstd:chunked": ZSTD_CHUNKED_MANIFEST_CHECKSUM}
 WRONG_DIGEST = "sha256:" + "0" * 64
-Server = tuple[subprocess.Popen[bytes], FuseServerClient, Path]
-
-
-@pytest.fixture(scope="module")
-def proxy(registry: Registry) -> Iterator[Proxy]:
-    with proxy_for(registry.url) as p:
-        yield p
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, proxy: Proxy) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("lazyintegrity")
-    with fuse_server(tmp, registry_host=proxy.host, read_deadline=3.0,
-                     request_timeout=2.0) as (proc, client, _root):
-        yield proc, client, tmp
 
 
 def opaque_tree(seed: int, size: int = 40_000) -> SourceTree:
@@ -98,15 +80,6 @@ def mountpoint(tmp: Path, name: str) -> Path:
     mp = tmp / name
     mp.mkdir()
     return mp
-
-
-def in_cache(cache_dir: Path, digest: str) -> bool:
-    """Whether the node cache on disk holds the chunk (a file, or a record in a pack)."""
-    cache = ChunkCache(cache_dir, max_bytes=1 << 50)
-    try:
-        return digest in cache
-    finally:
-        cache.close()
 
 
 def only_chunk(blob: bytes, annotations: dict[str, str], name: str) -> Chunk:

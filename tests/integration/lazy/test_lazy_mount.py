@@ -10,18 +10,14 @@ import json
 import os
 import signal
 import stat
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from coldstart.cache import ChunkCache
 from coldstart.errors import NotFound
 from coldstart.format.layer import open_layer
 from coldstart.format.readat import BytesReadAt
-from coldstart.lazyfs.client import FuseServerClient
 from coldstart.lazyfs.fetcher import MAX_GAP
 from coldstart.lazyfs.metrics import (
     CACHE_HITS,
@@ -36,42 +32,19 @@ from tests.fixtures.procs import free_port, wait_for
 from tests.fixtures.registry import Registry
 from tests.integration.lazy.lazy_helpers import (
     MTIME,
+    Server,
     SourceTree,
     convert,
     fuse_server,
+    in_cache,
     metadata_tar,
     push_layer,
 )
-from tests.integration.lazy.lazy_proxy import Proxy, proxy_for
-
-
-def in_cache(cache_dir: Path, digest: str) -> bool:
-    """Whether the node cache on disk holds the chunk (a file, or a record in a pack)."""
-    cache = ChunkCache(cache_dir, max_bytes=1 << 50)
-    try:
-        return digest in cache
-    finally:
-        cache.close()
-
+from tests.integration.lazy.lazy_proxy import Proxy
 
 pytestmark = pytest.mark.integration
 
 FORMATS = ["zstd:chunked", "estargz"]
-Server = tuple[subprocess.Popen[bytes], FuseServerClient, Path]
-
-
-@pytest.fixture(scope="module")
-def proxy(registry: Registry) -> Iterator[Proxy]:
-    with proxy_for(registry.url) as p:
-        yield p
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, proxy: Proxy) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("lazyfuse")
-    with fuse_server(tmp, registry_host=proxy.host, read_deadline=3.0,
-                     request_timeout=2.0) as (proc, client, _root):
-        yield proc, client, tmp
 
 
 @pytest.fixture(scope="module")
