@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from coldstart.errors import FailedPrecondition, Unavailable
 from coldstart.format.layer import open_layer
@@ -34,6 +35,9 @@ from coldstart.oci.manifest import OCI_CONFIG, OCI_LAYER_GZIP, OCI_MANIFEST, bui
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
 from coldstart.stack.registry import start_registry
+
+if TYPE_CHECKING:
+    from coldstart.stack.snapshotter import LocalStack
 
 Echo = Callable[[str], None]
 MiB = 1 << 20
@@ -201,12 +205,7 @@ def _containerd_step(echo: Echo, workdir: Path, client: RegistryClient, gzip_ref
         t1 = time.monotonic()
         result = pull_image(Containerd(st.address, "default"), client, lazy_ref)
         lazy_pull = time.monotonic() - t1
-        t1 = time.monotonic()
-        run = st.ctr("run", "--rm", "--snapshotter", "coldstart", lazy_ref, "demo-lazy",
-                     "/app/start.sh")
-        lazy_run = time.monotonic() - t1
-        if run.returncode != 0 or "ready" not in run.stdout:
-            raise Unavailable(f"the lazily pulled container failed: {run.stderr.strip()}")
+        lazy_run = _timed_run(st, "coldstart", lazy_ref, "demo-lazy", "lazily pulled")
         fetched = sum(int(m.get("fetched_bytes", 0))
                       for m in FuseServerClient(st.fuse_socket).status())
         echo(f"   coldstart pull + run: {lazy_pull:.2f} s + {lazy_run:.2f} s "
@@ -217,12 +216,7 @@ def _containerd_step(echo: Echo, workdir: Path, client: RegistryClient, gzip_ref
         full_pull = time.monotonic() - t1
         if pulled.returncode != 0:
             raise Unavailable(f"ctr image pull failed: {pulled.stderr.strip()}")
-        t1 = time.monotonic()
-        run = st.ctr("run", "--rm", "--snapshotter", "overlayfs", gzip_ref, "demo-full",
-                     "/app/start.sh")
-        full_run = time.monotonic() - t1
-        if run.returncode != 0 or "ready" not in run.stdout:
-            raise Unavailable(f"the fully pulled container failed: {run.stderr.strip()}")
+        full_run = _timed_run(st, "overlayfs", gzip_ref, "demo-full", "fully pulled")
         echo(f"   ctr image pull + run (overlayfs, full pull): {full_pull:.2f} s + "
              f"{full_run:.2f} s")
     return {"lazy_pull_s": lazy_pull, "lazy_run_s": lazy_run, "lazy_fetched_bytes": fetched,
@@ -254,3 +248,13 @@ def _lazy_startup_bytes(client: RegistryClient, ref: Reference, desc: object,
         if name in layer.toc.entries:
             layer.read_file(name, offset, None if length < 0 else length)
     return blob.bytes_read
+
+
+def _timed_run(st: LocalStack, snapshotter: str, ref: str, name: str, what: str) -> float:
+    """Seconds ``ctr run`` of the demo image takes until it exits, having printed "ready"."""
+    t0 = time.monotonic()
+    run = st.ctr("run", "--rm", "--snapshotter", snapshotter, ref, name, "/app/start.sh")
+    took = time.monotonic() - t0
+    if run.returncode != 0 or "ready" not in run.stdout:
+        raise Unavailable(f"the {what} container failed: {run.stderr.strip()}")
+    return took

@@ -76,6 +76,16 @@ def changed(spec: LayerSpec, **changes: object) -> LayerSpec:
     return LayerSpec(**{**json.loads(spec.to_json()), **changes})
 
 
+def lying_and_unannotated(spec: LayerSpec, fmt: str) -> tuple[LayerSpec, LayerSpec]:
+    """``spec`` with a wrong TOC digest annotation, and without one (neither names a manifest,
+    so the server must take the spec's annotations)."""
+    bad = changed(spec, annotations={**spec.annotations, TOC_KEY[fmt]: WRONG_DIGEST},
+                  manifest_digest="")
+    unverified = changed(spec, annotations={k: v for k, v in spec.annotations.items()
+                                            if k != TOC_KEY[fmt]}, manifest_digest="")
+    return bad, unverified
+
+
 def mountpoint(tmp: Path, name: str) -> Path:
     mp = tmp / name
     mp.mkdir()
@@ -103,12 +113,9 @@ def test_toc_not_matching_its_annotation_is_refused_when_the_layer_is_opened(
     assert spec.digest not in served(client)
     mp = mountpoint(tmp, f"open-{fmt[:4]}")
     # no manifest digest: the server must take the spec's annotations, not the manifest's
-    bad = changed(spec, annotations={**spec.annotations, TOC_KEY[fmt]: WRONG_DIGEST},
-                  manifest_digest="")
+    bad, unverified = lying_and_unannotated(spec, fmt)
     with pytest.raises(IntegrityError, match="does not match the annotation"):
         client.mount(str(mp), bad)
-    unverified = changed(spec, annotations={k: v for k, v in spec.annotations.items()
-                                            if k != TOC_KEY[fmt]}, manifest_digest="")
     with pytest.raises(FailedPrecondition, match="no TOC digest annotation"):
         client.mount(str(mp), unverified)
     assert not is_mountpoint(str(mp)) and spec.digest not in served(client)
@@ -133,12 +140,9 @@ def test_toc_not_matching_its_annotation_is_refused_when_the_layer_is_served_alr
     # served: a second mount is not opened again, so check_same_toc is the one tested
     assert spec.digest in served(client)
     second = mountpoint(tmp, f"again-{fmt[:4]}-2")
-    bad = changed(spec, annotations={**spec.annotations, TOC_KEY[fmt]: WRONG_DIGEST},
-                  manifest_digest="")
+    bad, unverified = lying_and_unannotated(spec, fmt)
     with pytest.raises(IntegrityError, match="does not match the served layer's TOC"):
         client.mount(str(second), bad)
-    unverified = changed(spec, annotations={k: v for k, v in spec.annotations.items()
-                                            if k != TOC_KEY[fmt]}, manifest_digest="")
     with pytest.raises(FailedPrecondition, match="no TOC digest annotation"):
         client.mount(str(second), unverified)
     assert not is_mountpoint(str(second))
