@@ -18,6 +18,8 @@ from coldstart.errors import ColdstartError
 
 # command name -> (module, attribute). A module that does not exist yet is simply not listed.
 _COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("coldstart.commands.bench", "bench"),
+    "bench-image": ("coldstart.commands.bench_image", "bench_image"),
     "demo": ("coldstart.commands.demo", "demo"),
     "convert": ("coldstart.commands.convert", "convert"),
     "pull": ("coldstart.commands.pull", "pull"),

@@ -11,6 +11,7 @@ APT_PACKAGES=(
   python3 python3-venv python3-dev gcc pkg-config
   containerd runc docker-registry skopeo stargz-snapshotter redis-server
   fuse3 libfuse3-dev busybox-static zstd util-linux procps
+  golang-go golang-github-containerd-stargz-snapshotter-dev golang-github-containerd-containerd-dev
 )
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -45,7 +46,7 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   pip_install torch==2.13.0
 fi
 echo "install: coldstart and its extras" >&2
-pip_install -e '.[snapshotter,weights,probe,test,bench]'
+pip_install -e '.[snapshotter,weights,probe,test,bench,plot]'
 .venv/bin/python -m coldstart._proto.build >>"$LOG" 2>&1 || {
   tail -n 40 "$LOG" >&2; echo "install: compiling the protos failed" >&2; exit 1; }
 rm -f "$LOG"

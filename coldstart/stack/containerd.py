@@ -1,7 +1,8 @@
 """A real containerd 1.6 with its own root, state and socket, started and stopped by PID.
 
 Its CRI plugin and the snapshotters we never use are disabled (fast, quiet start-up); with
-``proxy_socket`` a ``[proxy_plugins.coldstart]`` (type snapshot) points at a snapshotter there.
+``proxy_socket`` a ``[proxy_plugins.coldstart]`` (type snapshot) points at a snapshotter there,
+and ``proxies`` (snapshotter name -> socket, e.g. ``{"stargz": sock}``) adds more of them.
 Unix socket paths must stay under 108 bytes, hence the short directory names (``c.sock``).
 ``ctr run`` needs ``runc`` on PATH.
 """
@@ -12,7 +13,7 @@ import contextlib
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,8 +61,23 @@ class Containerd:
         return result
 
 
-def containerd_config(base: Path, proxy_socket: str | None) -> str:
-    """containerd's TOML config: everything under ``base``, our proxy snapshotter if given."""
+def _proxy_table(proxy_socket: str | None,
+                 proxies: Mapping[str, str] | None) -> dict[str, str]:
+    """Snapshotter name -> socket: ``proxy_socket`` is ``coldstart``'s, ``proxies`` the rest."""
+    table = {"coldstart": proxy_socket} if proxy_socket else {}
+    for name, sock in (proxies or {}).items():
+        if not name.replace("-", "").replace("_", "").isalnum():
+            raise InvalidArgument(f"proxy snapshotter name {name!r}: letters, digits, - and _")
+        if name in table and table[name] != sock:
+            raise InvalidArgument(f"proxy snapshotter {name!r} given twice ({table[name]}, {sock})")
+        table[name] = sock
+    return table
+
+
+def containerd_config(base: Path, proxy_socket: str | None,
+                      proxies: Mapping[str, str] | None = None) -> str:
+    """containerd's TOML config: everything under ``base``, our proxy snapshotter if given
+    (``proxy_socket``) and the proxy snapshotters in ``proxies`` (name -> socket)."""
     disabled = ", ".join(f'"{p}"' for p in DISABLED_PLUGINS)
     text = (
         "version = 2\n"
@@ -78,23 +94,27 @@ def containerd_config(base: Path, proxy_socket: str | None) -> str:
         "[metrics]\n"
         '  address = ""\n'
     )
-    if proxy_socket:
-        text += ("[proxy_plugins]\n"
-                 "  [proxy_plugins.coldstart]\n"
-                 '    type = "snapshot"\n'
-                 f'    address = "{proxy_socket}"\n')
+    table = _proxy_table(proxy_socket, proxies)
+    if table:
+        text += "[proxy_plugins]\n"
+        for name, sock in table.items():
+            text += (f"  [proxy_plugins.{name}]\n"
+                     '    type = "snapshot"\n'
+                     f'    address = "{sock}"\n')
     return text
 
 
 @contextlib.contextmanager
-def start_containerd(base: Path, proxy_socket: str | None = None) -> Iterator[Containerd]:
+def start_containerd(base: Path, proxy_socket: str | None = None, *,
+                     proxies: Mapping[str, str] | None = None) -> Iterator[Containerd]:
     """containerd in ``base`` (root, state, socket, log), stopped by PID afterwards and the
-    mounts it left below ``base`` undone."""
+    mounts it left below ``base`` undone; ``proxies``: more proxy snapshotters (name -> socket)
+    beside ``proxy_socket`` (``coldstart``)."""
     if not Path(CONTAINERD_BIN).exists():
         raise FailedPrecondition("containerd is not installed (apt-get install containerd runc)")
     base.mkdir(parents=True, exist_ok=True)
     config = base / "config.toml"
-    config.write_text(containerd_config(base, proxy_socket))
+    config.write_text(containerd_config(base, proxy_socket, proxies))
     log = base / "containerd.log"
     sock = base / "c.sock"
     if len(str(sock)) > 100:
@@ -112,12 +132,19 @@ def start_containerd(base: Path, proxy_socket: str | None = None) -> Iterator[Co
 
 
 @contextlib.contextmanager
-def temp_containerd(proxy_socket: str | None = None) -> Iterator[Containerd]:
+def temp_containerd(proxy_socket: str | None = None, *,
+                    proxies: Mapping[str, str] | None = None) -> Iterator[Containerd]:
     """:func:`start_containerd` in a fresh short directory under /tmp, removed afterwards;
-    ``ctr`` runs in namespace ``default`` unless told otherwise, like ``coldstart pull``."""
+    ``ctr`` runs in namespace ``default`` unless told otherwise, like ``coldstart pull``.
+
+    Example::
+
+        with start_stargz(tmp) as sgz, temp_containerd(proxies={"stargz": sgz.socket}) as ctd:
+            ctd.ctr("run", "--rm", "--snapshotter", "stargz", ref, "id", "true")
+    """
     base = Path(tempfile.mkdtemp(prefix="cs-ctd-", dir="/tmp"))
     try:
-        with start_containerd(base, proxy_socket) as proc:
+        with start_containerd(base, proxy_socket, proxies=proxies) as proc:
             proc.namespace = "default"
             yield proc
     finally:

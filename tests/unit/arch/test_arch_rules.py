@@ -59,9 +59,10 @@ RULES: dict[str, Rule] = {
     "weights": rule("errors config remote oci", "torch numpy yaml"),
     "probe": rule("errors config", "redis grpc httpx@probe.sinks"),
     "stack": rule(_BELOW_BENCH),
-    "benchmark": rule(_BELOW_BENCH + " stack"),
+    "benchmark": rule(_BELOW_BENCH + " stack", "httpx matplotlib@benchmark.results"),
     "cli": rule("*", "click"),
-    "commands": rule("*", "click torch@commands.weights torch@commands.models"),
+    "commands": rule("*", "click rich@commands.bench torch@commands.weights "
+                          "torch@commands.models"),
     "_proto": rule(checked=False),
 }
 

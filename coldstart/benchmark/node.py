@@ -1,0 +1,301 @@
+"""A benchmark node: the daemons one mode needs, fresh for every run, and one cold start on it.
+
+Every run gets a new :class:`Node` under its own directory: a containerd with empty content store
+and snapshots, and for the lazy modes a fresh snapshotter with an empty chunk cache (ours, or
+stargz-snapshotter's). Starting them is not timed; stopping them removes every process and mount
+they made. :func:`cold_start` then times one start of an image on it, phase by phase:
+
+    resolve  the registry client resolves the reference to a manifest
+    pull     ctr image pull (fetch + unpack) | coldstart's pull | ctr-remote image rpull
+    create   ctr container create (the rootfs snapshot is prepared)
+    start    ctr task start (the process runs)
+    …        the app's phases (``STATUS=``/``X_PHASE=`` notices, ``coldstart-phase`` lines)
+    READY    the ready condition holds
+
+CPU seconds are read from ``/proc`` for each daemon (and the pulling client) at READY.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from coldstart.benchmark.ready import ReadyCondition, ReadyWatch
+from coldstart.benchmark.results import Phase, Run
+from coldstart.errors import ColdstartError, FailedPrecondition
+from coldstart.oci.reference import Reference
+from coldstart.oci.registry import RegistryClient
+from coldstart.stack.containerd import CTR_BIN, Containerd, start_containerd
+from coldstart.stack.mounts import unmount_under
+
+__all__ = ["MODES", "ModeSpec", "Node", "cold_start", "drop_caches", "start_node"]
+
+IO_MOUNT = "/run/coldstart-bench"        # where the container sees the notify socket
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    name: str
+    snapshotter: str     # containerd's name for it
+    image_format: str    # which copy of the image it pulls: gzip | zstd:chunked | estargz…
+    description: str
+
+
+MODES: dict[str, ModeSpec] = {m.name: m for m in (
+    ModeSpec("overlayfs", "overlayfs", "gzip",
+             "containerd's full pull (download + unpack) into overlayfs: the baseline"),
+    ModeSpec("coldstart", "coldstart", "zstd:chunked",
+             "coldstart's snapshotter, zstd:chunked, chunks fetched on demand"),
+    ModeSpec("stargz", "stargz", "estargz",
+             "stargz-snapshotter 0.12 (the peer), eStargz from ctr-remote image convert"),
+    ModeSpec("stargz-optimized", "stargz", "estargz-optimized",
+             "stargz-snapshotter 0.12, the image from ctr-remote image optimize"),
+)}
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """utime + stime of ``pid`` and its reaped children; 0 when it is gone."""
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(fields[i]) for i in (11, 12, 13, 14)) / _CLK_TCK
+
+
+def drop_caches(settle: float) -> None:
+    """Write back and drop the page cache, then wait ``settle`` seconds (on a VM with free page
+    reporting the freed pages go back to the host meanwhile: every run starts the same way)."""
+    subprocess.run(["sync"], check=True, timeout=300)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+    time.sleep(settle)
+
+
+class ExitEvents:
+    """``ctr events`` in the background: the exit code of each task as containerd reports it."""
+
+    _LINE = re.compile(r"/tasks/exit\s+(\{.*\})\s*$")
+
+    def __init__(self, ctd: Containerd) -> None:
+        self._codes: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._proc = subprocess.Popen(
+            [CTR_BIN, "--address", ctd.address, "--namespace", ctd.namespace, "events"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self._thread = threading.Thread(target=self._read, name="ctr-events", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            m = self._LINE.search(line)
+            if not m:
+                continue
+            with contextlib.suppress(ValueError):
+                ev = json.loads(m.group(1))
+                with self._lock:
+                    self._codes[ev.get("container_id", "")] = int(ev.get("exit_status", 0))
+
+    def code(self, container: str) -> int | None:
+        with self._lock:
+            return self._codes.get(container)
+
+    def close(self) -> None:
+        self._proc.kill()
+        self._proc.wait(10)
+        self._thread.join(5)
+
+
+@dataclass
+class Node:
+    mode: ModeSpec
+    base: Path
+    ctd: Containerd
+    daemons: dict[str, Callable[[], int | None]] = field(default_factory=dict)
+    insecure: tuple[str, ...] = ()
+
+    def ctr(self, *args: str, timeout: float = 900.0) -> subprocess.CompletedProcess[str]:
+        return self.ctd.ctr(*args, timeout=timeout)
+
+    def cpu(self) -> dict[str, float]:
+        return {name: cpu_seconds(pid()) for name, pid in self.daemons.items()}
+
+    def plain_http(self, ref: str) -> bool:
+        host = Reference.parse(ref).registry
+        return host.startswith(("127.", "localhost", "[::1]")) or host in self.insecure
+
+    def pull(self, ref: str, timeout: float) -> float:
+        """Pull ``ref`` the way this mode does; returns the client's CPU seconds."""
+        plain = ["--plain-http"] if self.plain_http(ref) else []
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if self.mode.snapshotter == "overlayfs":
+            self.ctr("image", "pull", *plain, ref, timeout=timeout)
+        elif self.mode.snapshotter == "stargz":
+            from coldstart.stack.stargz import ctr_remote
+
+            ctr_remote(self.ctd.address, "image", "rpull", *plain, ref, timeout=timeout)
+        else:
+            from coldstart.containerd.client import Containerd as Client
+            from coldstart.containerd.pull import pull_image
+
+            t_cpu = time.process_time()
+            with Client(self.ctd.address, self.ctd.namespace, timeout=timeout) as client, \
+                    RegistryClient(insecure_hosts=self.insecure, timeout=timeout) as registry:
+                pull_image(client, registry, ref, snapshotter=self.mode.snapshotter)
+            return time.process_time() - t_cpu
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+@contextlib.contextmanager
+def start_node(mode: ModeSpec, base: Path, *, insecure: tuple[str, ...] = (),
+               stargz_binary: Path | None = None) -> Iterator[Node]:
+    """The daemons ``mode`` needs under ``base`` (fresh: empty stores and caches); stopped by
+    PID and every mount below ``base`` undone at the end."""
+    base.mkdir(parents=True, exist_ok=True)
+    try:
+        with contextlib.ExitStack() as stack:
+            proxies: dict[str, str] = {}
+            daemons: dict[str, Callable[[], int | None]] = {}
+            if mode.snapshotter == "coldstart":
+                from coldstart.stack.snapshotter import start_snapshotter
+
+                sn = stack.enter_context(start_snapshotter(base / "sn", metrics=False,
+                                                           log_level="info"))
+                proxies["coldstart"] = sn.socket
+                daemons["snapshotter"] = lambda: sn.proc.pid if sn.proc else None
+                daemons["fuse-server"] = lambda: sn.fuse_pid
+            elif mode.snapshotter == "stargz":
+                from coldstart.stack.stargz import start_stargz
+
+                sg = stack.enter_context(start_stargz(base / "sg", binary=stargz_binary))
+                proxies["stargz"] = sg.socket
+                daemons["stargz"] = lambda: sg.proc.pid if sg.proc else None
+            ctd = stack.enter_context(start_containerd(base / "ctrd", proxies=proxies))
+            ctd.namespace = "default"
+            daemons = {"containerd": lambda: ctd.proc.pid if ctd.proc else None, **daemons}
+            yield Node(mode=mode, base=base, ctd=ctd, daemons=daemons, insecure=insecure)
+    finally:
+        unmount_under(base, abort_fuse=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Workload:
+    command: list[str]
+    env: list[str]
+    ready: ReadyCondition
+    timeout: float = 600.0
+
+
+Traffic = Callable[[], tuple[int, int]]   # (bytes served, requests) so far
+
+
+def cold_start(node: Node, ref: str, work: Workload, index: int, *, traffic: Traffic | None,
+               settle: float = 0.0, on_phase: Callable[[str], None] = lambda _p: None,
+               prepared: bool = False) -> Run:
+    """One cold start of ``ref`` on ``node``; a failure is recorded in the run, not raised.
+
+    ``prepared``: the image is already pulled (the warm start of the floor): only create,
+    start and the app's phases are timed."""
+    run = Run(node.mode.name, index)
+    cid = f"bench-{index}"
+    io_dir = node.base / "io"
+    io_dir.mkdir(exist_ok=True)
+    log = io_dir / "out.log"
+    log.unlink(missing_ok=True)
+    drop_caches(settle)
+    events = ExitEvents(node.ctd)
+    served0 = traffic() if traffic else None
+    cpu_client = 0.0
+    t0 = time.monotonic()
+    last = t0
+
+    def phase(name: str) -> None:
+        nonlocal last
+        now = time.monotonic()
+        run.phases.append(Phase(name, last - t0, now - t0))
+        last = now
+
+    try:
+        with ReadyWatch(work.ready, notify_path=io_dir / "n.sock", log_path=log,
+                        exited=lambda: events.code(cid), t0=t0) as watch:
+            if not prepared:
+                on_phase("resolve")
+                insecure = [Reference.parse(ref).registry] if node.plain_http(ref) else []
+                with RegistryClient(insecure_hosts=insecure, timeout=60) as client:
+                    client.resolve(Reference.parse(ref))
+                phase("resolve")
+                on_phase("pull")
+                cpu_client = node.pull(ref, timeout=work.timeout)
+                phase("pull")
+            on_phase("create")
+            argv = ["container", "create", "--snapshotter", node.mode.snapshotter,
+                    "--mount", f"type=bind,src={io_dir},dst={IO_MOUNT},options=rbind:rw",
+                    "--env", f"NOTIFY_SOCKET={IO_MOUNT}/n.sock"]
+            for e in work.env:
+                argv += ["--env", e]
+            if work.ready.needs_host_network:
+                argv.append("--net-host")
+            # "--": ctr would read the command's own flags (sh -c) as its flags
+            node.ctr(*argv, ref, cid, "--", *work.command, timeout=work.timeout)
+            phase("create")
+            on_phase("start")
+            node.ctr("task", "start", "-d", "--log-uri", f"file://{log}", cid,
+                     timeout=work.timeout)
+            phase("start")
+            started = last - t0
+            on_phase("app")
+            outcome = watch.wait(work.timeout - (time.monotonic() - t0))
+            run.cpu_s = {**node.cpu(), "client": cpu_client}
+            run.ready_s = outcome.ready_at
+            run.exit_code = outcome.exit_code
+            for name, a, b in watch.marks.phases(started, outcome.ready_at):
+                run.phases.append(Phase(name, a, b))
+    except (ColdstartError, subprocess.TimeoutExpired, OSError) as exc:
+        run.ok = False
+        run.error = _condense(str(exc)) or repr(exc)
+        run.cpu_s = run.cpu_s or {**node.cpu(), "client": cpu_client}
+    finally:
+        if served0 is not None and traffic is not None:
+            b, n = traffic()
+            run.registry_bytes, run.registry_requests = b - served0[0], n - served0[1]
+        _remove_task(node, cid)
+        events.close()
+    return run
+
+
+def _condense(text: str, limit: int = 1500) -> str:
+    """An error for a run record: its non-empty lines joined, at most ``limit`` characters."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    joined = " | ".join(lines)
+    return joined if len(joined) <= limit else joined[:limit] + "…"
+
+
+def _remove_task(node: Node, cid: str) -> None:
+    """Kill and delete the task and container (the node goes away next anyway)."""
+    node.ctd.ctr("task", "kill", "-s", "SIGKILL", cid, check=False, timeout=30)
+    for _ in range(50):
+        if node.ctd.ctr("task", "delete", cid, check=False, timeout=30).returncode == 0:
+            break
+        time.sleep(0.1)
+    node.ctd.ctr("container", "delete", cid, check=False, timeout=30)
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        raise FailedPrecondition("coldstart bench needs root (containerd, mounts, drop_caches)")

@@ -1,0 +1,290 @@
+"""What ``coldstart bench`` measured: runs, their phases, per-mode summaries, the floor, and the
+three ways they leave the process (a table, JSON, a PNG timeline).
+
+A :class:`Run` is one cold start of one mode: an ordered list of :class:`Phase` (``resolve``,
+``pull``, ``create``, ``start``, then the app's own phases as it reported them, up to READY),
+``ready_s`` (seconds from the first phase's start to READY: the headline figure), the bytes and
+requests the registry served, and the CPU seconds each daemon spent. :func:`summarise` turns the
+runs of a mode into medians with min and max; :func:`to_json` writes the document whose schema is
+``result_schema.json`` beside this module (``SCHEMA_ID``), :func:`render_table` the markdown table
+the command prints, :func:`plot_timeline` the PNG (matplotlib, the ``plot`` extra).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from coldstart.errors import FailedPrecondition
+
+__all__ = ["SCHEMA_ID", "SCHEMA_PATH", "BenchResult", "Floor", "ModeResult", "Phase", "Run",
+           "Stat", "plot_timeline", "render_table", "summarise", "to_json"]
+
+SCHEMA_ID = "https://coldstart.dev/schemas/bench-result/v1"
+SCHEMA_PATH = Path(__file__).with_name("result_schema.json")
+# the phases every mode goes through before the app's own, in order
+NODE_PHASES = ("resolve", "pull", "create", "start")
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    start_s: float      # seconds after the run's t0
+    end_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass
+class Run:
+    mode: str
+    index: int
+    ok: bool = True
+    error: str | None = None
+    phases: list[Phase] = field(default_factory=list)
+    ready_s: float | None = None
+    exit_code: int | None = None
+    registry_bytes: int | None = None
+    registry_requests: int | None = None
+    cpu_s: dict[str, float] = field(default_factory=dict)
+
+    def phase_seconds(self) -> dict[str, float]:
+        """Seconds per phase name (a name that occurs twice is summed)."""
+        out: dict[str, float] = {}
+        for p in self.phases:
+            out[p.name] = out.get(p.name, 0.0) + p.seconds
+        return out
+
+
+@dataclass(frozen=True)
+class Stat:
+    median: float
+    min: float
+    max: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> Stat | None:
+        vals = list(values)
+        if not vals:
+            return None
+        return cls(statistics.median(vals), min(vals), max(vals), len(vals))
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    status: str = "ok"                   # ok | skipped | failed
+    reason: str | None = None            # why skipped / failed
+    image_ref: str | None = None         # what this mode pulled
+    compressed_bytes: int | None = None  # the layers' size in that format
+    runs: list[Run] = field(default_factory=list)
+
+    def ok_runs(self) -> list[Run]:
+        return [r for r in self.runs if r.ok and r.ready_s is not None]
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The best a lazy pull can do on this link: the warm start plus the bytes the start-up
+    needed sent at the link's rate."""
+
+    warm_start_s: float
+    startup_bytes: int | None
+    link_s: float
+    total_s: float
+
+
+@dataclass
+class BenchResult:
+    image: dict[str, Any]
+    ready: str
+    link: dict[str, Any] | None
+    runs_per_mode: int
+    machine: dict[str, Any]
+    started_at: str
+    modes: dict[str, ModeResult] = field(default_factory=dict)
+    floor: Floor | None = None
+    baseline: str = "overlayfs"
+
+
+def summarise(mode: ModeResult) -> dict[str, Any]:
+    """Medians (min, max) of a mode's successful runs: READY, each phase, bytes, CPU."""
+    runs = mode.ok_runs()
+    out: dict[str, Any] = {"ok_runs": len(runs), "failed_runs": len(mode.runs) - len(runs)}
+    if not runs:
+        return out
+    out["ready_s"] = _stat(r.ready_s for r in runs)
+    names = _phase_order(runs)
+    out["phases"] = {n: _stat(r.phase_seconds().get(n, 0.0) for r in runs) for n in names}
+    if all(r.registry_bytes is not None for r in runs):
+        out["registry_bytes"] = _stat(float(r.registry_bytes or 0) for r in runs)
+        out["registry_requests"] = _stat(float(r.registry_requests or 0) for r in runs)
+    cpu_names = sorted({k for r in runs for k in r.cpu_s})
+    out["cpu_s"] = {k: _stat(r.cpu_s.get(k, 0.0) for r in runs) for k in cpu_names}
+    out["cpu_total_s"] = _stat(sum(r.cpu_s.values()) for r in runs)
+    return out
+
+
+def _stat(values: Iterable[float | None]) -> dict[str, float] | None:
+    s = Stat.of(v for v in values if v is not None)
+    return None if s is None else asdict(s)
+
+
+def _phase_order(runs: Sequence[Run]) -> list[str]:
+    names: list[str] = []
+    for r in runs:
+        for p in r.phases:
+            if p.name not in names:
+                names.append(p.name)
+    return names
+
+
+def to_json(result: BenchResult) -> dict[str, Any]:
+    """The JSON document (``result_schema.json``)."""
+    base = result.modes.get(result.baseline)
+    base_s = _median_ready(base)
+    modes: dict[str, Any] = {}
+    for name, m in result.modes.items():
+        summary = summarise(m)
+        mine = _median_ready(m)
+        summary["speedup_vs_baseline"] = (base_s / mine if base_s and mine else None)
+        if result.floor is not None and mine:
+            summary["over_floor"] = mine / result.floor.total_s
+        modes[name] = {
+            "status": m.status, "reason": m.reason, "image_ref": m.image_ref,
+            "compressed_bytes": m.compressed_bytes,
+            "runs": [_run_json(r) for r in m.runs], "summary": summary,
+        }
+    return {
+        "$schema": SCHEMA_ID, "image": result.image, "ready": result.ready,
+        "link": result.link, "runs_per_mode": result.runs_per_mode, "machine": result.machine,
+        "started_at": result.started_at, "baseline": result.baseline, "modes": modes,
+        "floor": asdict(result.floor) if result.floor is not None else None,
+    }
+
+
+def _run_json(r: Run) -> dict[str, Any]:
+    return {"index": r.index, "ok": r.ok, "error": r.error, "ready_s": r.ready_s,
+            "exit_code": r.exit_code, "registry_bytes": r.registry_bytes,
+            "registry_requests": r.registry_requests, "cpu_s": r.cpu_s,
+            "phases": [{"name": p.name, "start_s": p.start_s, "end_s": p.end_s}
+                       for p in r.phases]}
+
+
+def _median_ready(m: ModeResult | None) -> float | None:
+    if m is None:
+        return None
+    s = Stat.of(r.ready_s for r in m.ok_runs() if r.ready_s is not None)
+    return None if s is None else s.median
+
+
+def _fmt(stat: dict[str, float] | None, unit: str = "s", scale: float = 1.0,
+         digits: int = 2) -> str:
+    if stat is None:
+        return "-"
+    med, lo, hi = (stat[k] / scale for k in ("median", "min", "max"))
+    if stat.get("n", 1) == 1 or abs(hi - lo) < 10 ** -digits:
+        return f"{med:.{digits}f} {unit}"
+    return f"{med:.{digits}f} {unit} ({lo:.{digits}f}-{hi:.{digits}f})"
+
+
+def render_table(doc: dict[str, Any]) -> str:
+    """A markdown table of the medians (min-max): one row per mode, READY first."""
+    modes: dict[str, Any] = doc["modes"]
+    phase_names: list[str] = []
+    for m in modes.values():
+        for n in m["summary"].get("phases", {}):
+            if n not in phase_names:
+                phase_names.append(n)
+    head = ["mode", "READY", "speed-up", *phase_names, "registry", "requests", "daemon CPU"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, m in modes.items():
+        s = m["summary"]
+        if m["status"] != "ok" or "ready_s" not in s:
+            why = m["reason"] or f"{s.get('failed_runs', 0)} runs failed"
+            lines.append(f"| {name} | {m['status']}: {why} |" + " |" * (len(head) - 2))
+            continue
+        speed = s.get("speedup_vs_baseline")
+        row = [name, f"**{_fmt(s['ready_s'])}**",
+               f"{speed:.2f}x" if speed else "-",
+               *(_fmt(s["phases"].get(n)) for n in phase_names),
+               _fmt(s.get("registry_bytes"), "MB", 1e6, 1),
+               _fmt(s.get("registry_requests"), "", 1.0, 0).strip(),
+               _fmt(s.get("cpu_total_s"), "s", 1.0, 1)]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def describe_floor(doc: dict[str, Any]) -> str | None:
+    """One line on the floor (None when it was not measured)."""
+    floor = doc.get("floor")
+    if not floor:
+        return None
+    text = f"floor: warm start {floor['warm_start_s']:.2f} s"
+    if floor["startup_bytes"] is not None and doc.get("link"):
+        text += (f" + {floor['startup_bytes'] / 1e6:.1f} MB at {doc['link']['text']} "
+                 f"({floor['link_s']:.2f} s)")
+    text += f" = {floor['total_s']:.2f} s"
+    return text
+
+
+def plot_timeline(doc: dict[str, Any], path: Path) -> None:
+    """A PNG: one horizontal bar per mode, its median phases stacked in order, READY marked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise FailedPrecondition(
+            "--plot needs matplotlib (pip install 'coldstart[plot]')") from exc
+    modes = [(n, m) for n, m in doc["modes"].items() if "ready_s" in m["summary"]]
+    if not modes:
+        raise FailedPrecondition("nothing to plot: no mode has a successful run")
+    names: list[str] = []
+    for _, m in modes:
+        names += [n for n in m["summary"]["phases"] if n not in names]
+    cmap = plt.get_cmap("tab20")
+    colours = {n: cmap(i % 20) for i, n in enumerate(names)}
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.6 * len(modes)))
+    labelled: set[str] = set()
+    for y, (_, m) in enumerate(modes):
+        left = 0.0
+        for n in names:
+            stat = m["summary"]["phases"].get(n)
+            if stat is None or stat["median"] <= 0:
+                continue
+            ax.barh(y, stat["median"], left=left, color=colours[n],
+                    label=None if n in labelled else n)
+            labelled.add(n)
+            left += stat["median"]
+        ready = m["summary"]["ready_s"]["median"]
+        ax.text(left, y, f"  {ready:.2f} s", va="center", fontsize=8)
+    ax.set_yticks(range(len(modes)), [n for n, _ in modes])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds to READY (medians of each phase)")
+    link = doc.get("link")
+    ax.set_title(f"{doc['image']['ref']}" + (f" at {link['text']}" if link else "")
+                 + f", N={doc['runs_per_mode']}")
+    floor = doc.get("floor")
+    if floor:
+        ax.axvline(floor["total_s"], color="black", linestyle="--", linewidth=1)
+        ax.text(floor["total_s"], -0.6, " floor", fontsize=8)
+    ax.legend(loc="lower right", fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_json(doc: dict[str, Any], path: Path) -> None:
+    """Write ``doc`` atomically (a temp file renamed into place)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(path)

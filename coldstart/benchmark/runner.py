@@ -1,0 +1,436 @@
+"""``coldstart bench``: the whole cold start of an image, to READY, in each mode, side by side.
+
+:func:`run_bench` prepares the image once (built-in images are built and cached; an OCI layout
+or a built-in image is served by a local registry whose storage is cached beside the images, so
+conversions are reused), converts it for each mode (zstd:chunked with ``coldstart convert``,
+eStargz with ``ctr-remote``), optionally puts a shaping proxy in front of the registry, then
+runs ``runs`` cold starts per mode, the modes alternated (each round starts one mode later),
+each on a fresh :class:`~coldstart.benchmark.node.Node` with the page cache dropped. Modes that
+cannot run here (stargz without Go) are skipped with the reason. Last, the floor: the warm start
+(image already unpacked, page cache dropped) plus the bytes the lazy start-up fetched sent at
+the link's rate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import functools
+import json
+import os
+import shutil
+import statistics
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from coldstart.benchmark.node import MODES, ModeSpec, Workload, cold_start, start_node
+from coldstart.benchmark.ready import parse_ready
+from coldstart.benchmark.results import BenchResult, Floor, ModeResult, Run
+from coldstart.benchmark.shaping import Link
+from coldstart.errors import FailedPrecondition, InvalidArgument, NotFound
+from coldstart.oci.reference import Reference
+from coldstart.oci.registry import RegistryClient
+
+__all__ = ["BenchOptions", "Reporter", "Silent", "parse_modes", "run_bench"]
+
+DEFAULT_MODES = ("overlayfs", "coldstart", "stargz")
+
+
+class Reporter(Protocol):
+    """What the runner tells the user as it goes; the CLI draws it."""
+
+    def stage(self, text: str) -> None:
+        """A setup step (building, pushing, converting, skipping a mode)."""
+
+    def phase(self, mode: str, index: int, phase: str) -> None:
+        """Run ``index`` of ``mode`` entered ``phase``."""
+
+    def run_done(self, run: Run, done: int, total: int) -> None:
+        """A run finished (successfully or not)."""
+
+
+class Silent:
+    """A :class:`Reporter` that says nothing."""
+
+    def stage(self, text: str) -> None:
+        pass
+
+    def phase(self, mode: str, index: int, phase: str) -> None:
+        pass
+
+    def run_done(self, run: Run, done: int, total: int) -> None:
+        pass
+
+
+@dataclass
+class BenchOptions:
+    ref: str
+    modes: Sequence[str] = DEFAULT_MODES
+    runs: int = 5
+    ready: str | None = None               # default: the built-in image's, else "exit"
+    command: Sequence[str] = ()            # default: the built-in image's, else the image's own
+    env: Sequence[str] = ()
+    link: Link | None = None
+    address: str | None = None             # not embedded: not supported by this runner yet
+    workdir: Path | None = None
+    cache_dir: Path | None = None
+    images: dict[str, str] = field(default_factory=dict)   # mode -> ref override
+    insecure: Sequence[str] = ()
+    timeout: float = 900.0
+    settle: float = 2.0
+    floor: bool = True
+
+
+def parse_modes(text: str | Sequence[str]) -> list[str]:
+    """``overlayfs,coldstart`` -> the modes, checked (order kept, duplicates dropped)."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    out: list[str] = []
+    for raw in items:
+        name = raw.strip()
+        if not name:
+            continue
+        if name not in MODES:
+            raise InvalidArgument(f"unknown mode {name!r}; modes: {', '.join(MODES)}")
+        if name not in out:
+            out.append(name)
+    if not out:
+        raise InvalidArgument("--mode needs at least one mode")
+    return out
+
+
+# -- the image ---------------------------------------------------------------------------------
+
+@dataclass
+class Prepared:
+    """The image, ready in every format the modes need."""
+
+    display: str
+    refs: dict[str, str]               # mode -> reference (on the registry, not the proxy)
+    sizes: dict[str, int]              # mode -> compressed bytes of its layers
+    command: list[str]
+    env: list[str]
+    ready: str
+    info: dict[str, Any]
+
+
+def _layers_size(client: RegistryClient, ref: str) -> int:
+    return sum(d.size for d in client.resolve(Reference.parse(ref)).manifest.layers)
+
+
+class _Conversions:
+    """Which conversions the cached registry already holds (source digest + format ->
+    destination digest), so a second bench of the same image converts nothing."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.done: dict[str, str] = {}
+        if path is not None and path.exists():
+            with contextlib.suppress(ValueError, OSError):
+                self.done = json.loads(path.read_text())
+
+    def get(self, client: RegistryClient, key: str, dst: str) -> bool:
+        want = self.done.get(key)
+        if want is None:
+            return False
+        try:
+            return client.resolve(Reference.parse(dst)).digest == want
+        except NotFound:
+            return False
+
+    def put(self, client: RegistryClient, key: str, dst: str) -> None:
+        self.done[key] = client.resolve(Reference.parse(dst)).digest
+        if self.path is not None:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.done, indent=1))
+            tmp.replace(self.path)
+
+
+def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitStack,
+             report: Reporter, skipped: dict[str, str], work: Path
+             ) -> tuple[Prepared, Callable[[], tuple[int, int]] | None]:
+    """Build/push/convert what the modes need; returns the image and the registry's traffic
+    counter (None when the registry is not ours)."""
+    from coldstart.oci.convert import convert_image
+
+    ref = opts.ref
+    command, env, ready = list(opts.command), list(opts.env), opts.ready
+    info: dict[str, Any] = {"ref": ref}
+    layout: Path | None = None
+    tag = "latest"
+    if ref.startswith("builtin:"):
+        from coldstart.benchmark import images
+
+        name = ref.removeprefix("builtin:")
+        img = images.load_image(name, opts.cache_dir)
+        if img is None:
+            report.stage(f"building the built-in image {name!r} (once; cached)")
+            img = images.build_image(name, opts.cache_dir, progress=report.stage)
+        layout = img.layout
+        command = command or list(img.command)
+        env = env or list(img.env)
+        ready = ready or img.ready
+        info.update(name=name, uncompressed_bytes=img.uncompressed_bytes,
+                    description=img.description)
+        repo = f"bench/{name}"
+    elif ref.startswith("oci:"):
+        from coldstart.oci.layout import parse_layout_spec
+
+        layout, given = parse_layout_spec(ref)
+        tag = given or "latest"
+        repo = "bench/" + (layout.name.lower() or "image")
+    ready = ready or "exit"
+    parse_ready(ready)
+    traffic: Callable[[], tuple[int, int]] | None = None
+    conv: _Conversions
+    if layout is not None:
+        from coldstart.stack.registry import AccessLog, start_registry
+
+        if opts.cache_dir is None:
+            from coldstart.benchmark.images import default_cache_dir
+
+            opts.cache_dir = default_cache_dir()
+        cache = opts.cache_dir / "registry"
+        cache.mkdir(parents=True, exist_ok=True)
+        reg = stack.enter_context(start_registry(cache, log_level="error"))
+        served = AccessLog(reg.access_log)
+
+        def traffic() -> tuple[int, int]:
+            reqs = served.requests()
+            return sum(r.bytes for r in reqs), len(reqs)
+
+        base = f"{reg.host}/{repo}"
+        conv = _Conversions(cache / "conversions.json")
+        src = f"oci:{layout}:{tag}"
+        gzip_ref = f"{base}:gzip"
+    else:
+        parsed = Reference.parse(ref)
+        base = f"{parsed.registry}/{parsed.repository}"
+        suffix = parsed.tag or "latest"
+        conv = _Conversions(None)
+        src = gzip_ref = ref
+    insecure = [Reference.parse(gzip_ref).registry, *opts.insecure]
+    client = stack.enter_context(RegistryClient(insecure_hosts=insecure))
+    refs: dict[str, str] = {}
+    sizes: dict[str, int] = {}
+    for mode in modes:
+        if mode.name in opts.images:
+            refs[mode.name] = opts.images[mode.name]
+            continue
+        fmt = mode.image_format
+        if fmt == "gzip":
+            if layout is not None:
+                report.stage(f"pushing {ref} to the local registry as {gzip_ref}")
+                _push_layout(layout, tag, gzip_ref, client)
+            refs[mode.name] = gzip_ref
+            continue
+        dst = (f"{base}:{fmt.replace(':', '-')}" if layout is not None
+               else f"{base}:{suffix}-{fmt.replace(':', '-')}")
+        key = f"{src if layout is None else _layout_digest(layout, tag)} {fmt}"
+        if conv.get(client, key, dst):
+            refs[mode.name] = dst
+            continue
+        if fmt == "zstd:chunked":
+            report.stage(f"converting to zstd:chunked: {dst}")
+            convert_image(src, dst, format="zstd:chunked", client=client, workdir=work)
+        else:
+            from coldstart.stack.stargz import make_estargz_images, stargz_missing
+
+            why = stargz_missing()
+            if why:
+                skipped[mode.name] = why
+                continue
+            if layout is not None:
+                _push_layout(layout, tag, gzip_ref, client)
+            report.stage(f"converting with ctr-remote ({fmt}): {dst}")
+            optimized = dst if fmt == "estargz-optimized" else None
+            plain = dst if optimized is None else f"{base}:estargz"
+            make_estargz_images(gzip_ref, plain, optimized, command or [], work / "ctr-remote",
+                                env=env)
+        conv.put(client, key, dst)
+        refs[mode.name] = dst
+    for mode_name, r in refs.items():
+        sizes[mode_name] = _layers_size(client, r)
+    if not command:
+        raise InvalidArgument("say what to start: --command (the image's own entrypoint is "
+                              "not read yet) or use a built-in image")
+    return Prepared(display=ref, refs=refs, sizes=sizes, command=command, env=env,
+                    ready=ready, info=info), traffic
+
+
+def _layout_digest(layout: Path, tag: str) -> str:
+    from coldstart.oci.layout import OciLayout
+
+    return OciLayout(layout).resolve(tag).digest
+
+
+def _push_layout(layout_dir: Path, tag: str, dst: str, client: RegistryClient) -> None:
+    """Copy an OCI layout's image unchanged into the registry (blobs it has are skipped)."""
+    from coldstart.oci.layout import OciLayout
+
+    layout = OciLayout(layout_dir)
+    ref = Reference.parse(dst)
+    mdesc = layout.resolve(tag)
+    body = layout.read_blob(mdesc.digest)
+    manifest = json.loads(body)
+    for d in [manifest["config"], *manifest["layers"]]:
+        client.push_blob(ref, layout.blob_path(d["digest"]), d["digest"])
+    client.push_manifest(ref, body, mdesc.media_type)
+
+
+def _via(ref: str, host: str | None) -> str:
+    """``ref`` with its registry replaced by ``host`` (the shaping proxy)."""
+    if host is None:
+        return ref
+    parsed = Reference.parse(ref)
+    rest = str(parsed).removeprefix(parsed.registry)
+    return host + rest
+
+
+# -- the runs ----------------------------------------------------------------------------------
+
+def run_bench(opts: BenchOptions, report: Reporter | None = None) -> BenchResult:
+    """Run the benchmark; everything it started is stopped, and its temp files removed, when it
+    returns or raises (Ctrl-C included)."""
+    from coldstart.benchmark.node import require_root
+    from coldstart.stack.snapshotter import missing_tools
+
+    report = report or Silent()
+    if opts.address is not None:
+        raise InvalidArgument("--address (an existing containerd) is not supported yet; "
+                              "use --embedded")
+    if opts.runs < 1:
+        raise InvalidArgument("--runs must be >= 1")
+    require_root()
+    missing = missing_tools()
+    if missing:
+        raise FailedPrecondition(f"cannot run containerd here: missing {', '.join(missing)}")
+    specs = [MODES[m] for m in parse_modes(opts.modes)]
+    started_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    with contextlib.ExitStack() as stack:
+        work = _workdir(opts, stack)
+        skipped: dict[str, str] = {}
+        stargz_binary = _stargz_binary(specs, skipped, report)
+        prepared, traffic = _prepare(opts, [s for s in specs if s.name not in skipped],
+                                     stack, report, skipped, work)
+        cond = parse_ready(prepared.ready)
+        proxy_host = None
+        if opts.link is not None:
+            from coldstart.benchmark.shaping import shaping_proxy
+
+            upstream = Reference.parse(next(iter(prepared.refs.values()))).registry
+            proxy = stack.enter_context(shaping_proxy(upstream, opts.link))
+            proxy_host = proxy.host
+            if traffic is None:
+                def traffic() -> tuple[int, int]:
+                    return proxy.bytes_down, proxy.connections
+        result = BenchResult(
+            image={**prepared.info, "formats": {m: {"ref": r, "compressed_bytes":
+                                                    prepared.sizes.get(m)}
+                                                for m, r in prepared.refs.items()}},
+            ready=str(cond), link=(None if opts.link is None else
+                                   {"text": str(opts.link), "rate_bps": opts.link.rate_bps,
+                                    "rtt_s": opts.link.rtt_s}),
+            runs_per_mode=opts.runs, machine=_machine(), started_at=started_at)
+        for spec in specs:
+            result.modes[spec.name] = ModeResult(
+                spec.name, image_ref=prepared.refs.get(spec.name),
+                compressed_bytes=prepared.sizes.get(spec.name))
+            if spec.name in skipped:
+                result.modes[spec.name].status = "skipped"
+                result.modes[spec.name].reason = skipped[spec.name]
+                report.stage(f"skipping {spec.name}: {skipped[spec.name]}")
+        active = [s for s in specs if s.name not in skipped]
+        workload = Workload(prepared.command, prepared.env, cond, opts.timeout)
+        total, done = len(active) * opts.runs, 0
+        insecure = tuple({Reference.parse(r).registry for r in prepared.refs.values()}
+                         | ({proxy_host} if proxy_host else set()) | set(opts.insecure))
+        for i in range(opts.runs):
+            order = active[i % len(active):] + active[:i % len(active)] if active else []
+            for spec in order:
+                ref = _via(prepared.refs[spec.name], proxy_host)
+                with start_node(spec, work / "n", insecure=insecure,
+                                stargz_binary=stargz_binary) as node:
+                    run = cold_start(node, ref, workload, i, traffic=traffic,
+                                     settle=opts.settle,
+                                     on_phase=functools.partial(report.phase, spec.name, i))
+                result.modes[spec.name].runs.append(run)
+                done += 1
+                report.run_done(run, done, total)
+        for m in result.modes.values():
+            if m.status == "ok" and m.runs and not m.ok_runs():
+                m.status, m.reason = "failed", m.runs[-1].error
+        if opts.floor and "overlayfs" in prepared.refs:
+            result.floor = _floor(opts, prepared, workload, result, work, proxy_host, insecure,
+                                  report)
+        return result
+
+
+def _workdir(opts: BenchOptions, stack: contextlib.ExitStack) -> Path:
+    if opts.workdir is not None:
+        opts.workdir.mkdir(parents=True, exist_ok=True)
+        path = Path(tempfile.mkdtemp(prefix="cs-b-", dir=opts.workdir))
+    else:
+        path = Path(tempfile.mkdtemp(prefix="cs-b-", dir="/tmp"))
+    stack.callback(shutil.rmtree, path, True)
+    return path
+
+
+def _stargz_binary(specs: list[ModeSpec], skipped: dict[str, str],
+                   report: Reporter) -> Path | None:
+    wants = [s for s in specs if s.snapshotter == "stargz"]
+    if not wants:
+        return None
+    from coldstart.errors import ColdstartError
+    from coldstart.stack.stargz import build_stargz_daemon, stargz_missing
+
+    why = stargz_missing()
+    if why is None:
+        try:
+            report.stage("building the stargz-snapshotter peer (once; cached)")
+            return build_stargz_daemon()
+        except ColdstartError as exc:
+            why = f"the stargz peer did not build: {exc}"
+    for s in wants:
+        skipped[s.name] = why
+    return None
+
+
+def _floor(opts: BenchOptions, prepared: Prepared, workload: Workload, result: BenchResult,
+           work: Path, proxy_host: str | None, insecure: tuple[str, ...],
+           report: Reporter) -> Floor | None:
+    """Warm starts (image unpacked locally, page cache dropped) and the bytes term."""
+    report.stage("measuring the floor: warm starts of the unpacked image")
+    ref = _via(prepared.refs["overlayfs"], proxy_host)
+    warm: list[float] = []
+    with start_node(MODES["overlayfs"], work / "n", insecure=insecure) as node:
+        node.pull(ref, timeout=opts.timeout)
+        for k in range(min(opts.runs, 3)):
+            run = cold_start(node, ref, workload, 1000 + k, traffic=None, settle=opts.settle,
+                             prepared=True)
+            if run.ok and run.ready_s is not None:
+                warm.append(run.ready_s)
+    if not warm:
+        return None
+    lazy = result.modes.get("coldstart")
+    startup: int | None = None
+    if lazy is not None and lazy.ok_runs():
+        got = [r.registry_bytes for r in lazy.ok_runs() if r.registry_bytes is not None]
+        startup = int(statistics.median(got)) if got else None
+    link_s = (startup * 8 / opts.link.rate_bps
+              if startup is not None and opts.link is not None else 0.0)
+    warm_s = statistics.median(warm)
+    return Floor(warm_start_s=warm_s, startup_bytes=startup, link_s=link_s,
+                 total_s=warm_s + link_s)
+
+
+def _machine() -> dict[str, Any]:
+    total = 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                total = int(line.split()[1]) * 1024
+    return {"cpus": os.cpu_count(), "kernel": os.uname().release, "memory_bytes": total,
+            "hostname": os.uname().nodename}

@@ -1,0 +1,227 @@
+"""``coldstart bench REF``: the whole cold start of an image, to READY, phase by phase, in each
+mode (containerd's full pull into overlayfs, coldstart's lazy pull, stargz-snapshotter), with the
+speed-up over the full pull and the floor."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import click
+
+if TYPE_CHECKING:
+    from coldstart.benchmark.results import Run
+
+__all__ = ["bench"]
+
+_EPILOG = """\b
+REF is one of:
+  builtin:NAME       a built-in image (tiny, torch, server, cuda-like), built once and
+                     cached (see `coldstart bench-image`)
+  oci:DIR[:TAG]      an OCI image layout (gzip layers)
+  REGISTRY/REPO:TAG  an image in a registry; its converted copies are pushed beside it
+                     (REPO:TAG-zstd-chunked, REPO:TAG-estargz) unless --image names them
+
+\b
+--ready CONDITION, when the container counts as ready:
+  exit               the command exits with code 0
+  notify             READY=1 on $NOTIFY_SOCKET (sd_notify; STATUS=/X_PHASE= name phases)
+  http://H:P/PATH    a GET answers 200 (the container uses the host's network)
+  log:REGEX          a line of its output matches
+
+\b
+Examples:
+  coldstart bench builtin:tiny --embedded --runs 3
+  coldstart bench builtin:server --embedded --link 1gbit,2ms --json server.json --plot server.png
+
+\b
+Every run starts on a fresh node: a new containerd (empty content store and snapshots), a new
+snapshotter with an empty chunk cache, the page cache dropped. The modes alternate. Needs
+root. The JSON schema is coldstart/benchmark/result_schema.json.
+"""
+
+
+def _sigterm(_sig: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+@click.command(epilog=_EPILOG)
+@click.argument("ref")
+@click.option("--mode", "modes", default="overlayfs,coldstart,stargz", show_default=True,
+              metavar="MODE[,MODE…]",
+              help="Modes to compare: overlayfs, coldstart, stargz, stargz-optimized.")
+@click.option("--runs", "-n", default=5, show_default=True, type=click.IntRange(1, 1000),
+              help="Cold starts per mode.")
+@click.option("--ready", default=None, metavar="CONDITION",
+              help="When the container is ready (see below); default: the built-in image's, "
+                   "else exit.")
+@click.option("--command", "command", default=None, metavar="'ARGV…'",
+              help="Start-up command (shell words); default: the built-in image's.")
+@click.option("--env", "env", multiple=True, metavar="KEY=VALUE",
+              help="Extra environment for the container (repeatable).")
+@click.option("--link", default=None, metavar="RATE,RTT",
+              help="Shape registry traffic through a built-in proxy, e.g. 1gbit,2ms or "
+                   "200mbit,20ms.")
+@click.option("--embedded", is_flag=True,
+              help="Start a private containerd, our snapshotter (and stargz) in a temp root, "
+                   "and a local registry for built-in/OCI-layout images; all removed afterwards.")
+@click.option("--address", default=None, metavar="SOCK", envvar="CONTAINERD_ADDRESS",
+              show_envvar=True, help="Use this containerd instead (not supported yet).")
+@click.option("--image", "images", multiple=True, metavar="MODE=REF",
+              help="The image a mode pulls, instead of converting REF (repeatable).")
+@click.option("--insecure", multiple=True, metavar="HOST[:PORT]",
+              help="Registry spoken to over plain HTTP (loopback always is).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="Write the results here (schema: result_schema.json).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="Draw the phases per mode into this PNG (needs matplotlib).")
+@click.option("--output", "-o", type=click.Choice(["table", "json"]), default="table",
+              show_default=True, help="What to print on stdout.")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              envvar="COLDSTART_BENCH_IMAGES", show_envvar=True,
+              help="Built-in images and the local registry's storage.")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the nodes live while it runs (default: a temp dir in /tmp).")
+@click.option("--timeout", default=900.0, show_default=True, type=float,
+              help="Seconds one cold start may take before it counts as failed.")
+@click.option("--settle", default=2.0, show_default=True, type=float,
+              help="Seconds to wait after dropping the page cache (same for every mode).")
+@click.option("--no-floor", is_flag=True, help="Skip the warm starts that measure the floor.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
+def bench(ref: str, modes: str, runs: int, ready: str | None, command: str | None,
+          env: tuple[str, ...], link: str | None, embedded: bool, address: str | None,
+          images: tuple[str, ...], insecure: tuple[str, ...], json_path: Path | None,
+          plot_path: Path | None, output: str, cache_dir: Path | None, workdir: Path | None,
+          timeout: float, settle: float, no_floor: bool, quiet: bool) -> None:
+    """Measure the cold start of REF to READY, phase by phase, in each mode."""
+    import shlex
+
+    from coldstart.benchmark.ready import parse_ready
+    from coldstart.benchmark.results import (
+        describe_floor,
+        plot_timeline,
+        render_table,
+        to_json,
+        write_json,
+    )
+    from coldstart.benchmark.runner import BenchOptions, parse_modes, run_bench
+    from coldstart.benchmark.shaping import Link
+    from coldstart.errors import InvalidArgument
+
+    # every argument is checked before anything starts
+    mode_list = parse_modes(modes)
+    if ready is not None:
+        parse_ready(ready)
+    shaped = Link.parse(link) if link else None
+    overrides: dict[str, str] = {}
+    for item in images:
+        mode, sep, image_ref = item.partition("=")
+        if not sep or not image_ref:
+            raise InvalidArgument(f"--image {item!r}: expected MODE=REF")
+        overrides[parse_modes(mode)[0]] = image_ref
+    if timeout <= 0 or settle < 0:
+        raise InvalidArgument("--timeout must be > 0 and --settle >= 0")
+    if not embedded and address is None:
+        raise InvalidArgument("say where to run: --embedded (a private containerd) or "
+                              "--address SOCK")
+    if embedded:
+        address = None
+    opts = BenchOptions(ref=ref, modes=mode_list, runs=runs, ready=ready,
+                        command=shlex.split(command) if command else (), env=env, link=shaped,
+                        address=address, workdir=workdir, cache_dir=cache_dir,
+                        images=overrides, insecure=insecure, timeout=timeout, settle=settle,
+                        floor=not no_floor)
+    old = signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        with _Progress(quiet, runs * len(mode_list)) as progress:
+            result = run_bench(opts, progress)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    doc = to_json(result)
+    if json_path is not None:
+        write_json(doc, json_path)
+    if plot_path is not None:
+        plot_timeline(doc, plot_path)
+    if output == "json":
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        link_text = f" at {doc['link']['text']}" if doc["link"] else ""
+        click.echo(f"{ref}{link_text}: time to READY ({doc['ready']}), medians (min-max) of "
+                   f"{runs} runs, speed-up over {doc['baseline']}")
+        click.echo(render_table(doc))
+        floor = describe_floor(doc)
+        if floor:
+            click.echo(floor)
+        for name, m in doc["modes"].items():
+            if m["summary"].get("over_floor"):
+                click.echo(f"{name}: {m['summary']['over_floor']:.2f}x the floor")
+    failed = [n for n, m in doc["modes"].items() if m["summary"].get("failed_runs")]
+    if failed:
+        click.echo(f"coldstart: error: runs failed in: {', '.join(failed)} "
+                   "(see the JSON for each error)", err=True)
+        sys.exit(1)
+
+
+class _Progress:
+    """A progress bar over all runs with the current mode and phase (rich; plain lines when
+    stderr is not a terminal; nothing with -q)."""
+
+    def __init__(self, quiet: bool, total: int) -> None:
+        self.quiet, self.total = quiet, total
+        self._bar: Any = None
+        self._task: Any = None
+        self._console: Any = None
+
+    def __enter__(self) -> _Progress:
+        if self.quiet:
+            return self
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self._console = Console(stderr=True, soft_wrap=True)
+        if self._console.is_terminal:
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), TimeElapsedColumn(),
+                                 console=self._console, transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task("preparing", total=self.total)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def _say(self, text: str) -> None:
+        if self.quiet:
+            return
+        if self._console is not None:
+            self._console.print(text, highlight=False, markup=False)
+
+    def stage(self, text: str) -> None:
+        self._say(f"bench: {text}")
+
+    def phase(self, mode: str, index: int, phase: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, description=f"run {index + 1} {mode}: {phase}")
+
+    def run_done(self, run: Run, done: int, total: int) -> None:
+        if run.ok and run.ready_s is not None:
+            parts = " ".join(f"{p.name} {p.seconds:.2f}" for p in run.phases)
+            mb = f", {run.registry_bytes / 1e6:.1f} MB" if run.registry_bytes is not None else ""
+            self._say(f"bench: [{done}/{total}] {run.mode} run {run.index + 1}: READY "
+                      f"{run.ready_s:.2f} s ({parts}{mb})")
+        else:
+            self._say(f"bench: [{done}/{total}] {run.mode} run {run.index + 1} failed: "
+                      f"{run.error}")
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done)

@@ -1,0 +1,125 @@
+"""Ready conditions and the app's phases, from real datagrams on a real socket (no containers)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from coldstart.benchmark.ready import PhaseMarks, ReadyWatch, parse_ready, phase_name
+from coldstart.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from coldstart.probe.notify import notify, parse_notice
+
+
+@pytest.mark.parametrize(("text", "kind"), [
+    ("exit", "exit"), ("notify", "notify"), ("http://127.0.0.1:8000/infer", "http"),
+    ("log:listening on \\d+", "log")])
+def test_parse_ready(text: str, kind: str) -> None:
+    assert parse_ready(text).kind == kind
+    assert str(parse_ready(text)) == text
+
+
+@pytest.mark.parametrize("text", ["", "ready", "log:", "log:([", "tcp://1.2.3.4:5"])
+def test_parse_ready_rejects(text: str) -> None:
+    with pytest.raises(InvalidArgument, match="--ready"):
+        parse_ready(text)
+
+
+@pytest.mark.parametrize(("datagram", "name"), [
+    (b"STATUS=importing", "importing"),
+    (b"STATUS=loading 0.42", "loading"),
+    (b"STATUS=loading 42%", "loading"),
+    (b"STATUS=loading weights\nX_PROGRESS=0.5", "loading weights"),
+    (b"X_PHASE=warmup\nSTATUS=warming up the model 3", "warmup"),
+    (b"READY=1", None),
+    (b"STATUS=", None)])
+def test_phase_name_from_notify_lines(datagram: bytes, name: str | None) -> None:
+    assert phase_name(parse_notice(datagram)) == name
+
+
+def test_phase_marks_make_contiguous_phases() -> None:
+    marks = PhaseMarks()
+    for name, at in [("importing", 2.0), ("importing", 2.5), ("loading", 3.0), (None, 3.2),
+                     ("loading", 3.5), ("serving", 6.0)]:
+        marks.mark(name, at)
+    assert marks.phases(1.5, 7.0) == [("exec", 1.5, 2.0), ("importing", 2.0, 3.0),
+                                      ("loading", 3.0, 6.0), ("serving", 6.0, 7.0)]
+    assert PhaseMarks().phases(1.0, 2.0) == [("app", 1.0, 2.0)]
+
+
+def _watch(tmp: Path, cond: str, exited: list[int | None]) -> ReadyWatch:
+    return ReadyWatch(parse_ready(cond), notify_path=tmp / "n.sock", log_path=tmp / "out.log",
+                      exited=lambda: exited[0], t0=time.monotonic())
+
+
+def test_notify_ready_with_phases(tmp_path: Path) -> None:
+    with _watch(tmp_path, "notify", [None]) as w:
+        sock = str(tmp_path / "n.sock")
+        notify(status="importing", socket_path=sock)
+        notify(status="loading 0.5", progress=0.5, socket_path=sock)
+        notify(ready=True, status="ready", socket_path=sock)
+        outcome = w.wait(5)
+        assert outcome.exit_code is None
+        assert [m[0] for m in w.marks.marks] == ["importing", "loading", "ready"]
+
+
+def test_log_condition_and_log_phases(tmp_path: Path) -> None:
+    with _watch(tmp_path, "log:^serving on", [None]) as w:
+        (tmp_path / "out.log").write_text("coldstart-phase importing\nhello\n"
+                                          "coldstart-phase loading\nserving on 8000\n")
+        w.wait(5)
+        assert [m[0] for m in w.marks.marks] == ["importing", "loading"]
+
+
+def test_exit_condition(tmp_path: Path) -> None:
+    with _watch(tmp_path, "exit", [0]) as w:
+        assert w.wait(5).exit_code == 0
+
+
+def test_exit_before_ready_is_an_error_with_the_output(tmp_path: Path) -> None:
+    with _watch(tmp_path, "notify", [3]) as w:
+        (tmp_path / "out.log").write_text("Traceback: ModuleNotFoundError: torch\n")
+        with pytest.raises(Unavailable, match=r"exited with code 3(.|\n)*ModuleNotFoundError"):
+            w.wait(5)
+    with _watch(tmp_path, "exit", [1]) as w, pytest.raises(Unavailable, match="code 1"):
+        w.wait(5)
+
+
+def test_not_ready_in_time(tmp_path: Path) -> None:
+    with _watch(tmp_path, "notify", [None]) as w, pytest.raises(DeadlineExceeded):
+        w.wait(0.2)
+
+
+def test_http_condition(tmp_path: Path) -> None:
+    import http.server
+    import threading
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/ok" else 503)
+            self.end_headers()
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        port = srv.server_address[1]
+        with _watch(tmp_path, f"http://127.0.0.1:{port}/ok", [None]) as w:
+            w.wait(5)
+        with _watch(tmp_path, f"http://127.0.0.1:{port}/no", [None]) as w, \
+                pytest.raises(DeadlineExceeded):
+            w.wait(0.3)
+    finally:
+        srv.shutdown()
+
+
+def test_socket_is_datagram_and_removed_on_rebind(tmp_path: Path) -> None:
+    (tmp_path / "n.sock").write_text("stale")
+    with _watch(tmp_path, "notify", [None]):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        s.sendto(b"READY=1", str(tmp_path / "n.sock"))
+        s.close()
