@@ -104,6 +104,7 @@ class Floor:
 @dataclass
 class BenchResult:
     image: dict[str, Any]
+    node: str                    # "embedded" or "address:SOCK"
     ready: str
     link: dict[str, Any] | None
     runs_per_mode: int
@@ -163,7 +164,8 @@ def to_json(result: BenchResult) -> dict[str, Any]:
             "runs": [_run_json(r) for r in m.runs], "summary": summary,
         }
     return {
-        "$schema": SCHEMA_ID, "image": result.image, "ready": result.ready,
+        "$schema": SCHEMA_ID, "image": result.image, "node": result.node,
+        "ready": result.ready,
         "link": result.link, "runs_per_mode": result.runs_per_mode, "machine": result.machine,
         "started_at": result.started_at, "baseline": result.baseline, "modes": modes,
         "floor": asdict(result.floor) if result.floor is not None else None,

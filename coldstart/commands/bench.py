@@ -70,7 +70,10 @@ def _sigterm(_sig: int, _frame: FrameType | None) -> None:
               help="Start a private containerd, our snapshotter (and stargz) in a temp root, "
                    "and a local registry for built-in/OCI-layout images; all removed afterwards.")
 @click.option("--address", default=None, metavar="SOCK", envvar="CONTAINERD_ADDRESS",
-              show_envvar=True, help="Use this containerd instead (not supported yet).")
+              show_envvar=True,
+              help="Use this running containerd (its snapshotters named coldstart/stargz) "
+                   "instead of --embedded; images are removed between runs, chunk caches "
+                   "are not.")
 @click.option("--image", "images", multiple=True, metavar="MODE=REF",
               help="The image a mode pulls, instead of converting REF (repeatable).")
 @click.option("--insecure", multiple=True, metavar="HOST[:PORT]",

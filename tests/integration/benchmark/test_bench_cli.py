@@ -153,3 +153,25 @@ def _container_sleeping() -> bool:
             except OSError:
                 pass
     return False
+
+
+def test_bench_against_a_running_containerd(layout: Path, tmp_path: Path) -> None:
+    """--address: the node's own containerd and snapshotter; the image is gone afterwards."""
+    from coldstart.stack.snapshotter import temp_local_stack
+
+    out = tmp_path / "r.json"
+    with temp_local_stack() as st:
+        proc = _bench(f"oci:{layout}", "--address", st.address, "--mode", "overlayfs,coldstart",
+                      "--runs", "1", "--command", "/app/start.sh", "--cache-dir",
+                      str(tmp_path / "c"), "--json", str(out), "--settle", "0", "--no-floor")
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr
+        assert "chunk caches are not cleared" in stderr
+        doc = json.loads(out.read_text())
+        assert doc["node"] == f"address:{st.address}"
+        assert all(m["summary"]["ok_runs"] == 1 for m in doc["modes"].values())
+        images = st.ctd.ctr("image", "ls", "-q", namespace="coldstart-bench")
+        assert images.stdout.strip() == ""
+        snapshots = st.ctd.ctr("snapshot", "--snapshotter", "coldstart", "ls",
+                               namespace="coldstart-bench")
+        assert len(snapshots.stdout.strip().splitlines()) <= 1   # the header only

@@ -32,7 +32,8 @@ def _run(mode: str, i: int, pull: float, app: float, nbytes: int) -> Run:
 
 
 def _result() -> BenchResult:
-    res = BenchResult(image={"ref": "builtin:tiny", "formats": {}}, ready="notify",
+    res = BenchResult(image={"ref": "builtin:tiny", "formats": {}}, node="embedded",
+                      ready="notify",
                       link={"text": "1gbit,2ms", "rate_bps": 1e9, "rtt_s": 0.002},
                       runs_per_mode=3, machine={"cpus": 2}, started_at="2026-12-01T00:00:00")
     res.modes["overlayfs"] = ModeResult("overlayfs", runs=[_run("overlayfs", i, 8 + i, 2, 300)
