@@ -203,6 +203,7 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
         cache = opts.cache_dir / "registry"
         cache.mkdir(parents=True, exist_ok=True)
         reg = stack.enter_context(start_registry(cache, log_level="error"))
+        storage = reg.root
         served = AccessLog(reg.access_log)
 
         def traffic() -> tuple[int, int]:
@@ -219,6 +220,7 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
         suffix = parsed.tag or "latest"
         conv = _Conversions(None)
         src = gzip_ref = ref
+        storage = None
     insecure = [Reference.parse(gzip_ref).registry, *opts.insecure]
     client = stack.enter_context(RegistryClient(insecure_hosts=insecure))
     refs: dict[str, str] = {}
@@ -231,7 +233,7 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
         if fmt == "gzip":
             if layout is not None:
                 report.stage(f"pushing {ref} to the local registry as {gzip_ref}")
-                _push_layout(layout, tag, gzip_ref, client)
+                _push_layout(layout, tag, gzip_ref, client, storage)
             refs[mode.name] = gzip_ref
             continue
         dst = (f"{base}:{fmt.replace(':', '-')}" if layout is not None
@@ -251,7 +253,7 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
                 skipped[mode.name] = why
                 continue
             if layout is not None:
-                _push_layout(layout, tag, gzip_ref, client)
+                _push_layout(layout, tag, gzip_ref, client, storage)
             report.stage(f"converting with ctr-remote ({fmt}): {dst}")
             optimized = dst if fmt == "estargz-optimized" else None
             plain = dst if optimized is None else f"{base}:estargz"
@@ -274,8 +276,12 @@ def _layout_digest(layout: Path, tag: str) -> str:
     return OciLayout(layout).resolve(tag).digest
 
 
-def _push_layout(layout_dir: Path, tag: str, dst: str, client: RegistryClient) -> None:
-    """Copy an OCI layout's image unchanged into the registry (blobs it has are skipped)."""
+def _push_layout(layout_dir: Path, tag: str, dst: str, client: RegistryClient,
+                 storage: Path | None = None) -> None:
+    """Copy an OCI layout's image unchanged into the registry (blobs it has are skipped).
+
+    ``storage``: the registry's own storage directory (ours, on this machine): each blob is
+    hard-linked into it instead of uploaded, so a multi-GB image is not stored twice."""
     from coldstart.oci.layout import OciLayout
 
     layout = OciLayout(layout_dir)
@@ -284,8 +290,28 @@ def _push_layout(layout_dir: Path, tag: str, dst: str, client: RegistryClient) -
     body = layout.read_blob(mdesc.digest)
     manifest = json.loads(body)
     for d in [manifest["config"], *manifest["layers"]]:
+        if storage is not None:
+            _link_blob(storage, ref.repository, layout.blob_path(d["digest"]), d["digest"])
         client.push_blob(ref, layout.blob_path(d["digest"]), d["digest"])
     client.push_manifest(ref, body, mdesc.media_type)
+
+
+def _link_blob(storage: Path, repository: str, src: Path, digest: str) -> None:
+    """Place ``src`` in distribution's filesystem storage (``blobs/sha256/ab/abcd…/data`` and
+    the repository's ``_layers`` link) by hard link; a failure leaves the upload to do it."""
+    algo, _, hexd = digest.partition(":")
+    v2 = storage / "docker" / "registry" / "v2"
+    data = v2 / "blobs" / algo / hexd[:2] / hexd / "data"
+    link = v2 / "repositories" / repository / "_layers" / algo / hexd / "link"
+    try:
+        if not data.exists():
+            data.parent.mkdir(parents=True, exist_ok=True)
+            os.link(src, data)
+        if not link.exists():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.write_text(digest)
+    except OSError:
+        return
 
 
 def _via(ref: str, host: str | None) -> str:
