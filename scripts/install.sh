@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 APT_PACKAGES=(
   python3 python3-venv python3-dev gcc pkg-config
   containerd runc docker-registry skopeo stargz-snapshotter redis-server
-  fuse3 libfuse3-dev busybox-static zstd util-linux procps
+  fuse3 libfuse3-dev busybox-static zstd util-linux procps debootstrap
   golang-go golang-github-containerd-stargz-snapshotter-dev golang-github-containerd-containerd-dev
 )
 missing=()

@@ -59,7 +59,9 @@ RULES: dict[str, Rule] = {
     "weights": rule("errors config remote oci", "torch numpy yaml"),
     "probe": rule("errors config", "redis grpc httpx@probe.sinks"),
     "stack": rule(_BELOW_BENCH),
-    "benchmark": rule(_BELOW_BENCH + " stack", "httpx matplotlib@benchmark.results"),
+    "benchmark": rule(_BELOW_BENCH + " stack",
+                      "httpx matplotlib@benchmark.results numpy@benchmark.images "
+                      "torch@benchmark.server_app safetensors@benchmark.server_app"),
     "cli": rule("*", "click"),
     "commands": rule("*", "click rich@commands.bench torch@commands.weights "
                           "torch@commands.models"),
