@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-5}
-MODES=${MODES:-overlayfs,coldstart,stargz,stargz-optimized}
+MODES=${MODES:-overlayfs,coldstart,stargz}
 ONLY=${ONLY:-torch server cuda-like}
 OUT=bench/results/cold-start-$(date +%Y%m%dT%H%M%S)
 mkdir -p "$OUT"

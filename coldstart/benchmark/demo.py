@@ -34,7 +34,7 @@ from coldstart.oci.layout import OciLayout
 from coldstart.oci.manifest import OCI_CONFIG, OCI_LAYER_GZIP, OCI_MANIFEST, build_manifest
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
-from coldstart.stack.registry import start_registry
+from coldstart.stack.registry import push_layout, start_registry
 
 if TYPE_CHECKING:
     from coldstart.stack.snapshotter import LocalStack
@@ -158,7 +158,7 @@ def run_demo(echo: Echo, *, workdir: Path | None = None, scale: float = 1.0) -> 
         echo(f"2. started a local registry at {host}")
         client = stack.enter_context(RegistryClient(insecure_hosts=[host]))
         src = f"{host}/demo/app:gzip"
-        _push_layout(layout_dir, src, client)
+        push_layout(layout_dir, "latest", src, client)
         echo(f"3. pushed it as {src}")
         results: dict[str, object] = {"uncompressed_bytes": raw_size}
         reads = startup_reads(app)
@@ -221,18 +221,6 @@ def _containerd_step(echo: Echo, workdir: Path, client: RegistryClient, gzip_ref
              f"{full_run:.2f} s")
     return {"lazy_pull_s": lazy_pull, "lazy_run_s": lazy_run, "lazy_fetched_bytes": fetched,
             "full_pull_s": full_pull, "full_run_s": full_run}
-
-
-def _push_layout(layout_dir: Path, dst: str, client: RegistryClient) -> None:
-    """Copy the gzip image unchanged into the registry (what ``docker push`` would do)."""
-    layout = OciLayout(layout_dir)
-    ref = Reference.parse(dst)
-    mdesc = layout.resolve("latest")
-    body = layout.read_blob(mdesc.digest)
-    manifest = json.loads(body)
-    for d in [manifest["config"], *manifest["layers"]]:
-        client.push_blob(ref, layout.blob_path(d["digest"]), d["digest"])
-    client.push_manifest(ref, body, mdesc.media_type)
 
 
 def _lazy_startup_bytes(client: RegistryClient, ref: Reference, desc: object,

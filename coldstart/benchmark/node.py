@@ -33,16 +33,17 @@ from typing import Any
 
 from coldstart.benchmark.ready import ReadyCondition, ReadyWatch
 from coldstart.benchmark.results import Phase, Run
-from coldstart.errors import ColdstartError, FailedPrecondition
+from coldstart.errors import DeadlineExceeded, FailedPrecondition
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
 from coldstart.stack.containerd import CTR_BIN, Containerd, start_containerd
 from coldstart.stack.mounts import unmount_under
+from coldstart.stack.procs import cpu_seconds
 
-__all__ = ["MODES", "ModeSpec", "Node", "cold_start", "drop_caches", "start_node"]
+__all__ = ["MODES", "ModeSpec", "Node", "Workload", "cold_start", "drop_caches", "existing_node",
+           "require_root", "start_node"]
 
 IO_MOUNT = "/run/coldstart-bench"        # where the container sees the notify socket
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -65,18 +66,6 @@ MODES: dict[str, ModeSpec] = {m.name: m for m in (
 )}
 
 
-def cpu_seconds(pid: int | None) -> float:
-    """utime + stime of ``pid`` and its reaped children; 0 when it is gone."""
-    if pid is None:
-        return 0.0
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return sum(int(fields[i]) for i in (11, 12, 13, 14)) / _CLK_TCK
-
-
 def drop_caches(settle: float) -> None:
     """Write back and drop the page cache, then wait ``settle`` seconds (on a VM with free page
     reporting the freed pages go back to the host meanwhile: every run starts the same way)."""
@@ -91,12 +80,13 @@ class ExitEvents:
 
     _LINE = re.compile(r"/tasks/exit\s+(\{.*\})\s*$")
 
-    def __init__(self, ctd: Containerd) -> None:
+    def __init__(self, ctd: Containerd, log: Path) -> None:
         self._codes: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._proc = subprocess.Popen(
-            [CTR_BIN, "--address", ctd.address, "--namespace", ctd.namespace, "events"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        with open(log, "ab") as err:
+            self._proc = subprocess.Popen(
+                [CTR_BIN, "--address", ctd.address, "--namespace", ctd.namespace, "events"],
+                stdout=subprocess.PIPE, stderr=err, text=True)
         self._thread = threading.Thread(target=self._read, name="ctr-events", daemon=True)
         self._thread.start()
 
@@ -106,7 +96,7 @@ class ExitEvents:
             m = self._LINE.search(line)
             if not m:
                 continue
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
                 ev = json.loads(m.group(1))
                 with self._lock:
                     self._codes[ev.get("container_id", "")] = int(ev.get("exit_status", 0))
@@ -119,6 +109,8 @@ class ExitEvents:
         self._proc.kill()
         self._proc.wait(10)
         self._thread.join(5)
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
 
 
 @dataclass
@@ -147,18 +139,21 @@ class Node:
         plain = ["--plain-http"] if self.plain_http(ref) else []
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         if self.mode.snapshotter == "overlayfs":
-            self.ctr("image", "pull", *plain, ref, timeout=timeout)
+            self.ctr("image", "pull", "--snapshotter", "overlayfs", *plain, ref, timeout=timeout)
         elif self.mode.snapshotter == "stargz":
-            from coldstart.stack.stargz import ctr_remote
+            from coldstart.stack.stargz import rpull
 
-            ctr_remote(self.ctd.address, "image", "rpull", *plain, ref, timeout=timeout)
+            rpull(self.ctd.address, ref, plain_http=bool(plain), namespace=self.ctd.namespace,
+                  timeout=timeout)
         else:
             from coldstart.containerd.pull import pull_image
 
             client, registry = self.puller
-            t_cpu = time.process_time()
+            # this thread's CPU only: the bench's other threads (progress, the --link proxy,
+            # the ctr events reader) are not the pull's
+            t_cpu = time.thread_time()
             pull_image(client, registry, ref, snapshotter=self.mode.snapshotter, timeout=timeout)
-            return time.process_time() - t_cpu
+            return time.thread_time() - t_cpu
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
@@ -260,17 +255,16 @@ def cold_start(node: Node, ref: str, work: Workload, index: int, *, traffic: Tra
     ``prepared``: the image is already pulled (the warm start of the floor): only create,
     start and the app's phases are timed."""
     run = Run(node.mode.name, index)
-    cid = f"bench-{index}"
+    cid = f"bench-{os.getpid()}-{index}"     # unique: runc's state is per host, not per root
     io_dir = node.base / "io"
     io_dir.mkdir(exist_ok=True)
     log = io_dir / "out.log"
     log.unlink(missing_ok=True)
-    drop_caches(settle)
-    events = ExitEvents(node.ctd)
-    served0 = traffic() if traffic else None
     cpu_client = 0.0
-    t0 = time.monotonic()
-    last = t0
+    served0: tuple[int, int] | None = None
+    events: ExitEvents | None = None
+    cpu0: dict[str, float] = {}
+    last = t0 = time.monotonic()
 
     def phase(name: str) -> None:
         nonlocal last
@@ -278,9 +272,20 @@ def cold_start(node: Node, ref: str, work: Workload, index: int, *, traffic: Tra
         run.phases.append(Phase(name, last - t0, now - t0))
         last = now
 
+    def cpu() -> dict[str, float]:
+        # since t0: each node's daemons are new, their own start-up is not the cold start's
+        now = node.cpu()
+        return {**{k: max(0.0, v - cpu0.get(k, 0.0)) for k, v in now.items()},
+                "client": cpu_client}
+
     try:
+        events = ExitEvents(node.ctd, node.base / "events.log")
+        drop_caches(settle)
+        served0 = traffic() if traffic else None
+        cpu0 = node.cpu()
+        last = t0 = time.monotonic()
         with ReadyWatch(work.ready, notify_path=io_dir / "n.sock", log_path=log,
-                        exited=lambda: events.code(cid), t0=t0) as watch:
+                        exited=lambda: events.code(cid) if events else None, t0=t0) as watch:
             if not prepared:
                 on_phase("resolve")
                 insecure = [Reference.parse(ref).registry] if node.plain_http(ref) else []
@@ -288,7 +293,7 @@ def cold_start(node: Node, ref: str, work: Workload, index: int, *, traffic: Tra
                     client.resolve(Reference.parse(ref))
                 phase("resolve")
                 on_phase("pull")
-                cpu_client = node.pull(ref, timeout=work.timeout)
+                cpu_client = node.pull(ref, timeout=_left(work, t0))
                 phase("pull")
             on_phase("create")
             argv = ["container", "create", "--snapshotter", node.mode.snapshotter,
@@ -299,31 +304,42 @@ def cold_start(node: Node, ref: str, work: Workload, index: int, *, traffic: Tra
             if work.ready.needs_host_network:
                 argv.append("--net-host")
             # "--": ctr would read the command's own flags (sh -c) as its flags
-            node.ctr(*argv, ref, cid, "--", *work.command, timeout=work.timeout)
+            node.ctr(*argv, ref, cid, "--", *work.command, timeout=_left(work, t0))
             phase("create")
             on_phase("start")
             node.ctr("task", "start", "-d", "--log-uri", f"file://{log}", cid,
-                     timeout=work.timeout)
+                     timeout=_left(work, t0))
             phase("start")
             started = last - t0
             on_phase("app")
-            outcome = watch.wait(work.timeout - (time.monotonic() - t0))
-            run.cpu_s = {**node.cpu(), "client": cpu_client}
+            outcome = watch.wait(_left(work, t0))
+            run.cpu_s = cpu()
             run.ready_s = outcome.ready_at
             run.exit_code = outcome.exit_code
             for name, a, b in watch.marks.phases(started, outcome.ready_at):
                 run.phases.append(Phase(name, a, b))
-    except (ColdstartError, subprocess.TimeoutExpired, OSError) as exc:
+    except Exception as exc:   # any failure is this run's, recorded; Ctrl-C is not caught
         run.ok = False
         run.error = _condense(str(exc)) or repr(exc)
-        run.cpu_s = run.cpu_s or {**node.cpu(), "client": cpu_client}
+        run.cpu_s = run.cpu_s or cpu()
     finally:
-        if served0 is not None and traffic is not None:
-            b, n = traffic()
-            run.registry_bytes, run.registry_requests = b - served0[0], n - served0[1]
-        _remove_task(node, cid)
-        events.close()
+        try:
+            if served0 is not None and traffic is not None:
+                b, n = traffic()
+                run.registry_bytes, run.registry_requests = b - served0[0], n - served0[1]
+        finally:
+            _remove_task(node, cid)
+            if events is not None:
+                events.close()
     return run
+
+
+def _left(work: Workload, t0: float) -> float:
+    """Seconds left of the run's ``timeout`` (one deadline for all its steps)."""
+    left = work.timeout - (time.monotonic() - t0)
+    if left <= 0:
+        raise DeadlineExceeded(f"the cold start took longer than --timeout {work.timeout:.0f} s")
+    return left
 
 
 def _condense(text: str, limit: int = 1500) -> str:
@@ -337,7 +353,8 @@ def _remove_task(node: Node, cid: str) -> None:
     """Kill and delete the task and container (the node goes away next anyway)."""
     node.ctd.ctr("task", "kill", "-s", "SIGKILL", cid, check=False, timeout=30)
     for _ in range(50):
-        if node.ctd.ctr("task", "delete", cid, check=False, timeout=30).returncode == 0:
+        done = node.ctd.ctr("task", "delete", cid, check=False, timeout=30)
+        if done.returncode == 0 or "not found" in done.stderr:
             break
         time.sleep(0.1)
     node.ctd.ctr("container", "delete", cid, check=False, timeout=30)

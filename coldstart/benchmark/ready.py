@@ -137,6 +137,7 @@ class ReadyWatch:
         os.chmod(notify_path, 0o777)
         self._sock.setblocking(False)
         self._log_pos = 0
+        self._notified_phase = False
         self._log_tail = b""
         self._pattern = (re.compile(cond.pattern.encode(), re.MULTILINE)
                          if cond.kind == "log" else None)
@@ -163,7 +164,10 @@ class ReadyWatch:
             except BlockingIOError:
                 return ready
             notice = parse_notice(data)
-            self.marks.mark(phase_name(notice), self._now())
+            name = phase_name(notice)
+            if name:
+                self._notified_phase = True
+            self.marks.mark(name, self._now())
             ready = ready or notice.ready
 
     def _read_log(self) -> bool:
@@ -179,8 +183,9 @@ class ReadyWatch:
         self._log_pos += len(new)
         text = self._log_tail + new
         complete, _, self._log_tail = text.rpartition(b"\n")
-        for m in LOG_PHASE.finditer(complete):
-            self.marks.mark(m.group(1).decode(errors="replace"), self._now())
+        if not self._notified_phase:   # an app that sends phases on both: the socket's win
+            for m in LOG_PHASE.finditer(complete):
+                self.marks.mark(m.group(1).decode(errors="replace"), self._now())
         return bool(self._pattern is not None and self._pattern.search(complete))
 
     def _http_ok(self) -> bool:
@@ -217,10 +222,13 @@ class ReadyWatch:
             code = self.exited()
             if code is not None:
                 at = self._now()
-                self._read_notices()
-                self._read_log()
-                if kind == "exit" and code == 0:
-                    return ReadyOutcome(at, 0)
+                # the exit can overtake the last datagrams and output lines: read them first
+                time.sleep(0.05)
+                notified = self._read_notices()
+                logged = self._read_log()
+                if ((kind == "exit" and code == 0) or (kind == "notify" and notified)
+                        or (kind == "log" and logged)):
+                    return ReadyOutcome(at, code)
                 raise Unavailable(f"the container exited with code {code} before it was "
                                   f"ready ({self.cond}); its output ends:\n"
                                   f"{self.output_tail()}")

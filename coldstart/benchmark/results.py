@@ -198,14 +198,15 @@ def _fmt(stat: dict[str, float] | None, unit: str = "s", scale: float = 1.0,
 
 
 def render_table(doc: dict[str, Any]) -> str:
-    """A markdown table of the medians (min-max): one row per mode, READY first."""
+    """A markdown table of the medians (min-max): one row per mode, READY first; CPU is the
+    daemons' and the pulling client's seconds, from t0 to READY."""
     modes: dict[str, Any] = doc["modes"]
     phase_names: list[str] = []
     for m in modes.values():
         for n in m["summary"].get("phases", {}):
             if n not in phase_names:
                 phase_names.append(n)
-    head = ["mode", "READY", "speed-up", *phase_names, "registry", "requests", "daemon CPU"]
+    head = ["mode", "READY", "speed-up", *phase_names, "registry", "requests", "CPU"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, m in modes.items():
         s = m["summary"]

@@ -38,9 +38,10 @@ from coldstart.benchmark.node import (
 from coldstart.benchmark.ready import parse_ready
 from coldstart.benchmark.results import BenchResult, Floor, ModeResult, Run
 from coldstart.benchmark.shaping import Link
-from coldstart.errors import FailedPrecondition, InvalidArgument, NotFound
+from coldstart.errors import ColdstartError, FailedPrecondition, InvalidArgument, NotFound
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
+from coldstart.stack.registry import push_layout
 
 __all__ = ["BenchOptions", "Reporter", "Silent", "parse_modes", "run_bench"]
 
@@ -90,6 +91,7 @@ class BenchOptions:
     timeout: float = 900.0
     settle: float = 2.0
     floor: bool = True
+    prepare_only: bool = False             # build, push and convert; no runs
 
 
 def parse_modes(text: str | Sequence[str]) -> list[str]:
@@ -178,7 +180,7 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
             img = images.build_image(name, opts.cache_dir, progress=report.stage)
         layout = img.layout
         command = command or list(img.command)
-        env = env or list(img.env)
+        env = [*img.env, *env]
         ready = ready or img.ready
         info.update(name=name, uncompressed_bytes=img.uncompressed_bytes,
                     description=img.description)
@@ -233,12 +235,14 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
         if fmt == "gzip":
             if layout is not None:
                 report.stage(f"pushing {ref} to the local registry as {gzip_ref}")
-                _push_layout(layout, tag, gzip_ref, client, storage)
+                push_layout(layout, tag, gzip_ref, client, storage=storage)
             refs[mode.name] = gzip_ref
             continue
         dst = (f"{base}:{fmt.replace(':', '-')}" if layout is not None
                else f"{base}:{suffix}-{fmt.replace(':', '-')}")
         key = f"{src if layout is None else _layout_digest(layout, tag)} {fmt}"
+        if fmt == "estargz-optimized":   # what the optimizer ran decides what it recorded
+            key += " " + json.dumps([command, env])
         if conv.get(client, key, dst):
             refs[mode.name] = dst
             continue
@@ -253,19 +257,15 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
                 skipped[mode.name] = why
                 continue
             if layout is not None:
-                _push_layout(layout, tag, gzip_ref, client, storage)
+                push_layout(layout, tag, gzip_ref, client, storage=storage)
             report.stage(f"converting with ctr-remote ({fmt}): {dst}")
-            optimized = dst if fmt == "estargz-optimized" else None
-            plain = dst if optimized is None else f"{base}:estargz"
-            make_estargz_images(gzip_ref, plain, optimized, command or [], work / "ctr-remote",
-                                env=env)
+            optimized = fmt == "estargz-optimized"
+            make_estargz_images(gzip_ref, None if optimized else dst, dst if optimized else None,
+                                command or [], work / "ctr-remote", env=env)
         conv.put(client, key, dst)
         refs[mode.name] = dst
     for mode_name, r in refs.items():
         sizes[mode_name] = _layers_size(client, r)
-    if not command:
-        raise InvalidArgument("say what to start: --command (the image's own entrypoint is "
-                              "not read yet) or use a built-in image")
     return Prepared(display=ref, refs=refs, sizes=sizes, command=command, env=env,
                     ready=ready, info=info), traffic
 
@@ -274,44 +274,6 @@ def _layout_digest(layout: Path, tag: str) -> str:
     from coldstart.oci.layout import OciLayout
 
     return OciLayout(layout).resolve(tag).digest
-
-
-def _push_layout(layout_dir: Path, tag: str, dst: str, client: RegistryClient,
-                 storage: Path | None = None) -> None:
-    """Copy an OCI layout's image unchanged into the registry (blobs it has are skipped).
-
-    ``storage``: the registry's own storage directory (ours, on this machine): each blob is
-    hard-linked into it instead of uploaded, so a multi-GB image is not stored twice."""
-    from coldstart.oci.layout import OciLayout
-
-    layout = OciLayout(layout_dir)
-    ref = Reference.parse(dst)
-    mdesc = layout.resolve(tag)
-    body = layout.read_blob(mdesc.digest)
-    manifest = json.loads(body)
-    for d in [manifest["config"], *manifest["layers"]]:
-        if storage is not None:
-            _link_blob(storage, ref.repository, layout.blob_path(d["digest"]), d["digest"])
-        client.push_blob(ref, layout.blob_path(d["digest"]), d["digest"])
-    client.push_manifest(ref, body, mdesc.media_type)
-
-
-def _link_blob(storage: Path, repository: str, src: Path, digest: str) -> None:
-    """Place ``src`` in distribution's filesystem storage (``blobs/sha256/ab/abcd…/data`` and
-    the repository's ``_layers`` link) by hard link; a failure leaves the upload to do it."""
-    algo, _, hexd = digest.partition(":")
-    v2 = storage / "docker" / "registry" / "v2"
-    data = v2 / "blobs" / algo / hexd[:2] / hexd / "data"
-    link = v2 / "repositories" / repository / "_layers" / algo / hexd / "link"
-    try:
-        if not data.exists():
-            data.parent.mkdir(parents=True, exist_ok=True)
-            os.link(src, data)
-        if not link.exists():
-            link.parent.mkdir(parents=True, exist_ok=True)
-            link.write_text(digest)
-    except OSError:
-        return
 
 
 def _via(ref: str, host: str | None) -> str:
@@ -334,6 +296,9 @@ def run_bench(opts: BenchOptions, report: Reporter | None = None) -> BenchResult
     report = report or Silent()
     if opts.runs < 1:
         raise InvalidArgument("--runs must be >= 1")
+    if not opts.command and not opts.ref.startswith("builtin:"):
+        raise InvalidArgument("say what to start: --command (the image's own entrypoint is "
+                              "not read yet) or use a built-in image")
     require_root()
     missing = [] if opts.address else missing_tools()
     if missing:
@@ -355,7 +320,12 @@ def run_bench(opts: BenchOptions, report: Reporter | None = None) -> BenchResult
         if opts.link is not None:
             from coldstart.benchmark.shaping import shaping_proxy
 
-            upstream = Reference.parse(next(iter(prepared.refs.values()))).registry
+            hosts = {Reference.parse(r).registry for r in prepared.refs.values()}
+            if len(hosts) != 1 or not next(iter(hosts)).startswith(("127.", "localhost")):
+                raise InvalidArgument(
+                    f"--link shapes a plain-HTTP registry on this machine (an oci: layout or a "
+                    f"built-in image); these images are on {', '.join(sorted(hosts))}")
+            upstream = next(iter(hosts))
             proxy = stack.enter_context(shaping_proxy(upstream, opts.link))
             proxy_host = proxy.host
             if traffic is None:
@@ -367,7 +337,9 @@ def run_bench(opts: BenchOptions, report: Reporter | None = None) -> BenchResult
                                                 for m, r in prepared.refs.items()}},
             node=("embedded" if opts.address is None else f"address:{opts.address}"),
             ready=str(cond), link=(None if opts.link is None else
-                                   {"text": str(opts.link), "rate_bps": opts.link.rate_bps,
+                                   {"text": str(opts.link),
+                                    "rate_bps": (None if opts.link.unlimited
+                                                 else opts.link.rate_bps),
                                     "rtt_s": opts.link.rtt_s}),
             runs_per_mode=opts.runs, machine=_machine(), started_at=started_at)
         for spec in specs:
@@ -378,7 +350,7 @@ def run_bench(opts: BenchOptions, report: Reporter | None = None) -> BenchResult
                 result.modes[spec.name].status = "skipped"
                 result.modes[spec.name].reason = skipped[spec.name]
                 report.stage(f"skipping {spec.name}: {skipped[spec.name]}")
-        active = [s for s in specs if s.name not in skipped]
+        active = [] if opts.prepare_only else [s for s in specs if s.name not in skipped]
         workload = Workload(prepared.command, prepared.env, cond, opts.timeout)
         total, done = len(active) * opts.runs, 0
         insecure = tuple({Reference.parse(r).registry for r in prepared.refs.values()}
@@ -387,19 +359,25 @@ def run_bench(opts: BenchOptions, report: Reporter | None = None) -> BenchResult
             order = active[i % len(active):] + active[:i % len(active)] if active else []
             for spec in order:
                 ref = _via(prepared.refs[spec.name], proxy_host)
-                with _node(opts, spec, work / "n", ref, insecure, stargz_binary) as node:
-                    run = cold_start(node, ref, workload, i, traffic=traffic,
-                                     settle=opts.settle,
-                                     on_phase=functools.partial(report.phase, spec.name, i))
+                try:
+                    with _node(opts, spec, work / "n", ref, insecure, stargz_binary) as node:
+                        run = cold_start(node, ref, workload, i, traffic=traffic,
+                                         settle=opts.settle,
+                                         on_phase=functools.partial(report.phase, spec.name, i))
+                except ColdstartError as exc:   # the node did not start: this run failed
+                    run = Run(spec.name, i, ok=False, error=f"the node did not start: {exc}")
                 result.modes[spec.name].runs.append(run)
                 done += 1
                 report.run_done(run, done, total)
         for m in result.modes.values():
             if m.status == "ok" and m.runs and not m.ok_runs():
                 m.status, m.reason = "failed", m.runs[-1].error
-        if opts.floor and "overlayfs" in prepared.refs:
-            result.floor = _floor(opts, prepared, workload, result, work, proxy_host, insecure,
-                                  report)
+        if opts.floor and "overlayfs" in prepared.refs and not opts.prepare_only:
+            try:
+                result.floor = _floor(opts, prepared, workload, result, work, proxy_host,
+                                      insecure, report)
+            except ColdstartError as exc:   # the runs stand; only the floor is missing
+                report.stage(f"no floor: {exc}")
         return result
 
 
@@ -455,6 +433,7 @@ def _floor(opts: BenchOptions, prepared: Prepared, workload: Workload, result: B
             if run.ok and run.ready_s is not None:
                 warm.append(run.ready_s)
     if not warm:
+        report.stage(f"no floor: no warm start succeeded ({run.error})")
         return None
     lazy = result.modes.get("coldstart")
     startup: int | None = None
@@ -462,7 +441,8 @@ def _floor(opts: BenchOptions, prepared: Prepared, workload: Workload, result: B
         got = [r.registry_bytes for r in lazy.ok_runs() if r.registry_bytes is not None]
         startup = int(statistics.median(got)) if got else None
     link_s = (startup * 8 / opts.link.rate_bps
-              if startup is not None and opts.link is not None else 0.0)
+              if startup is not None and opts.link is not None and not opts.link.unlimited
+              else 0.0)
     warm_s = statistics.median(warm)
     return Floor(warm_start_s=warm_s, startup_bytes=startup, link_s=link_s,
                  total_s=warm_s + link_s)

@@ -4,6 +4,7 @@ speed-up over the full pull and the floor."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import signal
 import sys
@@ -45,8 +46,15 @@ root. The JSON schema is coldstart/benchmark/result_schema.json.
 """
 
 
-def _sigterm(_sig: int, _frame: FrameType | None) -> None:
+def _interrupt(_sig: int, _frame: FrameType | None) -> None:
+    """SIGINT, SIGTERM, SIGHUP: unwind (every daemon is stopped on the way out); a second
+    signal must not cut the clean-up short, so they are ignored from here on."""
+    for sig in _SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     raise KeyboardInterrupt
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @click.command(epilog=_EPILOG)
@@ -94,12 +102,15 @@ def _sigterm(_sig: int, _frame: FrameType | None) -> None:
 @click.option("--settle", default=2.0, show_default=True, type=float,
               help="Seconds to wait after dropping the page cache (same for every mode).")
 @click.option("--no-floor", is_flag=True, help="Skip the warm starts that measure the floor.")
+@click.option("--prepare-only", is_flag=True,
+              help="Build, push and convert the image for each mode (cached), then stop.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
 def bench(ref: str, modes: str, runs: int, ready: str | None, command: str | None,
           env: tuple[str, ...], link: str | None, embedded: bool, address: str | None,
           images: tuple[str, ...], insecure: tuple[str, ...], json_path: Path | None,
           plot_path: Path | None, output: str, cache_dir: Path | None, workdir: Path | None,
-          timeout: float, settle: float, no_floor: bool, quiet: bool) -> None:
+          timeout: float, settle: float, no_floor: bool, prepare_only: bool,
+          quiet: bool) -> None:
     """Measure the cold start of REF to READY, phase by phase, in each mode."""
     import shlex
 
@@ -117,6 +128,18 @@ def bench(ref: str, modes: str, runs: int, ready: str | None, command: str | Non
 
     # every argument is checked before anything starts
     mode_list = parse_modes(modes)
+    try:
+        argv = shlex.split(command) if command else []
+    except ValueError as exc:
+        raise InvalidArgument(f"--command {command!r}: {exc}") from exc
+    for e in env:
+        if "=" not in e or e.startswith("="):
+            raise InvalidArgument(f"--env {e!r}: expected KEY=VALUE")
+    for path in (json_path, plot_path):
+        if path is not None and not path.resolve().parent.is_dir():
+            raise InvalidArgument(f"{path}: its directory does not exist")
+    if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
+        raise InvalidArgument("--plot needs matplotlib (pip install 'coldstart[plot]')")
     if ready is not None:
         parse_ready(ready)
     shaped = Link.parse(link) if link else None
@@ -134,21 +157,22 @@ def bench(ref: str, modes: str, runs: int, ready: str | None, command: str | Non
     if embedded:
         address = None
     opts = BenchOptions(ref=ref, modes=mode_list, runs=runs, ready=ready,
-                        command=shlex.split(command) if command else (), env=env, link=shaped,
+                        command=argv, env=env, link=shaped,
                         address=address, workdir=workdir, cache_dir=cache_dir,
                         images=overrides, insecure=insecure, timeout=timeout, settle=settle,
-                        floor=not no_floor)
-    old = signal.signal(signal.SIGTERM, _sigterm)
+                        floor=not no_floor, prepare_only=prepare_only)
+    old = {sig: signal.signal(sig, _interrupt) for sig in _SIGNALS}
     try:
         with _Progress(quiet, runs * len(mode_list)) as progress:
             result = run_bench(opts, progress)
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
     doc = to_json(result)
-    if json_path is not None:
-        write_json(doc, json_path)
-    if plot_path is not None:
-        plot_timeline(doc, plot_path)
+    if prepare_only:
+        for name, fmt in doc["image"]["formats"].items():
+            click.echo(f"{name}: {fmt['ref']} ({(fmt['compressed_bytes'] or 0) / 1e6:.1f} MB)")
+        return
     if output == "json":
         click.echo(json.dumps(doc, indent=2))
     else:
@@ -162,6 +186,15 @@ def bench(ref: str, modes: str, runs: int, ready: str | None, command: str | Non
         for name, m in doc["modes"].items():
             if m["summary"].get("over_floor"):
                 click.echo(f"{name}: {m['summary']['over_floor']:.2f}x the floor")
+    if json_path is not None:
+        write_json(doc, json_path)
+    measured = [n for n, m in doc["modes"].items() if m["summary"].get("ok_runs")]
+    if plot_path is not None and measured:
+        plot_timeline(doc, plot_path)
+    if not measured:
+        click.echo("coldstart: error: nothing was measured: every mode was skipped or failed",
+                   err=True)
+        sys.exit(1)
     failed = [n for n, m in doc["modes"].items() if m["summary"].get("failed_runs")]
     if failed:
         click.echo(f"coldstart: error: runs failed in: {', '.join(failed)} "

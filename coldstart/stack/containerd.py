@@ -127,8 +127,27 @@ def start_containerd(base: Path, proxy_socket: str | None = None, *,
         yield Containerd(address=str(sock), root=base / "root", state=base / "state",
                          config=config, log=log, proc=proc)
     finally:
+        if proc.poll() is None:
+            kill_tasks(str(sock))
         stop_process(proc)
         unmount_under(base, abort_fuse=True)
+
+
+def kill_tasks(address: str) -> None:
+    """SIGKILL and delete every task of the containerd at ``address``, in every namespace:
+    a task's shim runs in its own process group and would outlive containerd (and a Ctrl-C
+    can land between a task's start and its deletion)."""
+    def ctr(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([CTR_BIN, "--address", address, *args], capture_output=True,
+                              text=True, timeout=30, check=False)
+
+    try:
+        for ns in ctr("namespaces", "ls", "-q").stdout.split():
+            for task in ctr("--namespace", ns, "task", "ls", "-q").stdout.split():
+                ctr("--namespace", ns, "task", "kill", "-s", "SIGKILL", task)
+                ctr("--namespace", ns, "task", "delete", "--force", task)
+    except (OSError, subprocess.TimeoutExpired):   # containerd is stopped next anyway
+        return
 
 
 @contextlib.contextmanager

@@ -128,6 +128,19 @@ def wait_gone(pid: int, sig: int, grace: float) -> bool:
     return False
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of ``pid`` and the children it reaped; 0 when it is gone."""
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    # fields[0] is field 3 (state): utime, stime, cutime, cstime are fields 14-17
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
 def read_pid(pidfile: Path) -> int | None:
     """The pid written in ``pidfile``, or None when there is none (yet)."""
     try:

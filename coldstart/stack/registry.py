@@ -5,13 +5,15 @@ with ``htpasswd`` it demands Basic auth, with ``tls`` it serves HTTPS only.
 :func:`start_auth_registry` and :func:`start_tls_registry` make the password file or the test CA
 and certificate themselves. :class:`AccessLog` reads what the registry served (its access log
 has one line per request with the bytes sent): the benchmarks and pull tests count registry
-bytes with it. :func:`push_layer` pushes a one-layer image for a lazy-mount run.
+bytes with it. :func:`push_layer` pushes a one-layer image for a lazy-mount run,
+:func:`push_layout` an OCI layout's image.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -22,6 +24,7 @@ from pathlib import Path
 from coldstart.errors import FailedPrecondition
 from coldstart.format.writer import LayerResult
 from coldstart.lazyfs.spec import LayerSpec
+from coldstart.oci.layout import OciLayout
 from coldstart.oci.manifest import OCI_CONFIG, Descriptor, build_manifest
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
@@ -217,3 +220,40 @@ def push_layer(host: str, repo: str, blob: bytes, result: LayerResult, *,
     return LayerSpec(reference=f"{pull_host or host}/{repo}:v1", digest=result.digest,
                      size=result.size, media_type=result.media_type, manifest_digest=mdigest,
                      annotations=dict(result.annotations) if with_annotations else {})
+
+
+def push_layout(layout_dir: Path, tag: str, dst: str, client: RegistryClient, *,
+                storage: Path | None = None) -> None:
+    """Copy an OCI layout's image (tag ``tag``) unchanged into the registry as ``dst`` (blobs
+    it has are skipped), as ``docker push`` would.
+
+    ``storage``: the registry's own storage directory (ours, on this machine): each blob is
+    hard-linked into it instead of uploaded, so a multi-GB image is not stored twice."""
+    layout = OciLayout(layout_dir)
+    ref = Reference.parse(dst)
+    mdesc = layout.resolve(tag)
+    body = layout.read_blob(mdesc.digest)
+    manifest = json.loads(body)
+    for d in [manifest["config"], *manifest["layers"]]:
+        if storage is not None:
+            _link_blob(storage, ref.repository, layout.blob_path(d["digest"]), d["digest"])
+        client.push_blob(ref, layout.blob_path(d["digest"]), d["digest"])
+    client.push_manifest(ref, body, mdesc.media_type)
+
+
+def _link_blob(storage: Path, repository: str, src: Path, digest: str) -> None:
+    """Place ``src`` in distribution's filesystem storage (``blobs/sha256/ab/abcd…/data`` and
+    the repository's ``_layers`` link) by hard link; a failure leaves the upload to do it."""
+    algo, _, hexd = digest.partition(":")
+    v2 = storage / "docker" / "registry" / "v2"
+    data = v2 / "blobs" / algo / hexd[:2] / hexd / "data"
+    link = v2 / "repositories" / repository / "_layers" / algo / hexd / "link"
+    try:
+        if not data.exists():
+            data.parent.mkdir(parents=True, exist_ok=True)
+            os.link(src, data)
+        if not link.exists():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.write_text(digest)
+    except OSError:
+        return

@@ -35,7 +35,7 @@ from pathlib import Path
 from coldstart.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from coldstart.stack.containerd import temp_containerd
 from coldstart.stack.mounts import unmount_under
-from coldstart.stack.procs import daemon, unix_open
+from coldstart.stack.procs import cpu_seconds, daemon, unix_open
 
 __all__ = [
     "GO_SOURCES",
@@ -189,14 +189,8 @@ class StargzDaemon:
     def cpu_seconds(self) -> float:
         """User + system CPU time the daemon (and children it waited for) used so far; its
         last value once it has exited (0.0 if it was never read)."""
-        try:
-            with open(f"/proc/{self.proc.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            return self._last_cpu
-        # fields[0] is field 3 (state): utime, stime, cutime, cstime are fields 14-17
-        ticks = sum(int(x) for x in fields[11:15])
-        self._last_cpu = ticks / os.sysconf("SC_CLK_TCK")
+        now = cpu_seconds(self.proc.pid) if self.proc.poll() is None else 0.0
+        self._last_cpu = max(self._last_cpu, now)
         return self._last_cpu
 
 
@@ -267,15 +261,15 @@ def rpull(address: str, ref: str, *, plain_http: bool = True, namespace: str = "
                       namespace=namespace, timeout=timeout)
 
 
-def make_estargz_images(src_ref: str, estargz_ref: str, optimized_ref: str | None,
+def make_estargz_images(src_ref: str, estargz_ref: str | None, optimized_ref: str | None,
                         workload: Sequence[str], work: Path, env: Sequence[str] = (), *,
                         period: int = 10, timeout: float = 1800.0) -> None:
     """Convert the gzip image ``src_ref`` (in a plain-HTTP loopback registry) to eStargz and
-    push it as ``estargz_ref``; with ``optimized_ref`` also push an optimized eStargz (files
-    ``workload`` reads first are prefetched), made by ``ctr-remote image optimize`` running
-    ``workload`` (argv; ``env`` ``K=V`` entries added) in a container for at most ``period``
-    seconds. All in a private containerd under /tmp; ``work`` holds scratch files (the
-    optimizer's access record). ``timeout``: per ctr-remote command.
+    push it as ``estargz_ref`` (when given); with ``optimized_ref`` also push an optimized
+    eStargz (files ``workload`` reads first are prefetched), made by ``ctr-remote image
+    optimize`` running ``workload`` (argv; ``env`` ``K=V`` entries added) in a container for
+    at most ``period`` seconds. All in a private containerd under /tmp; ``work`` holds scratch
+    files (the optimizer's access record). ``timeout``: per ctr-remote command.
 
     Example::
 
@@ -292,8 +286,9 @@ def make_estargz_images(src_ref: str, estargz_ref: str, optimized_ref: str | Non
             ctr_remote(ctd.address, *args, namespace=ctd.namespace, timeout=timeout)
 
         run("image", "pull", "--plain-http", src_ref)
-        run("image", "convert", "--estargz", "--oci", src_ref, estargz_ref)
-        run("image", "push", "--plain-http", estargz_ref)
+        if estargz_ref is not None:
+            run("image", "convert", "--estargz", "--oci", src_ref, estargz_ref)
+            run("image", "push", "--plain-http", estargz_ref)
         if optimized_ref is not None:
             record = work / f"optimize-record-{time.monotonic_ns()}.json"
             flags = ["--oci", "--period", str(period), "--record-out", str(record),

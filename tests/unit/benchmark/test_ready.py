@@ -123,3 +123,42 @@ def test_socket_is_datagram_and_removed_on_rebind(tmp_path: Path) -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         s.sendto(b"READY=1", str(tmp_path / "n.sock"))
         s.close()
+
+
+def test_ready_then_exit_counts_as_ready(tmp_path: Path) -> None:
+    # containerd's exit event can overtake the app's last datagram or output line: the exit is
+    # seen first (the callable below sends READY=1 as it reports the exit), READY still counts
+    sock = str(tmp_path / "n.sock")
+
+    def exits_after_notifying() -> int:
+        notify(ready=True, socket_path=sock)
+        return 0
+
+    w = ReadyWatch(parse_ready("notify"), notify_path=tmp_path / "n.sock",
+                   log_path=tmp_path / "out.log", exited=exits_after_notifying,
+                   t0=time.monotonic())
+    with w:
+        assert w.wait(5).exit_code == 0
+
+    def exits_after_printing() -> int:
+        (tmp_path / "out.log").write_text("work\ndone\n")
+        return 0
+
+    w = ReadyWatch(parse_ready("log:^done$"), notify_path=tmp_path / "n.sock",
+                   log_path=tmp_path / "out.log", exited=exits_after_printing,
+                   t0=time.monotonic())
+    with w:
+        assert w.wait(5).exit_code == 0
+
+
+def test_notify_phases_win_over_log_phase_lines(tmp_path: Path) -> None:
+    with _watch(tmp_path, "notify", [None]) as w:
+        sock = str(tmp_path / "n.sock")
+        notify(status="importing", socket_path=sock)
+        notify(status="loading", socket_path=sock)
+        time.sleep(0.05)
+        (tmp_path / "out.log").write_text("coldstart-phase importing\ncoldstart-phase loading\n")
+        time.sleep(0.05)
+        notify(ready=True, socket_path=sock)
+        w.wait(5)
+        assert [m[0] for m in w.marks.marks] == ["importing", "loading"]
