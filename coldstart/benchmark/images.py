@@ -42,6 +42,7 @@ import os
 import platform
 import random
 import shutil
+import signal
 import stat
 import struct
 import subprocess
@@ -70,6 +71,7 @@ from coldstart.oci.manifest import (
     host_platform,
     parse_manifest,
 )
+from coldstart.stack.mounts import unmount_under
 
 __all__ = ["BUILTIN", "BenchImage", "build_image", "default_cache_dir", "load_image"]
 
@@ -752,7 +754,7 @@ def _run(argv: list[str], what: str, *, timeout: float, env: dict[str, str] | No
 
     def kill() -> None:
         timed_out.set()
-        proc.kill()
+        _kill_group(proc)
 
     timer = threading.Timer(timeout, kill)
     timer.start()
@@ -766,15 +768,21 @@ def _run(argv: list[str], what: str, *, timeout: float, env: dict[str, str] | No
         rc = proc.wait()
     finally:
         timer.cancel()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        # the whole group: debootstrap's and pip's children hold the pipe and the rootfs
+        _kill_group(proc)
+        proc.wait()
     out = "\n".join(lines)
     if timed_out.is_set():
         raise Unavailable(f"{what} did not finish within {timeout:.0f} s:\n{out}")
     if rc != 0:
         raise Unavailable(f"{what} failed (exit {rc}):\n{out}")
     return out
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL the step's process group (it runs in its own session)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _cached_step(build: Path, key: str, make: Callable[[Path], dict[str, Any]]) -> Path:
@@ -785,6 +793,7 @@ def _cached_step(build: Path, key: str, make: Callable[[Path], dict[str, Any]]) 
         return final
     build.mkdir(parents=True, exist_ok=True)
     for stale in build.glob(f".tmp-{key}-*"):
+        unmount_under(stale)        # an interrupted debootstrap leaves proc/sys mounted
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=build))
     try:
@@ -793,6 +802,7 @@ def _cached_step(build: Path, key: str, make: Callable[[Path], dict[str, Any]]) 
             shutil.rmtree(final)
         os.rename(tmp, final)
     except BaseException:
+        unmount_under(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _atomic_write(stamp, json.dumps(info, indent=2).encode() + b"\n")

@@ -108,6 +108,8 @@ class PhaseMarks:
         for (name, t), nxt in zip(marks, [*marks[1:], ("", ready)], strict=True):
             # a phase reported twice (importing, loading, importing) keeps both spans
             out.append((f"app:{name}" if name in ("exec", "app") else name, t, nxt[1]))
+        if len(out) > 1 and out[-1][1] >= ready:   # "STATUS=ready" sent with READY=1
+            out.pop()
         return out
 
 

@@ -192,9 +192,10 @@ def _fmt(stat: dict[str, float] | None, unit: str = "s", scale: float = 1.0,
     if stat is None:
         return "-"
     med, lo, hi = (stat[k] / scale for k in ("median", "min", "max"))
+    unit = f" {unit}" if unit else ""
     if stat.get("n", 1) == 1 or abs(hi - lo) < 10 ** -digits:
-        return f"{med:.{digits}f} {unit}"
-    return f"{med:.{digits}f} {unit} ({lo:.{digits}f}-{hi:.{digits}f})"
+        return f"{med:.{digits}f}{unit}"
+    return f"{med:.{digits}f}{unit} ({lo:.{digits}f}-{hi:.{digits}f})"
 
 
 def render_table(doc: dict[str, Any]) -> str:
@@ -219,7 +220,7 @@ def render_table(doc: dict[str, Any]) -> str:
                f"{speed:.2f}x" if speed else "-",
                *(_fmt(s["phases"].get(n)) for n in phase_names),
                _fmt(s.get("registry_bytes"), "MB", 1e6, 1),
-               _fmt(s.get("registry_requests"), "", 1.0, 0).strip(),
+               _fmt(s.get("registry_requests"), "", 1.0, 0),
                _fmt(s.get("cpu_total_s"), "s", 1.0, 1)]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -238,8 +239,17 @@ def describe_floor(doc: dict[str, Any]) -> str | None:
     return text
 
 
+def median_run(mode: dict[str, Any]) -> dict[str, Any] | None:
+    """The successful run whose READY is the median (the lower middle one for an even count):
+    its phases add up to a real start, which stacked per-phase medians do not."""
+    runs = sorted((r for r in mode["runs"] if r["ok"] and r["ready_s"] is not None),
+                  key=lambda r: r["ready_s"])
+    return runs[(len(runs) - 1) // 2] if runs else None
+
+
 def plot_timeline(doc: dict[str, Any], path: Path) -> None:
-    """A PNG: one horizontal bar per mode, its median phases stacked in order, READY marked."""
+    """A PNG timeline: one bar per mode, the phases of its median run (by READY) in order,
+    READY written at the end, the floor as a dashed line."""
     try:
         import matplotlib
 
@@ -248,39 +258,39 @@ def plot_timeline(doc: dict[str, Any], path: Path) -> None:
     except ImportError as exc:
         raise FailedPrecondition(
             "--plot needs matplotlib (pip install 'coldstart[plot]')") from exc
-    modes = [(n, m) for n, m in doc["modes"].items() if "ready_s" in m["summary"]]
-    if not modes:
+    rows = [(n, r) for n, m in doc["modes"].items() if (r := median_run(m)) is not None]
+    if not rows:
         raise FailedPrecondition("nothing to plot: no mode has a successful run")
     names: list[str] = []
-    for _, m in modes:
-        names += [n for n in m["summary"]["phases"] if n not in names]
+    for _, run in rows:
+        names += [p["name"] for p in run["phases"] if p["name"] not in names]
     cmap = plt.get_cmap("tab20")
     colours = {n: cmap(i % 20) for i, n in enumerate(names)}
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.6 * len(modes)))
+    fig, ax = plt.subplots(figsize=(10, 1.8 + 0.6 * len(rows)))
     labelled: set[str] = set()
-    for y, (_, m) in enumerate(modes):
-        left = 0.0
-        for n in names:
-            stat = m["summary"]["phases"].get(n)
-            if stat is None or stat["median"] <= 0:
+    for y, (_, run) in enumerate(rows):
+        for p in run["phases"]:
+            width = p["end_s"] - p["start_s"]
+            if width <= 0:
                 continue
-            ax.barh(y, stat["median"], left=left, color=colours[n],
-                    label=None if n in labelled else n)
-            labelled.add(n)
-            left += stat["median"]
-        ready = m["summary"]["ready_s"]["median"]
-        ax.text(left, y, f"  {ready:.2f} s", va="center", fontsize=8)
-    ax.set_yticks(range(len(modes)), [n for n, _ in modes])
+            ax.barh(y, width, left=p["start_s"], color=colours[p["name"]],
+                    label=None if p["name"] in labelled else p["name"])
+            labelled.add(p["name"])
+        ax.text(run["ready_s"], y, f"  {run['ready_s']:.2f} s", va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)), [n for n, _ in rows])
     ax.invert_yaxis()
-    ax.set_xlabel("seconds to READY (medians of each phase)")
+    ax.set_xlabel("seconds from the start (resolve) to READY: the median run of each mode")
     link = doc.get("link")
     ax.set_title(f"{doc['image']['ref']}" + (f" at {link['text']}" if link else "")
-                 + f", N={doc['runs_per_mode']}")
+                 + f", N={doc['runs_per_mode']}, ready: {doc['ready']}")
     floor = doc.get("floor")
     if floor:
         ax.axvline(floor["total_s"], color="black", linestyle="--", linewidth=1)
         ax.text(floor["total_s"], -0.6, " floor", fontsize=8)
-    ax.legend(loc="lower right", fontsize=7, ncol=3)
+    right = max(run["ready_s"] for _, run in rows)
+    ax.set_xlim(0, right * 1.12)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), fontsize=7,
+              ncol=min(len(names), 8), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -92,6 +92,7 @@ class BenchOptions:
     settle: float = 2.0
     floor: bool = True
     prepare_only: bool = False             # build, push and convert; no runs
+    estargz_level: int | None = None       # ctr-remote's gzip level (None: its default, 9)
 
 
 def parse_modes(text: str | Sequence[str]) -> list[str]:
@@ -204,6 +205,9 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
             opts.cache_dir = default_cache_dir()
         cache = opts.cache_dir / "registry"
         cache.mkdir(parents=True, exist_ok=True)
+        log = cache / "registry.log"
+        if log.exists() and log.stat().st_size > 64 << 20:   # its storage is kept, not its log
+            log.unlink()
         reg = stack.enter_context(start_registry(cache, log_level="error"))
         storage = reg.root
         served = AccessLog(reg.access_log)
@@ -243,6 +247,9 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
         key = f"{src if layout is None else _layout_digest(layout, tag)} {fmt}"
         if fmt == "estargz-optimized":   # what the optimizer ran decides what it recorded
             key += " " + json.dumps([command, env])
+        if fmt.startswith("estargz") and opts.estargz_level is not None:
+            key += f" level={opts.estargz_level}"
+            dst += f"-l{opts.estargz_level}"
         if conv.get(client, key, dst):
             refs[mode.name] = dst
             continue
@@ -261,7 +268,8 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
             report.stage(f"converting with ctr-remote ({fmt}): {dst}")
             optimized = fmt == "estargz-optimized"
             make_estargz_images(gzip_ref, None if optimized else dst, dst if optimized else None,
-                                command or [], work / "ctr-remote", env=env)
+                                command or [], work / "ctr-remote", env=env,
+                                compression_level=opts.estargz_level)
         conv.put(client, key, dst)
         refs[mode.name] = dst
     for mode_name, r in refs.items():

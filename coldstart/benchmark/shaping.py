@@ -623,5 +623,9 @@ def shaping_proxy(upstream: str, link: Link, *, listen: str = "127.0.0.1"
     proxy._start()
     try:
         yield proxy
-    finally:
-        proxy._stop()
+    except BaseException:
+        # the block's own error is the one to see; a proxy slow to stop must not replace it
+        with contextlib.suppress(DeadlineExceeded):
+            proxy._stop()
+        raise
+    proxy._stop()

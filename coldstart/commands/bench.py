@@ -102,6 +102,9 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 @click.option("--settle", default=2.0, show_default=True, type=float,
               help="Seconds to wait after dropping the page cache (same for every mode).")
 @click.option("--no-floor", is_flag=True, help="Skip the warm starts that measure the floor.")
+@click.option("--estargz-level", type=click.IntRange(1, 9), default=None,
+              help="gzip level of the eStargz images ctr-remote makes (default: its own, 9; "
+                   "1 converts a multi-GB image several times faster).")
 @click.option("--prepare-only", is_flag=True,
               help="Build, push and convert the image for each mode (cached), then stop.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
@@ -109,8 +112,8 @@ def bench(ref: str, modes: str, runs: int, ready: str | None, command: str | Non
           env: tuple[str, ...], link: str | None, embedded: bool, address: str | None,
           images: tuple[str, ...], insecure: tuple[str, ...], json_path: Path | None,
           plot_path: Path | None, output: str, cache_dir: Path | None, workdir: Path | None,
-          timeout: float, settle: float, no_floor: bool, prepare_only: bool,
-          quiet: bool) -> None:
+          timeout: float, settle: float, no_floor: bool, estargz_level: int | None,
+          prepare_only: bool, quiet: bool) -> None:
     """Measure the cold start of REF to READY, phase by phase, in each mode."""
     import shlex
 
@@ -160,7 +163,8 @@ def bench(ref: str, modes: str, runs: int, ready: str | None, command: str | Non
                         command=argv, env=env, link=shaped,
                         address=address, workdir=workdir, cache_dir=cache_dir,
                         images=overrides, insecure=insecure, timeout=timeout, settle=settle,
-                        floor=not no_floor, prepare_only=prepare_only)
+                        floor=not no_floor, prepare_only=prepare_only,
+                        estargz_level=estargz_level)
     old = {sig: signal.signal(sig, _interrupt) for sig in _SIGNALS}
     try:
         with _Progress(quiet, runs * len(mode_list)) as progress:

@@ -46,6 +46,10 @@ _DEFAULTS = FetchConfig()
 SMALL_FILE_BYTES = 1 << 20
 #: Compressed bytes fetched ahead of a sequential reader.
 READAHEAD_BYTES = 8 << 20
+#: A file read sequentially for long gets a wider window: it doubles every two chunks the
+#: reader enters in order, up to this many compressed bytes (a multi-GB weights file streams
+#: at the link's rate instead of waiting at each window's start); a jump starts over.
+READAHEAD_MAX_BYTES = 64 << 20
 #: Read-ahead is split into requests of about this size, fetched and decoded in parallel.
 READAHEAD_REQUEST = 1 << 20
 #: A small file's miss also fetches the small files stored after it, up to this many
@@ -87,6 +91,7 @@ class LayerReader:
                  background_rate: int = _DEFAULTS.background_rate,
                  small_file_bytes: int = SMALL_FILE_BYTES,
                  readahead_bytes: int = READAHEAD_BYTES,
+                 readahead_max_bytes: int = READAHEAD_MAX_BYTES,
                  neighbor_bytes: int = NEIGHBOR_BYTES) -> None:
         self.digest = digest
         self.layer = layer
@@ -96,6 +101,7 @@ class LayerReader:
         self.background_rate = max(0, background_rate)
         self.small_file_bytes = small_file_bytes
         self.readahead_bytes = readahead_bytes
+        self.readahead_max_bytes = max(readahead_bytes, readahead_max_bytes)
         self.neighbor_bytes = neighbor_bytes
         small = sorted((c for e in layer.toc.entries.values()
                         if e.type == "reg" and e.size <= small_file_bytes
@@ -106,6 +112,7 @@ class LayerReader:
         self.stats = LayerStats()
         self.target = FetchTarget(digest, layer, source, self.stats)
         self._last_end: dict[str, int] = {}
+        self._streak: dict[str, int] = {}   # per file: chunks entered in order since a jump
         self._chunk_starts: dict[str, list[int]] = {}
         # per file: (first chunk index of the last read-ahead window, chunk index up to which
         # the chunks after it are known local or requested, the cache's eviction count then);
@@ -281,14 +288,20 @@ class LayerReader:
         fetcher's planner thread."""
         if self.readahead_bytes <= 0 or not chunks:
             return
+        enters = any(offset <= c.chunk_offset < end for c in chunks)
         with self._lock:
             sequential = offset > 0 and self._last_end.get(entry.name) == offset
             self._last_end[entry.name] = end
             if len(self._last_end) > 4096:
                 self._last_end.clear()
+                self._streak.clear()
+            if not sequential:
+                self._streak.pop(entry.name, None)
+            elif enters:
+                self._streak[entry.name] = self._streak.get(entry.name, 0) + 1
         if not sequential:
             return
-        if plan and not any(offset <= c.chunk_offset < end for c in chunks):
+        if plan and not enters:
             return      # still inside the chunk whose read-ahead was planned already
         after = chunks[-1].chunk_offset
         if plan:
@@ -316,8 +329,11 @@ class LayerReader:
         return int(getattr(stats, "evictions", 0))
 
     def _window_end(self, entry: Entry, i: int) -> int:
-        """Index past the read-ahead window that starts at chunk ``i``."""
-        budget = self.readahead_bytes
+        """Index past the read-ahead window that starts at chunk ``i``: ``readahead_bytes``,
+        doubled every two chunks of an unbroken sequential streak, up to the max."""
+        with self._lock:
+            streak = self._streak.get(entry.name, 0)
+        budget = min(self.readahead_bytes << min(streak // 2, 16), self.readahead_max_bytes)
         n = len(entry.chunks)
         while i < n and budget > 0:
             budget -= entry.chunks[i].compressed_size

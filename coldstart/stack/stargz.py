@@ -167,6 +167,9 @@ def build_stargz_daemon(cache_dir: Path | None = None, timeout: float = 900) -> 
         except subprocess.TimeoutExpired as exc:
             tmp.unlink(missing_ok=True)
             raise DeadlineExceeded(f"go build of the stargz peer took over {timeout} s") from exc
+        except BaseException:      # Ctrl-C: no half-written binary left in the cache
+            tmp.unlink(missing_ok=True)
+            raise
         if out.returncode != 0:
             tmp.unlink(missing_ok=True)
             raise FailedPrecondition(
@@ -263,13 +266,15 @@ def rpull(address: str, ref: str, *, plain_http: bool = True, namespace: str = "
 
 def make_estargz_images(src_ref: str, estargz_ref: str | None, optimized_ref: str | None,
                         workload: Sequence[str], work: Path, env: Sequence[str] = (), *,
-                        period: int = 10, timeout: float = 1800.0) -> None:
+                        period: int = 10, timeout: float = 1800.0,
+                        compression_level: int | None = None) -> None:
     """Convert the gzip image ``src_ref`` (in a plain-HTTP loopback registry) to eStargz and
     push it as ``estargz_ref`` (when given); with ``optimized_ref`` also push an optimized
     eStargz (files ``workload`` reads first are prefetched), made by ``ctr-remote image
     optimize`` running ``workload`` (argv; ``env`` ``K=V`` entries added) in a container for
     at most ``period`` seconds. All in a private containerd under /tmp; ``work`` holds scratch
-    files (the optimizer's access record). ``timeout``: per ctr-remote command.
+    files (the optimizer's access record). ``timeout``: per ctr-remote command;
+    ``compression_level``: gzip's (ctr-remote's default, 9, when None).
 
     Example::
 
@@ -286,8 +291,10 @@ def make_estargz_images(src_ref: str, estargz_ref: str | None, optimized_ref: st
             ctr_remote(ctd.address, *args, namespace=ctd.namespace, timeout=timeout)
 
         run("image", "pull", "--plain-http", src_ref)
+        level = ([] if compression_level is None
+                 else ["--estargz-compression-level", str(compression_level)])
         if estargz_ref is not None:
-            run("image", "convert", "--estargz", "--oci", src_ref, estargz_ref)
+            run("image", "convert", "--estargz", *level, "--oci", src_ref, estargz_ref)
             run("image", "push", "--plain-http", estargz_ref)
         if optimized_ref is not None:
             record = work / f"optimize-record-{time.monotonic_ns()}.json"
@@ -296,5 +303,5 @@ def make_estargz_images(src_ref: str, estargz_ref: str | None, optimized_ref: st
                      "--args", json.dumps(list(workload[1:]))]
             for e in env:
                 flags += ["--env", e]
-            run("image", "optimize", *flags, src_ref, optimized_ref)
+            run("image", "optimize", *flags, *level, src_ref, optimized_ref)
             run("image", "push", "--plain-http", optimized_ref)

@@ -162,3 +162,10 @@ def test_notify_phases_win_over_log_phase_lines(tmp_path: Path) -> None:
         notify(ready=True, socket_path=sock)
         w.wait(5)
         assert [m[0] for m in w.marks.marks] == ["importing", "loading"]
+
+
+def test_a_status_sent_with_ready_is_not_a_phase() -> None:
+    marks = PhaseMarks()
+    marks.mark("loading", 2.0)
+    marks.mark("ready", 5.0)
+    assert marks.phases(1.0, 5.0) == [("exec", 1.0, 2.0), ("loading", 2.0, 5.0)]

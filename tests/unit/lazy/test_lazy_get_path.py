@@ -286,3 +286,33 @@ def test_a_warm_sequential_reader_is_not_replanned_at_every_chunk(tmp_path: Path
     # one plan at the second chunk covers up to _LOOK_FURTHER chunks ahead; not one per chunk
     assert 1 <= len(planned) <= 1 + n // 64, (len(planned), n)
     monkeypatch.setattr(fetcher, "plan", real_plan)
+
+
+def test_a_long_sequential_read_widens_its_window_and_a_jump_narrows_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the window doubles every two chunks entered in order, up to readahead_max_bytes, so a
+    # weights file streams at the link's rate; a read elsewhere starts it over
+    reader, _src, fetcher = make(tmp_path, "zstd:chunked")
+    tree = metadata_tar()
+    big = reader.layer.resolve(BIG)
+    n = len(big.chunks)
+    assert n >= 12
+    chunk = max(c.compressed_size for c in big.chunks)
+    reader.readahead_bytes = chunk
+    reader.readahead_max_bytes = 4 * chunk
+    asked: list[int] = []
+    monkeypatch.setattr(fetcher, "plan", lambda fn: fn())
+    monkeypatch.setattr(fetcher, "request",
+                        lambda target, chunks, **kw: asked.append(len(chunks)))
+    step = big.chunks[1].chunk_offset                 # one chunk per read
+    for i in range(8):
+        off = big.chunks[i].chunk_offset
+        reader.read(big, off, step)
+    # the budget is bytes: a window holds one chunk more than budget / the largest chunk at most
+    assert asked[0] <= 2 and 4 <= max(asked) <= 5, asked     # widened to the max, not past it
+    assert asked == sorted(asked)
+    asked.clear()
+    off = big.chunks[10].chunk_offset                 # a jump: not sequential, no read-ahead
+    assert reader.read(big, off, step) == tree.files[BIG][off:off + step]
+    reader.read(big, big.chunks[11].chunk_offset, step)
+    assert len(asked) == 1 and asked[0] <= 2, asked   # and the window starts small again
