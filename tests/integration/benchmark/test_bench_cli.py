@@ -22,6 +22,7 @@ import pytest
 from coldstart.benchmark.demo import build_image, demo_files
 from coldstart.benchmark.results import SCHEMA_PATH
 from coldstart.stack.snapshotter import missing_tools
+from tests.fixtures.procs import mounts_under, processes_naming
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(bool(missing_tools()), reason="needs root, containerd, runc")]
@@ -46,22 +47,8 @@ def _bench(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[st
 
 def _leftovers(*paths: Path) -> list[str]:
     """Processes whose command line names one of ``paths``, and mounts below them."""
-    found = []
     needles = [str(p) for p in paths]
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if any(n in cmd for n in needles):
-            found.append(f"process {pid}: {cmd}")
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        mountpoint = line.split()[4]
-        if any(mountpoint.startswith(n) for n in needles):
-            found.append(f"mount {mountpoint}")
-    return found
+    return processes_naming(*needles) + mounts_under(*needles)
 
 
 def test_bench_two_modes_json_and_a_skipped_peer(layout: Path, tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from coldstart.stack import stargz
 from coldstart.stack.containerd import temp_containerd
 from coldstart.stack.images import Entry, busybox_entries, layer_tar
 from coldstart.stack.registry import Registry
+from tests.fixtures.procs import processes_naming
 
 pytestmark = [pytest.mark.integration, pytest.mark.e2e,
               pytest.mark.skipif(stargz.stargz_missing() is not None,
@@ -62,19 +63,6 @@ def mounts_under(path: Path) -> list[str]:
             point = left.split()[4]
             if point == prefix or point.startswith(prefix + "/"):
                 out.append(f"{point} ({right.split()[0]})")
-    return out
-
-
-def processes_naming(*needles: str) -> list[str]:
-    """Live processes whose command line contains one of ``needles``."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if any(n in cmd for n in needles):
-            out.append(f"{pid}: {cmd}")
     return out
 
 

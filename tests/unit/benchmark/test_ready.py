@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -49,9 +50,12 @@ def test_phase_marks_make_contiguous_phases() -> None:
     assert PhaseMarks().phases(1.0, 2.0) == [("app", 1.0, 2.0)]
 
 
-def _watch(tmp: Path, cond: str, exited: list[int | None]) -> ReadyWatch:
+def _watch(tmp: Path, cond: str, exited: list[int | None] | Callable[[], int | None]
+           ) -> ReadyWatch:
+    """A watch on ``tmp``; ``exited``: the exit code so far ([None]: running) or a callable."""
+    code = exited if callable(exited) else (lambda: exited[0])
     return ReadyWatch(parse_ready(cond), notify_path=tmp / "n.sock", log_path=tmp / "out.log",
-                      exited=lambda: exited[0], t0=time.monotonic())
+                      exited=code, t0=time.monotonic())
 
 
 def test_notify_ready_with_phases(tmp_path: Path) -> None:
@@ -134,20 +138,14 @@ def test_ready_then_exit_counts_as_ready(tmp_path: Path) -> None:
         notify(ready=True, socket_path=sock)
         return 0
 
-    w = ReadyWatch(parse_ready("notify"), notify_path=tmp_path / "n.sock",
-                   log_path=tmp_path / "out.log", exited=exits_after_notifying,
-                   t0=time.monotonic())
-    with w:
+    with _watch(tmp_path, "notify", exits_after_notifying) as w:
         assert w.wait(5).exit_code == 0
 
     def exits_after_printing() -> int:
         (tmp_path / "out.log").write_text("work\ndone\n")
         return 0
 
-    w = ReadyWatch(parse_ready("log:^done$"), notify_path=tmp_path / "n.sock",
-                   log_path=tmp_path / "out.log", exited=exits_after_printing,
-                   t0=time.monotonic())
-    with w:
+    with _watch(tmp_path, "log:^done$", exits_after_printing) as w:
         assert w.wait(5).exit_code == 0
 
 
