@@ -166,7 +166,8 @@ class ReadyWatch:
             except BlockingIOError:
                 return ready
             notice = parse_notice(data)
-            name = phase_name(notice)
+            # the STATUS sent with READY=1 ("ready") ends the phases, it does not start one
+            name = None if notice.ready else phase_name(notice)
             if name:
                 self._notified_phase = True
             self.marks.mark(name, self._now())

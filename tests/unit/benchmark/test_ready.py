@@ -66,7 +66,7 @@ def test_notify_ready_with_phases(tmp_path: Path) -> None:
         notify(ready=True, status="ready", socket_path=sock)
         outcome = w.wait(5)
         assert outcome.exit_code is None
-        assert [m[0] for m in w.marks.marks] == ["importing", "loading", "ready"]
+        assert [m[0] for m in w.marks.marks] == ["importing", "loading"]
 
 
 def test_log_condition_and_log_phases(tmp_path: Path) -> None:
@@ -167,3 +167,11 @@ def test_a_status_sent_with_ready_is_not_a_phase() -> None:
     marks.mark("loading", 2.0)
     marks.mark("ready", 5.0)
     assert marks.phases(1.0, 5.0) == [("exec", 1.0, 2.0), ("loading", 2.0, 5.0)]
+
+
+def test_the_status_sent_with_ready_starts_no_phase(tmp_path: Path) -> None:
+    with _watch(tmp_path, "notify", [None]) as w:
+        notify(status="loading", socket_path=str(tmp_path / "n.sock"))
+        notify(ready=True, status="ready", socket_path=str(tmp_path / "n.sock"))
+        w.wait(5)
+        assert [m[0] for m in w.marks.marks] == ["loading"]
