@@ -23,6 +23,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("coldstart.commands.demo", "demo"),
     "convert": ("coldstart.commands.convert", "convert"),
     "pull": ("coldstart.commands.pull", "pull"),
+    "optimize": ("coldstart.commands.optimize", "optimize"),
     "snapshotter": ("coldstart.commands.snapshotter", "snapshotter"),
     "fuse-server": ("coldstart.commands.fuse_server", "fuse_server"),
     "weights": ("coldstart.commands.weights", "weights"),

@@ -40,10 +40,12 @@ __all__ = [
 
 GiB = 1 << 30
 MiB = 1 << 20
+KiB = 1 << 10
 
 
 # Numbers in the tree must be positive, except these, which may also be 0.
-_MAY_BE_ZERO = frozenset({"retries", "background_rate", "shutdown_grace", "drain_delay",
+_MAY_BE_ZERO = frozenset({"retries", "background_rate", "neighbor_bytes", "shutdown_grace",
+                          "drain_delay",
                           "grace", "progress_every", "sink_retries"})
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -85,8 +87,15 @@ class FetchConfig(_Checked):
     max_coalesce_bytes: int = 16 * MiB
     # concurrent range requests per FUSE server
     concurrency: int = 8
-    # background fetch of the rest of a layer after prefetch, bytes/second (0 = off)
-    background_rate: int = 0
+    # the hybrid fill: after the prefetch, the rest of every layer is fetched in the
+    # background (niced, yielding to on-demand reads), capped at this many bytes/second;
+    # the default is above any link (the fill runs at the link's rate); 0 = off
+    background_rate: int = 100 * GiB
+    # a small file's miss also fetches the small files stored after it, this many compressed
+    # bytes at first (0 = off); the window then adapts to the reads, doubling while the
+    # neighbours it brought are read and halving when they are not, up to neighbor_max_bytes
+    neighbor_bytes: int = 256 * KiB
+    neighbor_max_bytes: int = 4 * MiB
 
 
 #: values of ``cache.verify``
@@ -128,6 +137,9 @@ class FuseConfig(_Checked):
     start_timeout: float = 30.0
     # deadline of one control request to the FUSE server (a mount fetches and verifies the TOC)
     request_timeout: float = 60.0
+    # record every layer's file accesses from its mount on (a start-up profile, read back by
+    # `coldstart optimize`); also switchable per mount through the control socket
+    record: bool = False
 
 
 @dataclass(frozen=True)

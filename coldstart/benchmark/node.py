@@ -52,6 +52,8 @@ class ModeSpec:
     snapshotter: str     # containerd's name for it
     image_format: str    # which copy of the image it pulls: gzip | zstd:chunked | estargz…
     description: str
+    # coldstart's fetch.background_rate (the hybrid fill): 0 = off, None = its default
+    background_rate: int | None = 0
 
 
 MODES: dict[str, ModeSpec] = {m.name: m for m in (
@@ -63,6 +65,14 @@ MODES: dict[str, ModeSpec] = {m.name: m for m in (
              "stargz-snapshotter 0.12 (the peer), eStargz from ctr-remote image convert"),
     ModeSpec("stargz-optimized", "stargz", "estargz-optimized",
              "stargz-snapshotter 0.12, the image from ctr-remote image optimize"),
+    ModeSpec("coldstart+ctr-profile", "coldstart", "estargz-optimized",
+             "coldstart's snapshotter on the image from ctr-remote image optimize"),
+    ModeSpec("coldstart+profile", "coldstart", "zstd:chunked-profile",
+             "coldstart's snapshotter on the image from coldstart optimize (its start-up "
+             "set prefetched in bulk at mount)"),
+    ModeSpec("coldstart+fill", "coldstart", "zstd:chunked-profile",
+             "coldstart+profile with the hybrid fill on (the rest of every layer at the "
+             "link's rate, in the background)", background_rate=None),
 )}
 
 
@@ -123,6 +133,8 @@ class Node:
     # coldstart's pull runs in this process: its containerd connection and registry client
     # are made when the node starts, as a node's long-running puller has them (not timed)
     puller: Any = None
+    # coldstart's FUSE server's control socket (the lazy modes of coldstart only)
+    fuse_socket: str = ""
 
     def ctr(self, *args: str, timeout: float = 900.0) -> subprocess.CompletedProcess[str]:
         return self.ctd.ctr(*args, timeout=timeout)
@@ -198,9 +210,10 @@ def existing_node(mode: ModeSpec, base: Path, address: str, ref: str, *,
 
 @contextlib.contextmanager
 def start_node(mode: ModeSpec, base: Path, *, insecure: tuple[str, ...] = (),
-               stargz_binary: Path | None = None) -> Iterator[Node]:
+               stargz_binary: Path | None = None, record: bool = False) -> Iterator[Node]:
     """The daemons ``mode`` needs under ``base`` (fresh: empty stores and caches); stopped by
-    PID and every mount below ``base`` undone at the end."""
+    PID and every mount below ``base`` undone at the end. ``record``: coldstart's FUSE server
+    records every layer's file accesses (``coldstart optimize``)."""
     base.mkdir(parents=True, exist_ok=True)
     try:
         with contextlib.ExitStack() as stack:
@@ -209,8 +222,9 @@ def start_node(mode: ModeSpec, base: Path, *, insecure: tuple[str, ...] = (),
             if mode.snapshotter == "coldstart":
                 from coldstart.stack.snapshotter import start_snapshotter
 
-                sn = stack.enter_context(start_snapshotter(base / "sn", metrics=False,
-                                                           log_level="info"))
+                sn = stack.enter_context(start_snapshotter(
+                    base / "sn", metrics=False, log_level="info",
+                    background_rate=mode.background_rate, record=record))
                 proxies["coldstart"] = sn.socket
                 daemons["snapshotter"] = lambda: sn.proc.pid if sn.proc else None
                 daemons["fuse-server"] = lambda: sn.fuse_pid
@@ -225,6 +239,7 @@ def start_node(mode: ModeSpec, base: Path, *, insecure: tuple[str, ...] = (),
             daemons = {"containerd": lambda: ctd.proc.pid if ctd.proc else None, **daemons}
             node = Node(mode=mode, base=base, ctd=ctd, daemons=daemons, insecure=insecure)
             if mode.snapshotter == "coldstart":
+                node.fuse_socket = sn.fuse_socket
                 import coldstart.containerd.pull  # noqa: F401  (imported before the clock runs)
                 from coldstart.containerd.client import Containerd as Client
 
@@ -242,6 +257,8 @@ class Workload:
     env: list[str]
     ready: ReadyCondition
     timeout: float = 600.0
+    # more bind mounts into the container: (host path, container path)
+    mounts: tuple[tuple[str, str], ...] = ()
 
 
 Traffic = Callable[[], tuple[int, int]]   # (bytes served, requests) so far
@@ -299,6 +316,8 @@ def cold_start(node: Node, ref: str, work: Workload, index: int, *, traffic: Tra
             argv = ["container", "create", "--snapshotter", node.mode.snapshotter,
                     "--mount", f"type=bind,src={io_dir},dst={IO_MOUNT},options=rbind:rw",
                     "--env", f"NOTIFY_SOCKET={IO_MOUNT}/n.sock"]
+            for host, inside in work.mounts:
+                argv += ["--mount", f"type=bind,src={host},dst={inside},options=rbind:rw"]
             for e in work.env:
                 argv += ["--env", e]
             if work.ready.needs_host_network:
@@ -320,6 +339,7 @@ def cold_start(node: Node, ref: str, work: Workload, index: int, *, traffic: Tra
                 run.phases.append(Phase(name, a, b))
     except Exception as exc:   # any failure is this run's, recorded; Ctrl-C is not caught
         run.ok = False
+        run.error_kind = type(exc).__name__
         run.error = _condense(str(exc)) or repr(exc)
         run.cpu_s = run.cpu_s or cpu()
     finally:

@@ -38,41 +38,52 @@ _TRAILING_NUMBERS = re.compile(r"(\s+[-+]?[\d.]+%?)+$")
 
 @dataclass(frozen=True)
 class ReadyCondition:
-    kind: str            # exit | notify | http | log
-    url: str = ""
+    kind: str            # exit | notify | http | tcp | log
+    url: str = ""        # http: the URL; tcp: HOST:PORT
     pattern: str = ""
 
     @property
     def needs_host_network(self) -> bool:
-        return self.kind == "http"
+        return self.kind in ("http", "tcp")
 
     def __str__(self) -> str:
         if self.kind == "http":
             return self.url
+        if self.kind == "tcp":
+            return f"tcp:{self.url}"
         if self.kind == "log":
             return f"log:{self.pattern}"
         return self.kind
 
 
 def parse_ready(text: str) -> ReadyCondition:
-    """``exit``, ``notify``, ``http(s)://…`` or ``log:REGEX``.
+    """``exit``, ``notify``, ``http(s)://…``, ``tcp:HOST:PORT`` (the port accepts a
+    connection) or ``log:REGEX``.
 
     >>> parse_ready("log:listening on").pattern
     'listening on'
+    >>> str(parse_ready("tcp:127.0.0.1:8000"))
+    'tcp:127.0.0.1:8000'
     """
     text = text.strip()
     if text in ("exit", "notify"):
         return ReadyCondition(text)
     if text.startswith(("http://", "https://")):
         return ReadyCondition("http", url=text)
+    if text.startswith("tcp:"):
+        host, sep, port = text[4:].rpartition(":")
+        if (not sep or not host or "/" in host or not port.isdigit()
+                or not 0 < int(port) < 65536):
+            raise InvalidArgument(f"--ready {text!r}: expected tcp:HOST:PORT")
+        return ReadyCondition("tcp", url=f"{host}:{port}")
     if text.startswith("log:") and len(text) > 4:
         try:
             re.compile(text[4:])
         except re.error as exc:
             raise InvalidArgument(f"--ready {text!r}: bad regular expression: {exc}") from exc
         return ReadyCondition("log", pattern=text[4:])
-    raise InvalidArgument(f"--ready {text!r}: expected exit, notify, http://HOST:PORT/PATH "
-                          "or log:REGEX")
+    raise InvalidArgument(f"--ready {text!r}: expected exit, notify, http://HOST:PORT/PATH, "
+                          "tcp:HOST:PORT or log:REGEX")
 
 
 def phase_name(notice: Notice) -> str | None:
@@ -191,6 +202,20 @@ class ReadyWatch:
                 self.marks.mark(m.group(1).decode(errors="replace"), self._now())
         return bool(self._pattern is not None and self._pattern.search(complete))
 
+    def _tcp_ok(self) -> bool:
+        import socket
+
+        now = self.clock()
+        if now < self._next_http:
+            return False
+        self._next_http = now + 0.01
+        host, _, port = self.cond.url.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=0.2):
+                return True
+        except OSError:
+            return False
+
     def _http_ok(self) -> bool:
         import httpx
 
@@ -220,7 +245,8 @@ class ReadyWatch:
             notified = self._read_notices() if readable else False
             logged = self._read_log()
             if ((kind == "notify" and notified) or (kind == "log" and logged)
-                    or (kind == "http" and self._http_ok())):
+                    or (kind == "http" and self._http_ok())
+                    or (kind == "tcp" and self._tcp_ok())):
                 return ReadyOutcome(self._now(), None)
             code = self.exited()
             if code is not None:

@@ -53,6 +53,7 @@ class Run:
     registry_bytes: int | None = None
     registry_requests: int | None = None
     cpu_s: dict[str, float] = field(default_factory=dict)
+    error_kind: str = ""       # the failure's error class (not in the JSON: ``error`` says it)
 
     def phase_seconds(self) -> dict[str, float]:
         """Seconds per phase name (a name that occurs twice is summed)."""

@@ -245,7 +245,8 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
         dst = (f"{base}:{fmt.replace(':', '-')}" if layout is not None
                else f"{base}:{suffix}-{fmt.replace(':', '-')}")
         key = f"{src if layout is None else _layout_digest(layout, tag)} {fmt}"
-        if fmt == "estargz-optimized":   # what the optimizer ran decides what it recorded
+        if fmt in ("estargz-optimized", "zstd:chunked-profile"):
+            # what the optimizer ran decides what it recorded
             key += " " + json.dumps([command, env])
         if fmt.startswith("estargz") and opts.estargz_level is not None:
             key += f" level={opts.estargz_level}"
@@ -256,6 +257,21 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
         if fmt == "zstd:chunked":
             report.stage(f"converting to zstd:chunked: {dst}")
             convert_image(src, dst, format="zstd:chunked", client=client, workdir=work)
+        elif fmt == "zstd:chunked-profile":
+            from coldstart.benchmark.optimize import OptimizeOptions, optimize_image
+
+            report.stage(f"recording the start-up and writing it first (coldstart optimize): "
+                         f"{dst}")
+            result = optimize_image(src, dst, OptimizeOptions(
+                command=command, env=env, ready=ready, timeout=opts.timeout,
+                insecure=tuple(insecure), workdir=work), progress=report.stage)
+            kept = (opts.cache_dir or work) / "profiles"
+            kept.mkdir(parents=True, exist_ok=True)
+            saved = kept / f"{Reference.parse(dst).repository.replace('/', '-')}.json"
+            saved.write_text(result.profile.dumps())
+            report.stage(f"profile: {saved} ({result.profile.files} files)")
+            for w in result.warnings:
+                report.stage(f"coldstart optimize: warning: {w}")
         else:
             from coldstart.stack.stargz import make_estargz_images, stargz_missing
 

@@ -77,8 +77,11 @@ CORRUPT = "cache_corrupt"
 _WRITE_ERROR_LOG_INTERVAL = 60.0
 
 _DIGEST_RE = re.compile(r"^sha256:([0-9a-f]{64})$")
-# put_async blocks while this many bytes wait for the writer thread (backpressure)
-_MAX_PENDING = 64 << 20
+# put_async blocks while this many bytes wait for the writer thread (backpressure); a cold
+# start's prefetched set fits, served from memory while the writer catches up
+_MAX_PENDING = 256 << 20
+# niceness of the writer thread: the disk writes can wait, the start-up reading cannot
+WRITER_NICENESS = 10
 # chunks of at most this many bytes go to packs (a file costs ~0.2-1 ms, an append ~10 µs)
 PACK_THRESHOLD = 256 << 10
 # a writer rolls to a new pack past this size (or max_bytes / 16 if smaller)
@@ -454,6 +457,8 @@ class ChunkCache:
             self._pending_cv.notify_all()
 
     def _write_loop(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):   # Linux: per thread
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
         while True:
             touch: Path | None = None
             hexd, data = "", b""

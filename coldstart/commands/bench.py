@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import signal
 import sys
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import click
+
+from coldstart.commands._signals import signals_unwind
 
 if TYPE_CHECKING:
     from coldstart.benchmark.results import Run
@@ -32,6 +32,7 @@ REF is one of:
   exit               the command exits with code 0
   notify             READY=1 on $NOTIFY_SOCKET (sd_notify; STATUS=/X_PHASE= name phases)
   http://H:P/PATH    a GET answers 200 (the container uses the host's network)
+  tcp:HOST:PORT      the port accepts a connection (the host's network too)
   log:REGEX          a line of its output matches
 
 \b
@@ -46,22 +47,16 @@ root. The JSON schema is coldstart/benchmark/result_schema.json.
 """
 
 
-def _interrupt(_sig: int, _frame: FrameType | None) -> None:
-    """SIGINT, SIGTERM, SIGHUP: unwind (every daemon is stopped on the way out); a second
-    signal must not cut the clean-up short, so they are ignored from here on."""
-    for sig in _SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    raise KeyboardInterrupt
-
-
-_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @click.command(epilog=_EPILOG)
 @click.argument("ref")
 @click.option("--mode", "modes", default="overlayfs,coldstart,stargz", show_default=True,
               metavar="MODE[,MODE…]",
-              help="Modes to compare: overlayfs, coldstart, stargz, stargz-optimized.")
+              help="Modes to compare: overlayfs, coldstart, stargz, stargz-optimized, "
+                   "coldstart+profile (the image from coldstart optimize), coldstart+fill "
+                   "(the same with the hybrid fill), coldstart+ctr-profile (coldstart on "
+                   "ctr-remote's optimized image).")
 @click.option("--runs", "-n", default=5, show_default=True, type=click.IntRange(1, 1000),
               help="Cold starts per mode.")
 @click.option("--ready", default=None, metavar="CONDITION",
@@ -165,13 +160,8 @@ def bench(ref: str, modes: str, runs: int, ready: str | None, command: str | Non
                         images=overrides, insecure=insecure, timeout=timeout, settle=settle,
                         floor=not no_floor, prepare_only=prepare_only,
                         estargz_level=estargz_level)
-    old = {sig: signal.signal(sig, _interrupt) for sig in _SIGNALS}
-    try:
-        with _Progress(quiet, runs * len(mode_list)) as progress:
-            result = run_bench(opts, progress)
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+    with signals_unwind(), _Progress(quiet, runs * len(mode_list)) as progress:
+        result = run_bench(opts, progress)
     doc = to_json(result)
     if prepare_only:
         for name, fmt in doc["image"]["formats"].items():

@@ -49,6 +49,14 @@ def _parse_chunk_size(text: str) -> int:
               help="File listing paths (one per line, in access order) to place first in "
                    "each layer behind a prefetch landmark, so a lazy pull fetches them in "
                    "one request.")
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="A start-up profile (from `coldstart optimize`): each layer's recorded "
+                   "files go first, in access order, behind a prefetch landmark (layers "
+                   "already seekable are rewritten too).")
+@click.option("--keep-layers", is_flag=True,
+              help="With --profile: keep layers that are already seekable byte for byte and "
+                   "only annotate them with the chunks the profile touched (a node prefetches "
+                   "those at mount; nothing is re-compressed).")
 @click.option("--platform", "platforms", multiple=True, metavar="OS/ARCH[/VARIANT]",
               help="Convert only these platforms of a multi-platform image (repeatable; "
                    "default: every platform).")
@@ -63,8 +71,9 @@ def _parse_chunk_size(text: str) -> int:
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the per-layer summary as JSON to this file ('-' = stdout).")
 def convert(src: str, dst: str, fmt: str, chunk_size: str, prefetch_list: Path | None,
-            platforms: tuple[str, ...], insecure: tuple[str, ...], hosts_dir: Path | None,
-            jobs: int, level: int | None, json_out: Path | None) -> None:
+            profile_path: Path | None, keep_layers: bool, platforms: tuple[str, ...],
+            insecure: tuple[str, ...], hosts_dir: Path | None, jobs: int, level: int | None,
+            json_out: Path | None) -> None:
     """Convert image SRC into DST with seekable (lazily pullable) layers.
 
     SRC and DST are registry references (registry/repo:tag) or OCI layout directories
@@ -79,9 +88,15 @@ def convert(src: str, dst: str, fmt: str, chunk_size: str, prefetch_list: Path |
     """
     from coldstart.oci.convert import convert_image, read_prefetch_list
     from coldstart.oci.registry import RegistryClient
+    from coldstart.prefetch.profile import load_profile
 
     size = _parse_chunk_size(chunk_size)
+    if prefetch_list is not None and profile_path is not None:
+        raise InvalidArgument("give --prefetch-list or --profile, not both")
     prefetch = read_prefetch_list(prefetch_list) if prefetch_list else None
+    profile = load_profile(profile_path) if profile_path is not None else None
+    if keep_layers and profile is None:
+        raise InvalidArgument("--keep-layers needs --profile")
     tty = sys.stderr.isatty()
 
     def on_layer(layer: object, done: int, total: int) -> None:
@@ -99,9 +114,16 @@ def convert(src: str, dst: str, fmt: str, chunk_size: str, prefetch_list: Path |
     with RegistryClient(insecure_hosts=insecure, hosts_dir=hosts_dir) as client:
         summary = convert_image(src, dst, format=fmt, chunk_size=size, prefetch=prefetch,
                                 platforms=platforms or None, client=client, workers=jobs,
-                                level=level, on_layer=on_layer)
+                                level=level, on_layer=on_layer, profile=profile,
+                                keep_layers=keep_layers)
     for skipped in summary.skipped:
         click.echo(f"skipped {skipped}", err=True)
+    for img in summary.images:
+        for x in img.layers:
+            if x.prefetch_missing:
+                click.echo(f"warning: layer {x.source.digest[:19]}: {len(x.prefetch_missing)} "
+                           f"profile file(s) not in the layer, skipped (e.g. "
+                           f"{x.prefetch_missing[0]!r})", err=True)
     before, after = summary.size_before, summary.size_after
     ratio = f" ({after / before:.2f}x)" if before else ""
     click.echo(f"{summary.destination}@{summary.digest}")

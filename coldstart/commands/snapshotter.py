@@ -1,31 +1,42 @@
-"""``coldstart snapshotter``: the containerd remote snapshotter daemon (gRPC on a unix socket).
+"""``coldstart snapshotter``: the containerd remote snapshotter daemon (gRPC on a unix socket),
+and ``coldstart snapshotter status``: what its FUSE server serves, layer by layer.
 
 Example::
 
     coldstart snapshotter --config /etc/coldstart/config.toml
     coldstart snapshotter --root /var/lib/coldstart --socket /run/coldstart/snapshotter.sock
     coldstart snapshotter --print-config > config.toml
+    coldstart snapshotter status --config /etc/coldstart/config.toml [--json]
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import click
 
 from coldstart import config as configmod
 
+_CONFIG_HELP = "TOML config file (every key and its default: --print-config)."
 
-@click.command()
+
+@click.group(invoke_without_command=True)
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="TOML config file (every key and its default: --print-config).")
+              help=_CONFIG_HELP)
 @click.option("--root", default=None, help="Metadata and snapshot directories (config: root).")
 @click.option("--socket", default=None, help="gRPC unix socket containerd dials "
                                              "(config: socket).")
 @click.option("--print-config", is_flag=True, help="Print the effective config as TOML, exit.")
-def snapshotter(config_path: str | None, root: str | None, socket: str | None,
-                print_config: bool) -> None:
-    """Serve containerd's snapshots API; lazily pulled layers are mounted by the FUSE server."""
+@click.pass_context
+def snapshotter(ctx: click.Context, config_path: str | None, root: str | None,
+                socket: str | None, print_config: bool) -> None:
+    """Serve containerd's snapshots API; lazily pulled layers are mounted by the FUSE server.
+
+    Without a subcommand, runs the daemon until SIGTERM.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
     cfg = configmod.load(config_path)
     if root is not None:
         cfg = dataclasses.replace(cfg, root=root)
@@ -37,3 +48,37 @@ def snapshotter(config_path: str | None, root: str | None, socket: str | None,
     from coldstart.snapshotter.daemon import run
 
     run(cfg)
+
+
+def _mb(n: object) -> str:
+    return f"{n / 1e6:.1f}" if isinstance(n, int) else "-"
+
+
+@snapshotter.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help=_CONFIG_HELP)
+@click.option("--fuse-socket", default=None, metavar="PATH",
+              help="The FUSE server's control socket (config: fuse.socket).")
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+def status(config_path: str | None, fuse_socket: str | None, as_json: bool) -> None:
+    """Per lazily mounted layer: state (prefetching, filling, complete, on-demand), bytes
+    prefetched, filled and fetched on demand, requests, errors."""
+    from coldstart.lazyfs.client import FuseServerClient
+
+    cfg = configmod.load(config_path)
+    rows = FuseServerClient(fuse_socket or cfg.fuse.socket, timeout=10.0).status()
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo("no lazily mounted layers")
+        return
+    click.echo(f"{'LAYER':<19}  {'STATE':<11} {'PREFETCH MB':>11} {'FILL MB':>8} "
+               f"{'DEMAND MB':>9} {'LOCAL':>6} {'REQS':>5} {'ERRS':>4}  MOUNTPOINT")
+    for r in rows:
+        total, local = r.get("total_bytes") or 0, r.get("local_bytes") or 0
+        share = f"{100 * local / total:.0f}%" if total else "-"
+        click.echo(f"{str(r['digest'])[:19]:<19}  {r.get('state', '-'):<11} "
+                   f"{_mb(r.get('prefetched_bytes')):>11} {_mb(r.get('filled_bytes')):>8} "
+                   f"{_mb(r.get('on_demand_bytes')):>9} {share:>6} {r.get('requests', 0):>5} "
+                   f"{r.get('errors', 0):>4}  {r['mountpoint']}")

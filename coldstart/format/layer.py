@@ -104,10 +104,6 @@ class SeekableLayer:
         self.toc_offset = toc_offset
         self.verified = verified
         self._gzip = toc.format == "estargz"
-        self._owner: dict[Chunk, str] = {}
-        for e in toc.entries.values():
-            for c in e.chunks:
-                self._owner.setdefault(c, e.name)
 
     # -- mapping ----------------------------------------------------------------------------
 
@@ -147,7 +143,7 @@ class SeekableLayer:
         Raises IntegrityError (wrong digest) or FormatError (corrupt, short, or a frame that
         holds more than its declared size), each naming the entry and chunk.
         """
-        owner = self._owner.get(chunk, "?")
+        owner = chunk.owner or "?"
         what = f"entry {owner!r} chunk at {chunk.chunk_offset} (+{chunk.chunk_size})"
         if chunk.inner_offset + chunk.chunk_size > MAX_DECODE:
             raise FormatError(f"{what}: chunk needs {chunk.inner_offset + chunk.chunk_size} "

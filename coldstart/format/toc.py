@@ -9,6 +9,8 @@ normalized and may not escape the layer, parents are synthesized, duplicates are
 from __future__ import annotations
 
 import posixpath
+import threading
+from collections.abc import Callable, ItemsView, Iterator, Mapping, ValuesView
 from dataclasses import dataclass, field
 
 from coldstart.errors import FormatError
@@ -20,6 +22,7 @@ __all__ = [
     "TOC",
     "Chunk",
     "Entry",
+    "TOCEntries",
     "normalize_name",
 ]
 
@@ -48,6 +51,8 @@ class Chunk:
     #: True when the member/frame holds nothing but this chunk's bytes (our writer and
     #: containers/storage write such frames): decompressing more than the chunk is then an error.
     exact: bool = False
+    #: The entry the chunk belongs to (for messages; not part of the chunk's identity).
+    owner: str = field(default="", compare=False, repr=False)
 
     @property
     def compressed_size(self) -> int:
@@ -105,29 +110,127 @@ def normalize_name(raw: str, *, what: str = "entry") -> str:
     return "/".join(parts)
 
 
+class TOCEntries(Mapping[str, Entry]):
+    """The entries of a TOC by name: a read-only mapping that builds each :class:`Entry` the
+    first time it is asked for.
+
+    A layer can hold hundreds of thousands of files and a container start looks up a few
+    thousand: the TOC keeps its names (in layer order, then the synthesized parents) and one
+    builder per position, and makes an Entry (with its chunks) only on ``[]``, ``get`` or
+    ``values()``. Every entry was validated when the TOC was parsed; building one cannot fail.
+    Thread-safe: two threads asking at once get the same object.
+
+    >>> es = TOCEntries(["", "a"], lambda i: Entry(name=["", "a"][i], type="dir"))
+    >>> "a" in es, es["a"].type, len(es)
+    (True, 'dir', 2)
+    """
+
+    __slots__ = ("_built", "_index", "_lock", "_make", "names", "types")
+
+    def __init__(self, names: list[str], make: Callable[[int], Entry],
+                 types: list[str] | None = None, *, index: dict[str, int] | None = None,
+                 built: list[Entry | None] | None = None) -> None:
+        #: every name, by position (the inode order of the FUSE layer)
+        self.names = names
+        self._index = index if index is not None else {n: i for i, n in enumerate(names)}
+        self._make = make
+        self._built: list[Entry | None] = built if built is not None else [None] * len(names)
+        #: each position's entry type, known without building the entry
+        self.types: list[str] = types if types is not None else [self.at(i).type
+                                                                  for i in range(len(names))]
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, entries: dict[str, Entry]) -> TOCEntries:
+        """Wrap entries built already (a TOC made from Entry objects)."""
+        names = list(entries)
+        built: list[Entry | None] = list(entries.values())
+        return cls(names, built.__getitem__,  # type: ignore[arg-type]
+                   [e.type for e in entries.values()], built=built)
+
+    def position(self, name: str) -> int | None:
+        """The position of ``name`` (an index into :attr:`names`), or None."""
+        return self._index.get(name)
+
+    def at(self, i: int) -> Entry:
+        """The entry at position ``i``."""
+        e = self._built[i]
+        if e is None:
+            made = self._make(i)
+            with self._lock:
+                e = self._built[i]
+                if e is None:
+                    e = self._built[i] = made
+        return e
+
+    def __getitem__(self, name: str) -> Entry:
+        i = self._index.get(name)
+        if i is None:
+            raise KeyError(name)
+        return self.at(i)
+
+    def get(self, name: str, default: Entry | None = None) -> Entry | None:  # type: ignore[override]
+        i = self._index.get(name)
+        return default if i is None else self.at(i)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def values(self) -> ValuesView[Entry]:
+        return _Values(self)
+
+    def items(self) -> ItemsView[str, Entry]:
+        return _Items(self)
+
+
+class _Values(ValuesView[Entry]):
+    _mapping: TOCEntries
+
+    def __iter__(self) -> Iterator[Entry]:
+        at = self._mapping.at
+        return (at(i) for i in range(len(self._mapping)))
+
+
+class _Items(ItemsView[str, Entry]):
+    _mapping: TOCEntries
+
+    def __iter__(self) -> Iterator[tuple[str, Entry]]:
+        m = self._mapping
+        return ((n, m.at(i)) for i, n in enumerate(m.names))
+
+
 class TOC:
     """A validated table of contents: entries by normalized name, with every parent present.
 
     Build one with :meth:`TOC.build`, which refuses duplicates and synthesizes missing parent
-    directories (mode 0o755, owned by root), including the root ``""``.
+    directories (mode 0o755, owned by root), including the root ``""``. ``entries`` is a
+    :class:`TOCEntries` (a mapping that builds entries on first use).
     """
 
-    __slots__ = ("_children", "entries", "format", "order", "prefetch")
+    __slots__ = ("_children", "_total_size", "entries", "format", "order", "prefetch")
 
-    def __init__(self, format: str, entries: dict[str, Entry], order: list[str],
-                 prefetch: list[str]) -> None:
+    def __init__(self, format: str, entries: dict[str, Entry] | TOCEntries, order: list[str],
+                 prefetch: list[str], *, total_size: int | None = None) -> None:
         self.format = format
-        self.entries = entries
+        self.entries = entries if isinstance(entries, TOCEntries) else TOCEntries.of(entries)
         #: Names in the order the layer stores them (synthesized parents excluded).
         self.order = order
         self.prefetch = prefetch
-        children: dict[str, list[str]] = {}
-        for name in entries:
-            if name:
-                children.setdefault(entries[name].parent, []).append(name)
-        for names in children.values():
-            names.sort()
-        self._children = children
+        self._children: dict[str, list[str]] | None = None
+        self._total_size = total_size
+
+    @property
+    def total_size(self) -> int:
+        """Bytes of all regular files."""
+        if self._total_size is None:
+            self._total_size = sum(e.size for e in self.entries.values() if e.type == "reg")
+        return self._total_size
 
     @classmethod
     def build(cls, format: str, entries: list[Entry]) -> TOC:
@@ -177,6 +280,14 @@ class TOC:
 
     def children(self, name: str) -> list[str]:
         """Full names of the direct children of directory ``name``, sorted."""
+        if self._children is None:
+            children: dict[str, list[str]] = {}
+            for n in self.entries.names:
+                if n:
+                    children.setdefault(n.rpartition("/")[0], []).append(n)
+            for names in children.values():
+                names.sort()
+            self._children = children
         return list(self._children.get(name, ()))
 
     def get(self, name: str) -> Entry | None:

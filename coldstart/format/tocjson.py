@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import bisect
 import json
 import re
 from collections.abc import Mapping
@@ -21,7 +22,16 @@ from typing import Any
 
 from coldstart.errors import FormatError
 from coldstart.format.timefmt import format_rfc3339, parse_rfc3339
-from coldstart.format.toc import MODE_PERM_MASK, TOC, Chunk, Entry, normalize_name
+from coldstart.format.toc import (
+    ENTRY_TYPES,
+    MODE_PERM_MASK,
+    PREFETCH_LANDMARK,
+    TOC,
+    Chunk,
+    Entry,
+    TOCEntries,
+    normalize_name,
+)
 
 __all__ = ["MAX_TOC_SIZE", "encode_toc", "entry_json", "parse_toc"]
 
@@ -85,7 +95,19 @@ def parse_toc(data: bytes, *, format: str, data_end: int, exact_frames: bool = F
     raw_entries = doc.get("entries")
     if not isinstance(raw_entries, list):
         raise FormatError("TOC has no 'entries' list")
+    try:
+        fast = _parse_fast(raw_entries, format, data_end, exact_frames)
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, FormatError):
+        fast = None  # the strict parser below names what is wrong
+    if fast is not None:
+        return fast
+    return _parse_strict(raw_entries, format, data_end, exact_frames)
 
+
+def _parse_strict(raw_entries: list[Any], format: str, data_end: int,
+                  exact_frames: bool) -> TOC:
+    """Entry by entry, every rule checked where it applies: the reference parser, and the one
+    that names the entry when :func:`_parse_fast` finds anything unusual."""
     entries: list[Entry] = []
     raw_chunks: dict[str, list[_RawChunk]] = {}
     last_reg: Entry | None = None
@@ -206,41 +228,307 @@ def _resolve_chunks(toc: TOC, raw_chunks: dict[str, list[_RawChunk]], data_end: 
             if not rc.zeros and rc.offset >= data_end:
                 raise FormatError(f"entry {name!r}: chunk #{i} at compressed offset "
                                   f"{rc.offset} is outside the data area (ends {data_end})")
-    # eStargz has no endOffset: a member ends where the next distinct member starts.
-    starts = sorted({c.offset for cs in raw_chunks.values() for c in cs if not c.zeros})
-    next_start: dict[int, int] = {}
-    for a, b in zip(starts, [*starts[1:], data_end], strict=False):
-        next_start[a] = b
+    starts = sorted(c.offset for cs in raw_chunks.values() for c in cs if not c.zeros)
     for name, raws in raw_chunks.items():
         entry = toc.entries[name]
-        chunks: list[Chunk] = []
-        pos = 0
-        for i, rc in enumerate(raws):
-            if rc.chunk_offset != pos:
-                raise FormatError(f"entry {name!r}: chunk #{i} starts at {rc.chunk_offset}, "
-                                  f"expected {pos} (chunk sizes do not add up)")
-            following = raws[i + 1].chunk_offset if i + 1 < len(raws) else entry.size
-            size = following - rc.chunk_offset
-            if size <= 0:
-                raise FormatError(f"entry {name!r}: chunk #{i} has size {size}")
-            if rc.chunk_size not in (0, size):
-                raise FormatError(f"entry {name!r}: chunk #{i} declares chunkSize "
-                                  f"{rc.chunk_size} but spans {size} bytes (sizes do not add up)")
-            if rc.zeros:
-                chunks.append(Chunk(0, 0, rc.chunk_offset, size, rc.digest, 0, True))
-            else:
-                if rc.offset >= data_end:
-                    raise FormatError(f"entry {name!r}: chunk #{i} at compressed offset "
-                                      f"{rc.offset} is outside the data area (ends {data_end})")
-                end = rc.end or next_start[rc.offset]
-                if not rc.offset < end <= data_end:
-                    raise FormatError(f"entry {name!r}: chunk #{i} range {rc.offset}..{end} is "
-                                      f"outside the data area (ends {data_end})")
-                exact = exact_frames and rc.end != 0 and rc.inner == 0
-                chunks.append(Chunk(rc.offset, end, rc.chunk_offset, size, rc.digest,
-                                    rc.inner, False, exact))
-            pos += size
-        entry.chunks = chunks
+        entry.chunks = _chunks_of(name, entry.size, raws, data_end, exact_frames, starts)
+
+
+def _next_start(starts: list[int], offset: int, data_end: int) -> int:
+    """eStargz has no endOffset: a member ends where the next distinct member starts."""
+    i = bisect.bisect_right(starts, offset)
+    return starts[i] if i < len(starts) else data_end
+
+
+def _chunks_of(name: str, size: int, raws: list[_RawChunk], data_end: int, exact_frames: bool,
+               starts: list[int]) -> list[Chunk]:
+    chunks: list[Chunk] = []
+    pos = 0
+    for i, rc in enumerate(raws):
+        if rc.chunk_offset != pos:
+            raise FormatError(f"entry {name!r}: chunk #{i} starts at {rc.chunk_offset}, "
+                              f"expected {pos} (chunk sizes do not add up)")
+        following = raws[i + 1].chunk_offset if i + 1 < len(raws) else size
+        csize = following - rc.chunk_offset
+        if csize <= 0:
+            raise FormatError(f"entry {name!r}: chunk #{i} has size {csize}")
+        if rc.chunk_size not in (0, csize):
+            raise FormatError(f"entry {name!r}: chunk #{i} declares chunkSize "
+                              f"{rc.chunk_size} but spans {csize} bytes (sizes do not add up)")
+        if rc.zeros:
+            chunks.append(Chunk(0, 0, rc.chunk_offset, csize, rc.digest, 0, True, owner=name))
+        else:
+            if rc.offset >= data_end:
+                raise FormatError(f"entry {name!r}: chunk #{i} at compressed offset "
+                                  f"{rc.offset} is outside the data area (ends {data_end})")
+            end = rc.end or _next_start(starts, rc.offset, data_end)
+            if not rc.offset < end <= data_end:
+                raise FormatError(f"entry {name!r}: chunk #{i} range {rc.offset}..{end} is "
+                                  f"outside the data area (ends {data_end})")
+            exact = exact_frames and rc.end != 0 and rc.inner == 0
+            chunks.append(Chunk(rc.offset, end, rc.chunk_offset, csize, rc.digest,
+                                rc.inner, False, exact, owner=name))
+        pos += csize
+    return chunks
+
+
+# -- the fast path ------------------------------------------------------------------------------
+#
+# A TOC of 200,000 files must open in well under a second, so the usual TOC is checked column by
+# column (one comprehension per field, in C as far as possible) and its entries are built only
+# when first looked up (TOCEntries). Anything the columns do not show to be clean (a name to
+# normalize, a null field, a duplicate, a chunk that does not tile its file...) returns None,
+# and the strict parser decides, and names the entry. So both paths accept exactly the same
+# TOCs and build the same entries.
+
+_INT_KEYS = ("size", "mode", "uid", "gid", "devMajor", "devMinor", "offset", "endOffset",
+             "chunkOffset", "chunkSize", "innerOffset")
+_STR_KEYS = ("linkName", "userName", "groupName", "chunkType")
+_FAST_TYPES = ENTRY_TYPES | {"chunk"}
+# a "." or ".." component (names are joined with NUL, which no valid name holds)
+_DOT_COMPONENT = re.compile(r"(?<![^/\0])\.\.?(?![^/\0])")
+_HEX = b"0123456789abcdef"
+
+
+def _all_digests(ds: list[Any]) -> bool:
+    """Every item is ``sha256:`` and 64 lowercase hex digits (what _DIGEST accepts)."""
+    if not ds:
+        return True
+    if set(map(type, ds)) != {str} or set(map(len, ds)) != {71}:
+        return False
+    try:
+        big = "".join(ds).encode("ascii")
+    except UnicodeEncodeError:
+        return False
+    n = len(ds)
+    for j, ch in enumerate(b"sha256:"):
+        if big[j::71] != bytes([ch]) * n:
+            return False
+    # every item starts with the prefix (above), whose non-hex letters are "sh:": with the hex
+    # digits deleted, exactly those must be left
+    return big.translate(None, _HEX) == b"sh:" * n
+
+
+def _clean_names(joined: str) -> bool:
+    """No name in the NUL-joined ``joined`` would change in normalize_name: no empty component
+    (leading, trailing or double slash) and no "." or ".." one. Substring tests first: they
+    run at memory speed, and most layers have no component that starts with a dot."""
+    if ("//" in joined or "\0/" in joined or "/\0" in joined or joined.startswith("/")
+            or joined.endswith("/")):
+        return False
+    if "/." in joined or "\0." in joined or joined.startswith("."):
+        return _DOT_COMPONENT.search(joined) is None
+    return True
+
+
+def _ints_ok(col: list[Any]) -> bool:
+    return not col or (set(map(type, col)) == {int} and min(col) >= 0)
+
+
+def _parse_fast(raws: list[Any], format: str, data_end: int, exact_frames: bool) -> TOC | None:
+    n = len(raws)
+    if n == 0 or set(map(type, raws)) != {dict}:
+        return None
+    names = [r.get("name") for r in raws]
+    joined = "\0".join(names)              # TypeError for a name that is not a string
+    if joined.count("\0") != n - 1 or not _clean_names(joined):
+        return None
+    types = [r.get("type") for r in raws]
+    tset = set(types)
+    if not tset <= _FAST_TYPES:
+        return None
+    keys: set[str] = set().union(*raws)
+    for k in _INT_KEYS:
+        if k in keys and not _ints_ok([r.get(k, 0) for r in raws]):
+            return None
+    for k in _STR_KEYS:
+        if k in keys and set(map(type, [r.get(k, "") for r in raws])) != {str}:
+            return None
+    digests: list[Any] = []
+    if "digest" in keys:
+        digests = [d for d in [r.get("digest") for r in raws] if d is not None]
+    modtimes = [r.get("modtime", _ZERO_TIME) for r in raws]
+    if set(map(type, modtimes)) != {str}:
+        return None
+    mtimes = {s: parse_rfc3339(s) for s in set(modtimes)}  # FormatError: the strict path names it
+
+    # entries (not chunk continuations) and the continuations of each multi-chunk file
+    multi: dict[int, list[int]] = {}        # entry position -> raw indexes of its chunk entries
+    if "chunk" in tset:
+        epos: list[int] = []
+        for j, t in enumerate(types):
+            if t != "chunk":
+                epos.append(j)
+                continue
+            if not epos:
+                return None
+            head = epos[-1]
+            hr = raws[head]
+            if types[head] != "reg" or hr.get("size", 0) <= 0 or names[head] != names[j]:
+                return None
+            multi.setdefault(len(epos) - 1, []).append(j)
+        eraws = [raws[j] for j in epos]
+        enames = [names[j] for j in epos]
+        etypes = [types[j] for j in epos]
+    else:
+        eraws, enames, etypes = raws, names, types
+    m = len(eraws)
+    index = dict(zip(enames, range(m), strict=True))
+    if len(index) != m:
+        return None                         # a duplicate
+    root = index.get("")
+    if root is not None and etypes[root] != "dir":
+        return None
+    synth: list[str] = []
+    for p in {nm.rpartition("/")[0]: None for nm in enames}:
+        while True:
+            i = index.get(p)
+            if i is None:
+                index[p] = m + len(synth)
+                synth.append(p)
+                if not p:
+                    break
+                p = p.rpartition("/")[0]
+                continue
+            if (etypes[i] if i < m else "dir") != "dir":
+                return None
+            break
+    if "" not in index:
+        index[""] = m + len(synth)
+        synth.append("")
+
+    links: dict[int, str] = {}
+    if "hardlink" in tset:
+        for i, t in enumerate(etypes[:m]):
+            if t == "hardlink":
+                link = normalize_name(eraws[i].get("linkName", ""), what="hardlink target")
+                ti = index.get(link)
+                if ti is None or link == enames[i] or (etypes[ti] if ti < m else "dir") == "dir":
+                    return None
+                links[i] = link
+    xattrs: dict[int, dict[str, bytes]] = {}
+    if "xattrs" in keys:
+        for i, r in enumerate(eraws):
+            raw_x = r.get("xattrs")
+            if raw_x is None:
+                continue
+            if not isinstance(raw_x, dict):
+                return None
+            if raw_x:
+                xattrs[i] = {k: base64.b64decode(v, validate=True) for k, v in raw_x.items()}
+    unames = _carried(eraws, "userName", "uid") if "userName" in keys else None
+    gnames = _carried(eraws, "groupName", "gid") if "groupName" in keys else None
+
+    # regular files with data: one chunk each unless chunk entries follow
+    regs = [i for i, t in enumerate(etypes[:m]) if t == "reg" and eraws[i].get("size", 0) > 0]
+    single = [i for i in regs if i not in multi] if multi else regs
+    sraws = [eraws[i] for i in single]
+    ctypes = [r.get("chunkType", "") for r in sraws] if "chunkType" in keys else []
+    if not set(ctypes) <= {"", "zeros"}:
+        return None
+    if "chunkOffset" in keys and any([r.get("chunkOffset", 0) for r in sraws]):
+        return None
+    if "chunkSize" in keys:
+        declared = [r.get("chunkSize", 0) for r in sraws]
+        if declared != [r["size"] for r in sraws] and any(
+                c and c != r["size"] for c, r in zip(declared, sraws, strict=True)):
+            return None
+    if "zeros" in ctypes:
+        data_raws = [r for r, c in zip(sraws, ctypes, strict=True) if c != "zeros"]
+        zero_digests = [d for d in (r.get("chunkDigest") for r, c in
+                                    zip(sraws, ctypes, strict=True) if c == "zeros") if d]
+        digests += zero_digests
+    else:
+        data_raws = sraws
+    chunk_digests = [r.get("chunkDigest") for r in data_raws]
+    if None in chunk_digests or "" in chunk_digests:
+        return None
+    if not _all_digests(digests + chunk_digests):
+        return None
+    offsets = [r.get("offset", 0) for r in data_raws]
+    if offsets and max(offsets) >= data_end:
+        return None
+    ends = [r.get("endOffset", 0) for r in data_raws] if "endOffset" in keys else []
+    if ends and (max(ends) > data_end
+                 or any(e and e <= o for o, e in zip(offsets, ends, strict=True))):
+        return None
+    starts: list[int] = []
+    if not ends or not all(ends) or multi:
+        starts = offsets
+        if multi:
+            starts = offsets + [raws[j].get("offset", 0) for js in multi.values() for j in js
+                                if raws[j].get("chunkType", "") != "zeros"]
+            starts += [eraws[i].get("offset", 0) for i in multi
+                       if eraws[i].get("chunkType", "") != "zeros"]
+        starts.sort()
+    chunks: dict[int, list[Chunk]] = {}
+    for i, js in multi.items():
+        name, size = enames[i], eraws[i]["size"]
+        rcs = [_chunk(eraws[i], name, size)] + [_chunk(raws[j], name, size) for j in js]
+        chunks[i] = _chunks_of(name, size, rcs, data_end, exact_frames, starts)
+
+    total = sum(eraws[i]["size"] for i in regs)
+    landmark = index.get(PREFETCH_LANDMARK)
+    prefetch = enames[:landmark] if landmark is not None and landmark < m else []
+    all_names = enames + synth if synth else list(enames)
+    etypes += ["dir"] * len(synth)
+
+    get_raw = eraws.__getitem__
+    new_chunk = Chunk
+    new_entry = Entry
+
+    def make(i: int) -> Entry:
+        # positional arguments throughout: this runs once per entry looked up
+        name = all_names[i]
+        if i >= m:
+            return new_entry(name, "dir", 0, 0o755)
+        r = get_raw(i)
+        t = etypes[i]
+        get = r.get
+        size = 0
+        digest = None
+        cs: list[Chunk] = []
+        if t == "reg":
+            size = get("size", 0)
+            digest = get("digest")
+            if i in chunks:
+                cs = list(chunks[i])
+            elif size > 0:
+                if get("chunkType") == "zeros":
+                    cs = [new_chunk(0, 0, 0, size, get("chunkDigest") or "", 0, True, False,
+                                    name)]
+                else:
+                    off = get("offset", 0)
+                    end = get("endOffset", 0)
+                    inner = get("innerOffset", 0)
+                    cs = [new_chunk(off, end or _next_start(starts, off, data_end), 0, size,
+                                    r["chunkDigest"], inner, False,
+                                    exact_frames and end != 0 and inner == 0, name)]
+        return new_entry(
+            name, t, size, get("mode", 0) & MODE_PERM_MASK, get("uid", 0), get("gid", 0),
+            unames[i] if unames is not None else "", gnames[i] if gnames is not None else "",
+            mtimes[get("modtime", _ZERO_TIME)],
+            links[i] if i in links else get("linkName", ""), get("devMajor", 0),
+            get("devMinor", 0), dict(xattrs[i]) if i in xattrs else {}, digest, cs)
+
+    return TOC(format, TOCEntries(all_names, make, etypes, index=index), enames, prefetch,
+               total_size=total)
+
+
+def _carried(eraws: list[dict[str, Any]], key: str, idkey: str) -> list[str] | None:
+    """The eStargz writer omits userName/groupName when they repeat the last one seen for the
+    same id: carry them forward (None: every entry says its own, or none does)."""
+    col = [r.get(key, "") for r in eraws]
+    if all(col) or not any(col):
+        return col if any(col) else None
+    last: dict[int, str] = {}
+    out: list[str] = []
+    for r, v in zip(eraws, col, strict=True):
+        uid = r.get(idkey, 0)
+        v = v or last.get(uid, "")
+        last[uid] = v
+        out.append(v)
+    return out
 
 
 def entry_json(e: Entry, *, offset: int = 0, end_offset: int | None = None) -> dict[str, Any]:

@@ -85,6 +85,17 @@ class FuseServerClient:
         result: list[dict[str, Any]] = self._call(control.status_request())
         return result
 
+    def record(self, on: bool, mountpoint: str | None = None) -> int:
+        """Start or stop recording file accesses of ``mountpoint``'s layer (None: every
+        layer, and the layers mounted from now on); how many layers it changed."""
+        result: int = self._call(control.record_request(on, mountpoint))
+        return result
+
+    def profile(self) -> list[dict[str, Any]]:
+        """Per layer that recorded: digest, mountpoints and the files read, in order."""
+        result: list[dict[str, Any]] = self._call(control.profile_request())
+        return result
+
 
 
 # the old name (tests import it): the payload's error, rebuilt

@@ -11,6 +11,8 @@ lines are skipped; a request line over :data:`MAX_LINE` bytes ends the connectio
     {"op": "check", "mountpoint": P}                      -> {"ok": true, "result": null}
     {"op": "unmount", "mountpoint": P}                    -> {"ok": true, "result": null}
     {"op": "status"}                                      -> {"ok": true, "result": [{…}, …]}
+    {"op": "record", "on": B, "mountpoint": P | null}     -> {"ok": true, "result": N}
+    {"op": "profile"}                                     -> {"ok": true, "result": [{…}, …]}
     failure:  {"ok": false, "error": {"kind": "IntegrityError",
                                       "kinds": ["IntegrityError", "ColdstartError"], "message": …}}
 
@@ -43,6 +45,8 @@ __all__ = [
     "MOUNT",
     "OPS",
     "PING",
+    "PROFILE",
+    "RECORD",
     "STATUS",
     "UNMOUNT",
     "ControlHandler",
@@ -57,6 +61,8 @@ __all__ = [
     "mount_request",
     "ok_reply",
     "ping_request",
+    "profile_request",
+    "record_request",
     "status_request",
     "unmount_request",
 ]
@@ -71,7 +77,9 @@ MOUNT = "mount"
 CHECK = "check"
 UNMOUNT = "unmount"
 STATUS = "status"
-OPS = (PING, MOUNT, CHECK, UNMOUNT, STATUS)
+RECORD = "record"      # start/stop recording file accesses (one mountpoint's layer, or all)
+PROFILE = "profile"    # what each recording layer read so far
+OPS = (PING, MOUNT, CHECK, UNMOUNT, STATUS, RECORD, PROFILE)
 
 
 # -- framing -------------------------------------------------------------------------------
@@ -125,6 +133,14 @@ def unmount_request(mountpoint: str) -> dict[str, Any]:
 
 def status_request() -> dict[str, Any]:
     return {"op": STATUS}
+
+
+def record_request(on: bool, mountpoint: str | None = None) -> dict[str, Any]:
+    return {"op": RECORD, "on": on, "mountpoint": mountpoint}
+
+
+def profile_request() -> dict[str, Any]:
+    return {"op": PROFILE}
 
 
 # -- replies and errors --------------------------------------------------------------------
@@ -196,6 +212,10 @@ class ControlHandler(Protocol):
 
     def status(self) -> list[dict[str, Any]]: ...
 
+    def record(self, on: bool, mountpoint: str | None) -> int: ...
+
+    def profile(self) -> list[dict[str, Any]]: ...
+
 
 async def dispatch(line: bytes, handler: ControlHandler) -> bytes:
     """Answer one request line: the reply line, never an exception.
@@ -221,6 +241,14 @@ async def dispatch(line: bytes, handler: ControlHandler) -> bytes:
             await handler.check(_mountpoint(req))
         elif op == STATUS:
             result = handler.status()
+        elif op == RECORD:
+            on = req.get("on")
+            if not isinstance(on, bool):
+                raise InvalidArgument(f"'on' must be true or false, not {on!r}")
+            mp = _mountpoint(req) if req.get("mountpoint") is not None else None
+            result = handler.record(on, mp)
+        elif op == PROFILE:
+            result = handler.profile()
         else:
             raise InvalidArgument(f"unknown op {op!r}")
     except ColdstartError as exc:

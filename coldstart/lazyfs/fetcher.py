@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -33,6 +34,10 @@ from coldstart.remote import Source
 from coldstart.remote import coalesce as coalesce_ranges
 
 __all__ = [
+    "DEMAND",
+    "FETCH_KINDS",
+    "FILL",
+    "PREFETCH",
     "ChunkFetcher",
     "FetchTelemetry",
     "LayerStats",
@@ -53,7 +58,7 @@ MAX_GAP = 32 << 10
 class FetchTelemetry(Protocol):
     """Hooks the fetcher and reader report through (metrics live outside the data path)."""
 
-    def fetched(self, layer: str, nbytes: int) -> None: ...
+    def fetched(self, layer: str, nbytes: int, kind: str = ...) -> None: ...
 
     def cache_hit(self, nbytes: int) -> None: ...
 
@@ -64,9 +69,24 @@ class FetchTelemetry(Protocol):
     def read_done(self, seconds: float) -> None: ...
 
 
+#: what a fetch is for (counted apart in each layer's stats)
+DEMAND = "demand"          # a read waits for it (with the neighbours and read-ahead it brings)
+PREFETCH = "prefetch"      # the start-up set before the prefetch landmark, at mount
+FILL = "fill"              # the rest of the layer, in the background
+FETCH_KINDS = (DEMAND, PREFETCH, FILL)
+
+#: niceness of the background fill's thread: the start-up's processes get the CPU first
+FILL_NICENESS = 19
+#: the fill sends nothing until no FUSE read was served for this long
+QUIET_SECONDS = 0.25
+
+
 @dataclass
 class LayerStats:
-    """Per-layer counters shown by the FUSE server's status (CONVENTIONS §12)."""
+    """Per-layer counters shown by the FUSE server's status (CONVENTIONS §12).
+
+    ``state``: ``on-demand`` (no prefetch or fill running), ``prefetching``, ``filling``,
+    ``complete`` (every chunk local: the layer never touches the network again)."""
 
     fetched_bytes: int = 0
     requests: int = 0
@@ -76,6 +96,13 @@ class LayerStats:
     last_error_at: float = 0.0
     prefetch_done: bool = False
     background_done: bool = False
+    state: str = "on-demand"
+    bytes_by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FETCH_KINDS, 0))
+    requests_by_kind: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(FETCH_KINDS, 0))
+    #: compressed bytes of the layer's chunks, and of those known local (set by the fill)
+    total_bytes: int = 0
+    local_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record_error(self, message: str) -> None:
@@ -95,6 +122,13 @@ class LayerStats:
                 "last_error_at": self.last_error_at,
                 "prefetch_done": self.prefetch_done,
                 "background_done": self.background_done,
+                "state": self.state,
+                "prefetched_bytes": self.bytes_by_kind[PREFETCH],
+                "filled_bytes": self.bytes_by_kind[FILL],
+                "on_demand_bytes": self.bytes_by_kind[DEMAND],
+                "requests_by_kind": dict(self.requests_by_kind),
+                "total_bytes": self.total_bytes,
+                "local_bytes": self.local_bytes,
             }
 
 
@@ -180,7 +214,8 @@ class ChunkFetcher:
         self.request_timeout = request_timeout
         self.telemetry = telemetry
         self._pool = ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="fetch")
-        self._bg_pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+        self._bg_pool = ThreadPoolExecutor(1, thread_name_prefix="fill",
+                                           initializer=_lower_priority)
         # plans read-ahead off the FUSE loop (choosing chunks and asking the cache about them)
         self._planner = ThreadPoolExecutor(1, thread_name_prefix="plan")
         self._lock = threading.Lock()
@@ -188,6 +223,7 @@ class ChunkFetcher:
         self._inflight: dict[str, _Flight] = {}
         self._foreground = 0
         self._closed = False
+        self.last_read = 0.0       # monotonic time of the last FUSE read served
 
     def close(self) -> None:
         """Stop taking work; running requests finish (bounded by their timeouts)."""
@@ -256,7 +292,7 @@ class ChunkFetcher:
             if missed and more is not None:
                 self._add_more(target, more(missed), mine, fetch)
             if fetch:
-                self._launch(target, fetch, background=False)
+                self._launch(target, fetch, background=False, kind=DEMAND)
         except BaseException as exc:
             # whatever we own and did not start must not be left in flight (joiners would
             # wait for it until their deadline)
@@ -338,14 +374,17 @@ class ChunkFetcher:
     # -- background and read-ahead -------------------------------------------------------------
 
     def request(self, target: FetchTarget, chunks: Iterable[Chunk], *,
-                background: bool = False,
-                max_bytes: int | None = None) -> dict[Chunk, Future[bytes]]:
+                background: bool = False, max_bytes: int | None = None,
+                kind: str = DEMAND, max_gap: int | None = None) -> dict[Chunk, Future[bytes]]:
         """Start fetching ``chunks`` (those not already in flight); a future for each.
 
         For read-ahead and background fetches, whose callers chose the chunks from the
         cache's index; a chunk cached since is served from the cache. ``max_bytes`` lowers
         the coalescing limit (read-ahead splits its chunks over several requests so that the
-        pool fetches and decodes them in parallel).
+        pool fetches and decodes them in parallel; a prefetch may also raise it above
+        ``max_coalesce_bytes``). ``background``: the fill's low-priority pool, which waits
+        while on-demand fetches run. ``kind`` is what the layer's stats count the bytes as.
+        ``max_gap``: chunks this far apart still share a request (default: the fetcher's).
         """
         out: dict[Chunk, Future[bytes]] = {}
         mine: dict[Chunk, _Flight] = {}
@@ -375,17 +414,23 @@ class ChunkFetcher:
             self._release(target, c, fl)
             fl.future.set_result(data)
         if new:
-            self._launch(target, new, background=background, max_bytes=max_bytes)
+            self._launch(target, new, background=background, max_bytes=max_bytes, kind=kind,
+                         max_gap=max_gap)
         return out
 
     # -- fetching ------------------------------------------------------------------------------
 
     def _launch(self, target: FetchTarget, chunks: dict[Chunk, _Flight], *, background: bool,
-                max_bytes: int | None = None) -> None:
+                max_bytes: int | None = None, kind: str = DEMAND,
+                max_gap: int | None = None) -> None:
         """Coalesce ``chunks`` (owned by the caller, in flight) into requests and start them."""
-        limit = self.max_coalesce_bytes if max_bytes is None else \
-            max(1, min(max_bytes, self.max_coalesce_bytes))
-        groups = coalesce(chunks, limit, self.max_gap)
+        if max_bytes is None:
+            limit = self.max_coalesce_bytes
+        elif kind == PREFETCH:
+            limit = max(1, max_bytes)
+        else:
+            limit = max(1, min(max_bytes, self.max_coalesce_bytes))
+        groups = coalesce(chunks, limit, self.max_gap if max_gap is None else max_gap)
         if not background:
             with self._lock:
                 self._foreground += len(groups)
@@ -395,11 +440,11 @@ class ChunkFetcher:
             if background:
                 def run(owned: dict[Chunk, _Flight] = owned) -> None:
                     self._wait_foreground_idle()
-                    self._fetch_group(target, owned, False)
+                    self._fetch_group(target, owned, False, kind)
                 pool = self._bg_pool
             else:
                 def run(owned: dict[Chunk, _Flight] = owned) -> None:
-                    self._fetch_group(target, owned, True)
+                    self._fetch_group(target, owned, True, kind)
                 pool = self._pool
             try:
                 pool.submit(run)
@@ -407,10 +452,20 @@ class ChunkFetcher:
                 self._settle_all(target, owned, Unavailable(f"fetch not started: {exc}"),
                                  not background)
 
+    def note_read(self) -> None:
+        """A FUSE read was served (the loop calls this: one clock read, no lock)."""
+        self.last_read = time.monotonic()
+
     def _wait_foreground_idle(self) -> None:
+        """Hold a background request while on-demand fetches are in flight, and until no read
+        was served for ``QUIET_SECONDS``: the start-up reading its files has the CPU and the
+        link first (its decoding, hashing and cache writes are what the fill would take)."""
         with self._lock:
-            while self._foreground > 0 and not self._closed:
-                self._idle.wait(0.5)
+            while not self._closed:
+                quiet = QUIET_SECONDS - (time.monotonic() - self.last_read)
+                if self._foreground == 0 and quiet <= 0:
+                    return
+                self._idle.wait(min(0.5, max(0.01, quiet)))
 
     def _release_locked(self, target: FetchTarget, c: Chunk, fl: _Flight) -> None:
         k = _key(target, c)
@@ -434,7 +489,7 @@ class ChunkFetcher:
                 self._idle.notify_all()
 
     def _fetch_group(self, target: FetchTarget, owned: dict[Chunk, _Flight],
-                     foreground: bool) -> None:
+                     foreground: bool, kind: str = DEMAND) -> None:
         group = sorted(owned, key=lambda c: (c.offset, c.inner_offset))
         start = group[0].offset
         end = max(c.end_offset for c in group)
@@ -451,8 +506,10 @@ class ChunkFetcher:
             target.stats.fetched_bytes += len(raw)
             target.stats.requests += 1
             target.stats.chunks_fetched += len(group)
+            target.stats.bytes_by_kind[kind] = target.stats.bytes_by_kind.get(kind, 0) + len(raw)
+            target.stats.requests_by_kind[kind] = target.stats.requests_by_kind.get(kind, 0) + 1
         if self.telemetry is not None:
-            self.telemetry.fetched(target.digest, len(raw))
+            self.telemetry.fetched(target.digest, len(raw), kind)
         try:
             for c in group:
                 self._finish_chunk(target, c, owned[c], raw, start)
@@ -494,6 +551,15 @@ class ChunkFetcher:
             fl.future.set_exception(res)
         else:
             fl.future.set_result(res)
+
+
+def _lower_priority() -> None:
+    """The fill pool's thread initializer: nice this thread (Linux: per thread) so that the
+    start-up's own processes win the CPU; decoding and hashing the fill costs them little."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), FILL_NICENESS)
+    except (OSError, AttributeError) as exc:   # not permitted, or not Linux: run as is
+        log.debug("fill thread keeps its priority: %s", exc)
 
 
 def wait_for(fut: Future[bytes], deadline: float, what: str) -> bytes:

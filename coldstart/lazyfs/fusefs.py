@@ -33,9 +33,8 @@ import logging
 import os
 import stat
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import pyfuse3
 import trio
@@ -69,6 +68,7 @@ INTERNAL_ERROR = "internal"
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+_V = TypeVar("_V")
 
 
 def mount_options(fsname: str = "coldstart-lazy") -> set[str]:
@@ -78,21 +78,89 @@ def mount_options(fsname: str = "coldstart-lazy") -> set[str]:
             "allow_other", "suid", "dev", "noatime"}
 
 
-@dataclass
 class LayerTree:
-    """The in-memory inode table of one mounted layer (inodes ``base .. base+len-1``)."""
+    """The inode table of one mounted layer (inodes ``base .. base+len-1``), built lazily.
 
-    key: str
-    base: int
-    reader: LayerReader
-    entries: list[Entry]                       # index = inode - base
-    parents: list[int]                         # parent inode of each (root: ROOT_INODE)
-    children: dict[int, dict[bytes, int]]      # dir inode -> name -> inode
-    listing: dict[int, list[tuple[bytes, int]]]  # dir inode -> sorted (name, inode)
-    xattrs: dict[int, dict[bytes, bytes]]
-    nlink: list[int]
-    total_size: int
-    attrs: dict[int, pyfuse3.EntryAttributes] = field(default_factory=dict)
+    Inode ``base`` is the layer's root; inode ``base + 1 + p`` is the TOC entry at position
+    ``p`` (:class:`~coldstart.format.toc.TOCEntries`), so numbering needs no pass over the
+    entries. A directory's children (and its link count, and its sorted listing) are worked
+    out the first time it is looked up; the index of names by parent that this needs is built
+    on the first such lookup, not at mount. Only whiteouts and hardlinks, which change what
+    other names show, are found when the tree is made (two scans of the names, in C).
+    Slots that show nothing (whiteout markers, opaque markers, landmarks, hardlinks, the
+    root's own TOC position) are never returned by lookup or readdir.
+
+    ``entries``, ``children``, ``listing``, ``xattrs``, ``nlink`` and ``parents`` index by
+    slot or inode like the lists and dicts they once were.
+    """
+
+    def __init__(self, key: str, base: int, reader: LayerReader) -> None:
+        self.key = key
+        self.base = base
+        self.reader = reader
+        self.toc = reader.layer.toc
+        self.attrs: dict[int, pyfuse3.EntryAttributes] = {}
+        toc_entries = self.toc.entries
+        self._names = toc_entries.names
+        self._types = toc_entries.types
+        self._size = len(self._names) + 1
+        root = toc_entries.position("")
+        self._hidden: set[int] = set() if root is None else {root + 1}
+        #: whiteout marker slot -> the name it hides (shown as a 0/0 char device)
+        self._whiteouts: dict[int, str] = {}
+        self._opaque: set[str] = set()
+        #: hardlink slot -> its target's slot
+        self._links: dict[int, int] = {}
+        self._extra_links: dict[int, int] = {}
+        self._synth: dict[int, Entry] = {}
+        self._kids_by_parent: dict[str, list[int]] | None = None
+        self._kids: dict[int, dict[bytes, int]] = {}
+        self._nlink: dict[int, int] = {}
+        self._listing: dict[int, list[tuple[bytes, int]]] = {}
+        self._xattrs: dict[int, dict[bytes, bytes]] = {}
+        self._lock = threading.Lock()
+        self._scan(reader)
+        self.entries = _Slots(self)
+        self.children = _Children(self)
+        self.listing = _ByInode(self, self.listing_of)
+        self.xattrs = _ByInode(self, self.xattrs_of)
+        self.nlink = _BySlot(self.nlink_of)
+        self.parents = _BySlot(self.parent_of)
+
+    def _scan(self, reader: LayerReader) -> None:
+        names = self._names
+        index = self.toc.entries
+        for p in [p for p, n in enumerate(names) if _WHITEOUT in n]:
+            parent, _, bn = names[p].rpartition("/")
+            if bn == _OPAQUE:
+                self._opaque.add(parent)
+                self._hidden.add(p + 1)
+            elif bn.startswith(_WHITEOUT):
+                real = (parent + "/" if parent else "") + bn[len(_WHITEOUT):]
+                if real in index or not bn[len(_WHITEOUT):]:
+                    self._hidden.add(p + 1)  # the layer deletes and adds the name: it stays
+                else:
+                    self._whiteouts[p + 1] = real
+        for name in _HIDDEN:
+            pos = index.position(name)
+            if pos is not None:
+                self._hidden.add(pos + 1)
+        if "hardlink" in self._types:
+            for p in [p for p, t in enumerate(self._types) if t == "hardlink"]:
+                self._hidden.add(p + 1)
+                try:
+                    target = reader.layer.resolve(names[p])
+                except ColdstartError as exc:
+                    log.warning("layer %s: hardlink %r skipped: %s", reader.digest, names[p],
+                                exc)
+                    continue
+                slot = self._slot(target.name)
+                if slot is None or slot in self._hidden or slot in self._whiteouts:
+                    continue
+                self._links[p + 1] = slot
+                self._extra_links[slot] = self._extra_links.get(slot, 0) + 1
+
+    # -- slots -----------------------------------------------------------------------------
 
     @property
     def root(self) -> int:
@@ -100,88 +168,191 @@ class LayerTree:
 
     @property
     def end(self) -> int:
-        return self.base + len(self.entries)
+        return self.base + self._size
+
+    @property
+    def total_size(self) -> int:
+        return self.toc.total_size
+
+    def _slot(self, name: str) -> int | None:
+        if not name:
+            return 0
+        p = self.toc.entries.position(name)
+        return None if p is None else p + 1
+
+    def _type(self, slot: int) -> str:
+        if slot == 0:
+            return "dir"
+        if slot in self._whiteouts:
+            return "char"
+        return self._types[slot - 1]
+
+    def entry(self, slot: int) -> Entry:
+        """The entry shown at ``slot`` (= inode - base)."""
+        if slot == 0:
+            return self.toc.entries.at(self.toc.entries.position("") or 0)
+        if not 0 < slot < self._size:
+            raise IndexError(slot)
+        real = self._whiteouts.get(slot)
+        if real is None:
+            return self.toc.entries.at(slot - 1)
+        e = self._synth.get(slot)
+        if e is None:
+            marker = self.toc.entries.at(slot - 1)
+            e = self._synth[slot] = Entry(name=real, type="char", mode=0, uid=0, gid=0,
+                                          mtime_ns=marker.mtime_ns, dev_major=0, dev_minor=0)
+        return e
+
+    def _shown_name(self, slot: int) -> str:
+        return self._whiteouts.get(slot) or (self._names[slot - 1] if slot else "")
+
+    def parent_of(self, slot: int) -> int:
+        """The parent directory's inode of ``slot`` (the root's: ROOT_INODE)."""
+        if slot == 0:
+            return pyfuse3.ROOT_INODE
+        p = self._slot(self._shown_name(slot).rpartition("/")[0])
+        return pyfuse3.ROOT_INODE if p is None else self.base + p
+
+    def nlink_of(self, slot: int) -> int:
+        if self._type(slot) == "dir":
+            n = self._nlink.get(slot)
+            if n is None:
+                self.kids(self.base + slot)
+                n = self._nlink[slot]
+            return n
+        return 1 + self._extra_links.get(slot, 0)
+
+    # -- directories -----------------------------------------------------------------------
+
+    def _by_parent(self) -> dict[str, list[int]]:
+        kids = self._kids_by_parent
+        if kids is None:
+            with self._lock:
+                kids = self._kids_by_parent
+                if kids is None:
+                    kids = {}
+                    for p, n in enumerate(self._names):
+                        parent = n.rpartition("/")[0]
+                        got = kids.get(parent)
+                        if got is None:
+                            kids[parent] = [p + 1]
+                        else:
+                            got.append(p + 1)
+                    self._kids_by_parent = kids
+        return kids
+
+    def kids(self, inode: int) -> dict[bytes, int] | None:
+        """Name -> inode of the directory ``inode``'s entries; None if it is no directory."""
+        slot = inode - self.base
+        kids = self._kids.get(slot)
+        if kids is not None:
+            return kids
+        if not 0 <= slot < self._size or self._type(slot) != "dir" or slot in self._hidden:
+            return None
+        dirname = self._names[slot - 1] if slot else ""
+        kids = {}
+        subdirs = 0
+        top = not dirname
+        for s in self._by_parent().get(dirname, ()):
+            if s in self._hidden:
+                target = self._links.get(s)
+                if target is None:
+                    continue
+                kids[os.fsencode(self._names[s - 1].rpartition("/")[2])] = self.base + target
+                continue
+            real = self._whiteouts.get(s)
+            bn = (real or self._names[s - 1]).rpartition("/")[2]
+            if top and bn in _HIDDEN:
+                continue
+            kids[os.fsencode(bn)] = self.base + s
+            if real is None and self._types[s - 1] == "dir":
+                subdirs += 1
+        self._nlink[slot] = 2 + subdirs
+        self._kids[slot] = kids
+        return kids
+
+    def listing_of(self, inode: int) -> list[tuple[bytes, int]]:
+        """The directory's (name, inode) pairs, sorted by name ([] if it is no directory)."""
+        got = self._listing.get(inode)
+        if got is None:
+            got = self._listing[inode] = sorted((self.kids(inode) or {}).items())
+        return got
+
+    def xattrs_of(self, inode: int) -> dict[bytes, bytes]:
+        got = self._xattrs.get(inode)
+        if got is None:
+            slot = inode - self.base
+            e = self.entry(slot)
+            got = {os.fsencode(k): v for k, v in e.xattrs.items()}
+            if self._type(slot) == "dir" and self._shown_name(slot) in self._opaque:
+                got[_OPAQUE_XATTR] = b"y"
+            self._xattrs[inode] = got
+        return got
+
+
+class _Slots:
+    """``tree.entries[slot]``: the entry shown at a slot."""
+
+    def __init__(self, tree: LayerTree) -> None:
+        self._tree = tree
+
+    def __getitem__(self, slot: int) -> Entry:
+        return self._tree.entry(slot)
+
+    def __len__(self) -> int:
+        return self._tree.end - self._tree.base
+
+
+class _BySlot:
+    def __init__(self, get: Callable[[int], int]) -> None:
+        self._get = get
+
+    def __getitem__(self, slot: int) -> int:
+        return self._get(slot)
+
+
+class _ByInode(Generic[_V]):
+    def __init__(self, tree: LayerTree, get: Callable[[int], _V]) -> None:
+        self._tree = tree
+        self._get = get
+
+    def __getitem__(self, inode: int) -> _V:
+        return self._get(inode)
+
+    def get(self, inode: int, default: _V) -> _V:
+        return self._get(inode)
+
+
+class _Children:
+    """``tree.children[inode]``: a directory's name -> inode (KeyError: not a directory)."""
+
+    def __init__(self, tree: LayerTree) -> None:
+        self._tree = tree
+
+    def get(self, inode: int) -> dict[bytes, int] | None:
+        return self._tree.kids(inode)
+
+    def __getitem__(self, inode: int) -> dict[bytes, int]:
+        kids = self._tree.kids(inode)
+        if kids is None:
+            raise KeyError(inode)
+        return kids
+
+    def __contains__(self, inode: object) -> bool:
+        return isinstance(inode, int) and self._tree.kids(inode) is not None
+
+    def values(self) -> Iterator[dict[bytes, int]]:
+        """Every directory's children (builds them all: for tests and tools)."""
+        t = self._tree
+        for ino in range(t.base, t.end):
+            kids = t.kids(ino)
+            if kids is not None:
+                yield kids
 
 
 def build_tree(key: str, base: int, reader: LayerReader) -> LayerTree:
-    """Index a layer's TOC as inodes (pure; runs in a worker thread for big layers)."""
-    toc = reader.layer.toc
-    entries: list[Entry] = [toc.entries[""]]
-    index: dict[str, int] = {"": 0}
-    hardlinks: list[Entry] = []
-    opaque: list[str] = []
-    whiteouts: list[Entry] = []
-    for name in sorted(toc.entries):
-        if not name:
-            continue
-        e = toc.entries[name]
-        bn = e.basename
-        if bn == _OPAQUE:
-            opaque.append(e.parent)
-            continue
-        if bn.startswith(_WHITEOUT):
-            whiteouts.append(e)
-            continue
-        if not e.parent and bn in _HIDDEN:
-            continue
-        if e.type == "hardlink":
-            hardlinks.append(e)
-            continue
-        index[name] = len(entries)
-        entries.append(e)
-    for w in whiteouts:
-        real = (w.parent + "/" if w.parent else "") + w.basename[len(_WHITEOUT):]
-        if real in index or not w.basename[len(_WHITEOUT):]:
-            continue  # the layer both deletes and adds the name: the added one wins
-        index[real] = len(entries)
-        entries.append(Entry(name=real, type="char", mode=0, uid=0, gid=0,
-                             mtime_ns=w.mtime_ns, dev_major=0, dev_minor=0))
-    nlink = [1] * len(entries)
-    link_index: dict[str, int] = {}
-    for h in hardlinks:
-        try:
-            target = reader.layer.resolve(h.name)
-        except ColdstartError as exc:
-            log.warning("layer %s: hardlink %r skipped: %s", reader.digest, h.name, exc)
-            continue
-        i = index.get(target.name)
-        if i is None:
-            continue
-        link_index[h.name] = i
-        nlink[i] += 1
-    parents = [pyfuse3.ROOT_INODE] * len(entries)
-    children: dict[int, dict[bytes, int]] = {}
-    total = 0
-    for i, e in enumerate(entries):
-        if e.type == "dir":
-            children.setdefault(base + i, {})
-            nlink[i] = 2
-        total += e.size if e.type == "reg" else 0
-    all_names = list(index.items()) + list(link_index.items())
-    for name, i in all_names:
-        if not name:
-            continue
-        parent, _, bn = name.rpartition("/")
-        p = index.get(parent)
-        if p is None or entries[p].type != "dir":
-            continue
-        children[base + p][os.fsencode(bn)] = base + i
-        if name in index:
-            parents[i] = base + p
-        if entries[i].type == "dir" and name in index:
-            nlink[p] += 1
-    xattrs: dict[int, dict[bytes, bytes]] = {}
-    for i, e in enumerate(entries):
-        if e.xattrs:
-            xattrs[base + i] = {os.fsencode(k): v for k, v in e.xattrs.items()}
-    for d in opaque:
-        i = index.get(d)
-        if i is not None and entries[i].type == "dir":
-            xattrs.setdefault(base + i, {})[_OPAQUE_XATTR] = b"y"
-    listing = {ino: sorted(kids.items()) for ino, kids in children.items()}
-    return LayerTree(key=key, base=base, reader=reader, entries=entries, parents=parents,
-                     children=children, listing=listing, xattrs=xattrs, nlink=nlink,
-                     total_size=total)
+    """The inode table of a layer's TOC (lazy: see :class:`LayerTree`)."""
+    return LayerTree(key, base, reader)
 
 
 def _guarded(op: Callable[Concatenate[FuseFS, _P], Awaitable[_R]]
@@ -271,7 +442,7 @@ class FuseFS(pyfuse3.Operations):
                 tree = self._by_base[self._bases[i]] if i >= 0 else None
                 if tree is not None and inode < tree.end:
                     digest = tree.reader.digest
-                    path = "/" + tree.entries[inode - tree.base].name
+                    path = "/" + tree.entry(inode - tree.base).name
         log.error("layer %s: %s of %r (inode %s) failed unexpectedly: %s: %s", digest, op, path,
                   inode, type(exc).__name__, exc, exc_info=exc)
         self.internal_errors += 1
@@ -304,12 +475,12 @@ class FuseFS(pyfuse3.Operations):
         if a is not None:
             return a
         i = inode - tree.base
-        e = tree.entries[i]
+        e = tree.entry(i)
         a = pyfuse3.EntryAttributes()
         a.st_ino = inode
         a.generation = 0
         a.st_mode = _TYPE_BITS[e.type] | (e.mode & 0o7777)
-        a.st_nlink = tree.nlink[i]
+        a.st_nlink = tree.nlink_of(i)
         a.st_uid = e.uid
         a.st_gid = e.gid
         if e.type in ("char", "block"):
@@ -356,9 +527,9 @@ class FuseFS(pyfuse3.Operations):
         if name == b".":
             return self._attr(tree, parent_inode)
         if name == b"..":
-            p = tree.parents[parent_inode - tree.base]
+            p = tree.parent_of(parent_inode - tree.base)
             return self._root_attr if p == pyfuse3.ROOT_INODE else self._attr(tree, p)
-        kids = tree.children.get(parent_inode)
+        kids = tree.kids(parent_inode)
         if kids is None:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         ino = kids.get(name)
@@ -377,7 +548,7 @@ class FuseFS(pyfuse3.Operations):
     @_guarded
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
         tree = self._tree(inode)
-        e = tree.entries[inode - tree.base]
+        e = tree.entry(inode - tree.base)
         if e.type != "symlink":
             raise pyfuse3.FUSEError(errno.EINVAL)
         return os.fsencode(e.link_name)
@@ -386,7 +557,7 @@ class FuseFS(pyfuse3.Operations):
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         if inode != pyfuse3.ROOT_INODE:
             tree = self._tree(inode)
-            if inode not in tree.children:
+            if tree.kids(inode) is None:
                 raise pyfuse3.FUSEError(errno.ENOTDIR)
         return inode
 
@@ -401,7 +572,7 @@ class FuseFS(pyfuse3.Operations):
                     return
             return
         tree = self._tree(fh)
-        items = tree.listing.get(fh, [])
+        items = tree.listing_of(fh)
         for i in range(start_id, len(items)):
             name, ino = items[i]
             if not pyfuse3.readdir_reply(token, name, self._attr(tree, ino), i + 1):
@@ -416,7 +587,7 @@ class FuseFS(pyfuse3.Operations):
         if inode == pyfuse3.ROOT_INODE:
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         tree = self._tree(inode)
-        value = tree.xattrs.get(inode, {}).get(name)
+        value = tree.xattrs_of(inode).get(name)
         if value is None:
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         return value
@@ -426,7 +597,7 @@ class FuseFS(pyfuse3.Operations):
         if inode == pyfuse3.ROOT_INODE:
             return []
         tree = self._tree(inode)
-        return list(tree.xattrs.get(inode, {}))
+        return list(tree.xattrs_of(inode))
 
     @_guarded
     async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
@@ -460,7 +631,7 @@ class FuseFS(pyfuse3.Operations):
         if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
             raise pyfuse3.FUSEError(errno.EROFS)
         tree = self._tree(inode)
-        if tree.entries[inode - tree.base].type != "reg":
+        if tree.entry(inode - tree.base).type != "reg":
             raise pyfuse3.FUSEError(errno.EINVAL)
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 

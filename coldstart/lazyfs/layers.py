@@ -14,6 +14,7 @@ resolver run in worker threads, since binding makes the kernel ask this process'
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -23,12 +24,15 @@ from typing import Any
 
 import trio
 
+from coldstart.config import FetchConfig
 from coldstart.errors import AlreadyExists, ColdstartError, FailedPrecondition, NotFound
 from coldstart.lazyfs.fusefs import FuseFS, LayerTree, build_tree
 from coldstart.lazyfs.mountstate import MountRecord, MountState
 from coldstart.lazyfs.mountsys import bind_mount, is_mountpoint, lazy_unmount
 from coldstart.lazyfs.resolver import LayerResolver
 from coldstart.lazyfs.spec import LayerSpec
+from coldstart.prefetch.ranges import PREFETCH_RANGES_ANNOTATION, decode_ranges
+from coldstart.prefetch.recorder import AccessRecorder
 
 __all__ = ["LayerTable"]
 
@@ -49,11 +53,25 @@ class _Mount:
     layer: _Layer
 
 
+def _prefetch_ranges(spec: LayerSpec) -> list[tuple[int, int]] | None:
+    """The layer's prefetch-ranges annotation, decoded; None (the whole span) if absent or
+    malformed (a warning: the prefetch only fetches more)."""
+    text = spec.annotations.get(PREFETCH_RANGES_ANNOTATION)
+    if not text:
+        return None
+    try:
+        return decode_ranges(text)
+    except ColdstartError as exc:
+        log.warning("layer %s: %s; prefetching the whole span", spec.digest, exc)
+        return None
+
+
 class LayerTable:
     """The served layers of one FUSE file system mounted at ``fuse_dir``; trio-side methods."""
 
     def __init__(self, fs: FuseFS, fuse_dir: Path, resolver: LayerResolver,
-                 state: MountState) -> None:
+                 state: MountState, *, record: bool = False,
+                 fetch: FetchConfig | None = None) -> None:
         self.fs = fs
         self.fuse_dir = fuse_dir
         self.resolver = resolver
@@ -63,6 +81,8 @@ class LayerTable:
         self._locks: dict[str, trio.Lock] = {}
         self._generation = 0
         self._stopping = False
+        self._record_new = record     # layers mounted from now on record their accesses
+        self._fetch = fetch or FetchConfig()
 
     def _lock(self, mountpoint: str) -> trio.Lock:
         lock = self._locks.get(mountpoint)
@@ -93,6 +113,12 @@ class LayerTable:
                 base = self.fs.allocate(len(reader.layer.toc.entries) + 1)
                 tree = await trio.to_thread.run_sync(build_tree, key, base, reader)
                 layer = _Layer(key, tree)
+                if self._record_new:
+                    reader.recorder = AccessRecorder()
+                reader.prefetch_ranges = _prefetch_ranges(spec)
+                reader.neighbor_bytes = reader.neighbor_window = self._fetch.neighbor_bytes
+                reader.neighbor_max_bytes = max(self._fetch.neighbor_bytes,
+                                                self._fetch.neighbor_max_bytes)
                 self.layers[spec.digest] = layer
                 self.fs.add(tree)
                 created = True
@@ -111,7 +137,12 @@ class LayerTable:
             self.mounts[mountpoint] = _Mount(mountpoint, spec, layer)
             await trio.to_thread.run_sync(self.state.save, mountpoint, spec)
             reader = layer.tree.reader
-            if created and (reader.layer.toc.prefetch or reader.background_rate > 0):
+            if created:
+                # the layer's tables live as long as it does: keep the collector off them
+                gc.freeze()
+                threading.Thread(target=reader.warm_index, daemon=True,
+                                 name=f"index-{layer.key}").start()
+            if created and (reader.wants_prefetch or reader.background_rate > 0):
                 threading.Thread(target=reader.prefetch_then_rest, daemon=True,
                                  name=f"prefetch-{layer.key}").start()
             log.info("mounted layer %s (%s) at %s%s", spec.digest, spec.reference, mountpoint,
@@ -153,7 +184,41 @@ class LayerTable:
             out.append({"mountpoint": mp, "digest": m.spec.digest,
                         "reference": m.spec.reference, "key": m.layer.key,
                         "format": tree.reader.layer.format, "files": len(tree.entries),
+                        "recording": tree.reader.recorder is not None,
                         **tree.reader.stats.as_dict()})
+        return out
+
+    def record(self, on: bool, mountpoint: str | None) -> int:
+        """Start (a fresh recording) or stop recording ``mountpoint``'s layer, or every layer
+        and those mounted later (``None``); the number of layers changed."""
+        if mountpoint is None:
+            self._record_new = on
+            layers = list(self.layers.values())
+        else:
+            cur = self.mounts.get(mountpoint)
+            if cur is None:
+                raise NotFound(f"nothing is mounted at {mountpoint}")
+            layers = [cur.layer]
+        changed = 0
+        for layer in layers:
+            reader = layer.tree.reader
+            if on and reader.recorder is None:
+                reader.recorder = AccessRecorder()
+                changed += 1
+            elif not on and reader.recorder is not None:
+                reader.recorder = None
+                changed += 1
+        return changed
+
+    def profile(self) -> list[dict[str, Any]]:
+        """Per recording layer: digest, mountpoints, files read (first-access order)."""
+        out: list[dict[str, Any]] = []
+        for digest, layer in sorted(self.layers.items()):
+            rec = layer.tree.reader.recorder
+            if rec is None:
+                continue
+            out.append({"digest": digest, "mountpoints": sorted(layer.mountpoints),
+                        "files": [a.as_dict() for a in rec.accesses()]})
         return out
 
     async def restore(self, records: list[MountRecord]) -> None:

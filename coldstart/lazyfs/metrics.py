@@ -15,6 +15,7 @@ __all__ = [
     "ERRORS",
     "FETCHED_BYTES",
     "FETCH_REQUESTS",
+    "KIND_FETCHED_BYTES",
     "LAYER_FETCHED_BYTES",
     "READ_SECONDS",
     "FuseMetrics",
@@ -27,6 +28,7 @@ CACHE_MISSES = "coldstart_fuse_cache_misses"
 READ_SECONDS = "coldstart_fuse_read_seconds"
 ERRORS = "coldstart_fuse_errors"
 LAYER_FETCHED_BYTES = "coldstart_fuse_layer_fetched_bytes"
+KIND_FETCHED_BYTES = "coldstart_fuse_fetched_by_kind_bytes"
 
 _BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
 
@@ -48,12 +50,17 @@ class FuseMetrics:
         self.errors = Counter(ERRORS, "Failures on the data path by kind", ["kind"], registry=r)
         self.layer_fetched = Counter(LAYER_FETCHED_BYTES, "Compressed bytes fetched per layer",
                                      ["layer"], registry=r)
+        self.kind_fetched = Counter(KIND_FETCHED_BYTES, "Compressed bytes fetched, by what for: "
+                                    "demand (a read waits), prefetch (the start-up set at "
+                                    "mount), fill (the rest, in the background)", ["kind"],
+                                    registry=r)
 
     # FetchTelemetry
-    def fetched(self, layer: str, nbytes: int) -> None:
+    def fetched(self, layer: str, nbytes: int, kind: str = "demand") -> None:
         self.fetched_bytes.inc(nbytes)
         self.fetch_requests.inc()
         self.layer_fetched.labels(layer=layer).inc(nbytes)
+        self.kind_fetched.labels(kind=kind).inc(nbytes)
 
     def cache_hit(self, nbytes: int) -> None:
         self.cache_hits.inc()

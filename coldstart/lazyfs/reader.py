@@ -32,7 +32,8 @@ from coldstart.config import FetchConfig
 from coldstart.errors import ColdstartError, FormatError
 from coldstart.format.layer import SeekableLayer
 from coldstart.format.toc import Chunk, Entry
-from coldstart.lazyfs.fetcher import ChunkFetcher, FetchTarget, LayerStats, Span
+from coldstart.lazyfs.fetcher import FILL, PREFETCH, ChunkFetcher, FetchTarget, LayerStats, Span
+from coldstart.prefetch.recorder import AccessRecorder
 from coldstart.remote import Source
 
 __all__ = ["LayerReader", "PartialRead"]
@@ -53,10 +54,21 @@ READAHEAD_MAX_BYTES = 64 << 20
 #: Read-ahead is split into requests of about this size, fetched and decoded in parallel.
 READAHEAD_REQUEST = 1 << 20
 #: A small file's miss also fetches the small files stored after it, up to this many
-#: compressed bytes, in the same request (a package's modules are read together).
-NEIGHBOR_BYTES = 256 << 10
-#: Bytes per background prefetch batch.
-PREFETCH_BATCH = 32 << 20
+#: compressed bytes, in the same request (a package's modules are read together). The window
+#: adapts: at each miss it doubles (up to ``NEIGHBOR_MAX_BYTES``) when at least half the files
+#: the previous window brought were read since, and halves (down to ``NEIGHBOR_MIN_BYTES``)
+#: when fewer than a tenth were.
+NEIGHBOR_BYTES = _DEFAULTS.neighbor_bytes
+NEIGHBOR_MAX_BYTES = _DEFAULTS.neighbor_max_bytes
+NEIGHBOR_MIN_BYTES = 64 << 10
+#: Compressed bytes of the first prefetch request; each next one is twice as large, up to
+#: ``PREFETCH_REQUEST``; at most ``PREFETCH_STREAMS`` are in flight.
+PREFETCH_FIRST = 4 << 20
+PREFETCH_REQUEST = 64 << 20
+PREFETCH_STREAMS = 4
+#: Chunks of the prefetch set this many compressed bytes apart share a request (the bytes of
+#: the untouched chunks between them are fetched and dropped): fewer round trips.
+PREFETCH_GAP = 1 << 20
 #: Compressed bytes per request of the background fetch of the rest of a layer: large enough
 #: that requests are few, small enough that a read waiting on one is not held up long.
 BACKGROUND_REQUEST = 4 << 20
@@ -92,7 +104,8 @@ class LayerReader:
                  small_file_bytes: int = SMALL_FILE_BYTES,
                  readahead_bytes: int = READAHEAD_BYTES,
                  readahead_max_bytes: int = READAHEAD_MAX_BYTES,
-                 neighbor_bytes: int = NEIGHBOR_BYTES) -> None:
+                 neighbor_bytes: int = NEIGHBOR_BYTES,
+                 neighbor_max_bytes: int = NEIGHBOR_MAX_BYTES) -> None:
         self.digest = digest
         self.layer = layer
         self.fetcher = fetcher
@@ -103,12 +116,19 @@ class LayerReader:
         self.readahead_bytes = readahead_bytes
         self.readahead_max_bytes = max(readahead_bytes, readahead_max_bytes)
         self.neighbor_bytes = neighbor_bytes
-        small = sorted((c for e in layer.toc.entries.values()
-                        if e.type == "reg" and e.size <= small_file_bytes
-                        for c in e.chunks if not c.zeros),
-                       key=lambda c: (c.offset, c.inner_offset))
-        self._small = small
-        self._small_offsets = [c.offset for c in small]
+        self.neighbor_max_bytes = max(neighbor_bytes, neighbor_max_bytes)
+        #: the adaptive neighbour window now, and what the last miss's window brought: its
+        #: blob range, how many small files, and the offsets of those read since
+        self.neighbor_window = neighbor_bytes
+        self._probe = (0, 0)
+        self._probe_files = 0
+        self._probe_hits: set[int] = set()
+        # the small files' chunks in blob order (neighbour windows), built on first need or by
+        # warm_index() in a thread after the mount: building it touches every entry of the
+        # TOC, which the mount itself must not pay for (200,000 entries: about a second)
+        self._small: list[Chunk] | None = None
+        self._small_offsets: list[int] = []
+        self._small_lock = threading.Lock()
         self.stats = LayerStats()
         self.target = FetchTarget(digest, layer, source, self.stats)
         self._last_end: dict[str, int] = {}
@@ -121,6 +141,11 @@ class LayerReader:
         self._window = (0, 0)   # blob range of the last small-file window fetched
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        #: while recording is on: notes each file read and its ranges (a start-up profile)
+        self.recorder: AccessRecorder | None = None
+        #: the compressed ranges of the prefetch span the recorded start-up touched (the
+        #: layer's prefetch-ranges annotation); None: prefetch the whole span
+        self.prefetch_ranges: list[tuple[int, int]] | None = None
 
     def close(self) -> None:
         """Stop prefetching."""
@@ -159,11 +184,15 @@ class LayerReader:
             if data is None:    # the rest is the worker's: it asks the cache once per chunk
                 return PartialRead(entry, offset, end, chunks, pieces)
             pieces.append(data)
+        self.fetcher.last_read = t0
         tel = self.fetcher.telemetry
         if tel is not None:
             tel.cache_hit(end - offset)
             tel.read_done(time.monotonic() - t0)
+        if self.recorder is not None:
+            self.recorder.note(entry.name, offset, end)
         if entry.size <= self.small_file_bytes:
+            self._note_small(chunks)
             self._follow_window(chunks)
         self._note_read(entry, offset, end, chunks, plan=True)
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
@@ -178,6 +207,7 @@ class LayerReader:
         FormatError; the FUSE layer turns each into its errno.
         """
         t0 = time.monotonic()
+        self.fetcher.note_read()
         try:
             return self._read(entry, offset, length, t0 + self.read_deadline, partial)
         except ColdstartError as exc:
@@ -220,7 +250,10 @@ class LayerReader:
         if entry.size <= self.small_file_bytes:
             def more(missed: list[Chunk]) -> list[Chunk]:
                 return self._whole_and_neighbors(entry, missed)[len(missed):]
+            self._note_small(chunks)    # before the fetch: it may join the window's request
         got = self.fetcher.get(self.target, spans, deadline, more=more, name=entry.name)
+        if self.recorder is not None:
+            self.recorder.note(entry.name, offset, end)
         self._note_read(entry, offset, end, chunks, plan=False)
         pieces = done + got
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
@@ -235,20 +268,67 @@ class LayerReader:
                 out.append(c)
         if self.neighbor_bytes <= 0 or not out:
             return out
+        start, end = self._probe
+        if all(start <= c.offset < end for c in want):
+            return out      # a neighbour the last window is bringing: that window goes on
         last = max(c.end_offset for c in out)
-        limit = last + self.neighbor_bytes
-        out += self._small_between(last, limit, seen)
+        limit = last + self._adapt_window()
+        neighbours = self._small_between(last, limit, seen)
+        out += neighbours
         with self._lock:
             self._window = (last, limit)
+            self._probe = (last, limit)
+            self._probe_files = len({c.offset for c in neighbours})
+            self._probe_hits = set()
         return out
+
+    def warm_index(self) -> tuple[list[Chunk], list[int]]:
+        """The small files' chunks in blob order and their offsets (built once)."""
+        small = self._small
+        if small is None:
+            with self._small_lock:
+                if self._small is None:
+                    limit = self.small_file_bytes
+                    chunks = sorted((c for e in self.layer.toc.entries.values()
+                                     if e.type == "reg" and e.size <= limit
+                                     for c in e.chunks if not c.zeros),
+                                    key=lambda c: (c.offset, c.inner_offset))
+                    self._small_offsets = [c.offset for c in chunks]
+                    self._small = chunks
+                small = self._small
+        return small, self._small_offsets
+
+    def _note_small(self, chunks: list[Chunk]) -> None:
+        """A small file was read: count it if the last miss's window brought it."""
+        if not chunks:
+            return
+        pos = chunks[0].offset
+        start, end = self._probe
+        if start <= pos < end:
+            with self._lock:
+                self._probe_hits.add(pos)
+
+    def _adapt_window(self) -> int:
+        """The neighbour window for this miss, adapted to how much of the last one was read
+        (see ``NEIGHBOR_BYTES``)."""
+        with self._lock:
+            if self._probe_files:
+                used = len(self._probe_hits) / self._probe_files
+                if used >= 0.5:
+                    self.neighbor_window = min(self.neighbor_max_bytes, self.neighbor_window * 2)
+                elif used < 0.1:
+                    self.neighbor_window = max(min(NEIGHBOR_MIN_BYTES, self.neighbor_bytes),
+                                               self.neighbor_window // 2)
+            return self.neighbor_window
 
     def _small_between(self, start: int, end: int, seen: set[Chunk]) -> list[Chunk]:
         """Small files' chunks stored in ``[start, end)`` that are neither cached nor in
         ``seen``."""
         out: list[Chunk] = []
-        i = bisect.bisect_left(self._small_offsets, start)
-        while i < len(self._small) and self._small[i].offset < end:
-            c = self._small[i]
+        small, offsets = self.warm_index()
+        i = bisect.bisect_left(offsets, start)
+        while i < len(small) and small[i].offset < end:
+            c = small[i]
             i += 1
             if c not in seen and not self._is_cached(c):
                 seen.add(c)
@@ -268,8 +348,9 @@ class LayerReader:
             start, end = self._window
             if not start <= pos < end:
                 return
-            self._window = (end, end + self.neighbor_bytes)
-        new_start, new_end = end, end + self.neighbor_bytes
+            width = self.neighbor_window
+            self._window = (end, end + width)
+        new_start, new_end = end, end + width
 
         def plan() -> None:
             ahead = self._small_between(new_start, new_end, set())
@@ -379,47 +460,66 @@ class LayerReader:
     # -- prefetch --------------------------------------------------------------------------
 
     def prefetch(self) -> int:
-        """Fetch the chunks of the TOC's prefetch list (in layer order); blocks, returns bytes.
+        """Fetch the chunks of the TOC's prefetch list (the start-up set before the prefetch
+        landmark) in bulk; blocks, returns the compressed bytes fetched.
 
-        Runs in a background thread of the server; its requests wait while on-demand reads
-        are being fetched. Errors are logged and counted, not raised.
+        Runs in a thread of the server as soon as the layer is mounted, concurrently with the
+        container's start, at on-demand priority: in blob order (the profile's access order),
+        in a few large range requests, the first small (the start-up wants its first files at
+        once) and each next one twice as large up to ``PREFETCH_REQUEST``, at most
+        ``PREFETCH_STREAMS`` at a time, so that the fetch pool keeps threads for reads of
+        files outside the set. A read that needs a chunk in flight joins its fetch. Errors are
+        logged and counted, not raised: the chunks they concern are left to on-demand reads.
         """
-        toc = self.layer.toc
-        todo: list[Chunk] = []
-        for name in toc.prefetch:
-            e = toc.entries.get(name)
-            if e is not None and e.type == "reg":
-                todo.extend(c for c in e.chunks if not self._is_cached(c))
+        names = self.layer.toc.prefetch
+        if not names and self.prefetch_ranges:
+            # no landmark, but the image names the chunks its start-up touched (the profile
+            # rides with an image that was not reordered): those, wherever they lie
+            candidates = self._unique_chunks()
+        else:
+            candidates = self._unique_chunks(names)
+        todo = [c for c in candidates if not self._is_cached(c) and self._touched(c)]
+        with self.stats._lock:
+            self.stats.state = "prefetching"
         fetched = 0
-        batches = _batches(todo, PREFETCH_BATCH)
-        for batch in batches:
-            if self._stop.is_set() or not batch:
+        window: list[tuple[int, dict[Chunk, Future[bytes]]]] = []
+        for batch in _growing_batches(todo, PREFETCH_FIRST, PREFETCH_REQUEST):
+            if self._stop.is_set():
                 break
             try:
-                futures = self.fetcher.request(self.target, batch, background=True)
+                futures = self.fetcher.request(self.target, batch, kind=PREFETCH,
+                                               max_bytes=PREFETCH_REQUEST + PREFETCH_GAP,
+                                               max_gap=PREFETCH_GAP)
             except ColdstartError:
                 break
+            window.append((0, futures))
+            if len(window) >= PREFETCH_STREAMS:
+                fetched += _settle(window.pop(0)[1], self.read_deadline * 4)
+        for _, futures in window:
             fetched += _settle(futures, self.read_deadline * 4)
-        self.stats.prefetch_done = True
+        with self.stats._lock:
+            self.stats.prefetch_done = True
+            self.stats.state = "on-demand"
+        log.info("layer %s: prefetched %d chunks, %d bytes", self.digest, len(todo), fetched)
         return fetched
 
+    def _touched(self, c: Chunk) -> bool:
+        """Whether the recorded start-up touched chunk ``c`` (True when nothing says)."""
+        ranges = self.prefetch_ranges
+        if ranges is None:
+            return True
+        i = bisect.bisect_right(ranges, (c.offset, 1 << 62)) - 1
+        return i >= 0 and ranges[i][1] > c.offset
 
-    def fetch_rest(self, *, clock: Callable[[], float] = time.monotonic,
-                   sleep: Callable[[float], object] = time.sleep) -> int:
-        """Fetch every chunk not yet local, in blob order, at most ``background_rate`` bytes a
-        second (0: do nothing); blocks, returns the compressed bytes fetched.
-
-        Requests are ``BACKGROUND_REQUEST`` bytes, ``BACKGROUND_DEPTH`` outstanding, and wait
-        while on-demand fetches are in flight. A read that needs a chunk already in one of them
-        joins that fetch (single flight) instead of asking again. Errors are logged and
-        counted; the chunks they concern are simply left for on-demand reads.
-        """
-        rate = self.background_rate
-        if rate <= 0:
-            return 0
+    def _unique_chunks(self, names: list[str] | None = None) -> list[Chunk]:
+        """The non-hole chunks of ``names`` (default: every regular file), each once, in
+        blob order."""
+        entries = self.layer.toc.entries
+        files = (entries.values() if names is None
+                 else (e for e in (entries.get(n) for n in names) if e is not None))
         seen: set[tuple[int, int]] = set()
-        todo: list[Chunk] = []
-        for e in self.layer.toc.entries.values():
+        out: list[Chunk] = []
+        for e in files:
             if e.type != "reg":
                 continue
             for c in e.chunks:
@@ -427,46 +527,118 @@ class LayerReader:
                 if c.zeros or k in seen:
                     continue
                 seen.add(k)
-                todo.append(c)
-        todo.sort(key=lambda c: (c.offset, c.inner_offset))
+                out.append(c)
+        out.sort(key=lambda c: (c.offset, c.inner_offset))
+        return out
+
+    def fill_order(self) -> list[Chunk]:
+        """Every chunk of the layer in the order the fill fetches it: the prefetch set first,
+        then the small files' chunks, then the big files' (each part in blob order)."""
+        first = self._unique_chunks(self.layer.toc.prefetch)
+        taken = {(c.offset, c.inner_offset) for c in first}
+        big = {(c.offset, c.inner_offset) for e in self.layer.toc.entries.values()
+               if e.type == "reg" and e.size > self.small_file_bytes for c in e.chunks}
+        small: list[Chunk] = []
+        large: list[Chunk] = []
+        for c in self._unique_chunks():
+            k = (c.offset, c.inner_offset)
+            if k in taken:
+                continue
+            (large if k in big else small).append(c)
+        return first + small + large
+
+    def fetch_rest(self, *, clock: Callable[[], float] = time.monotonic,
+                   sleep: Callable[[float], object] = time.sleep) -> int:
+        """The hybrid fill: fetch every chunk not yet local, in :meth:`fill_order`, at most
+        ``background_rate`` bytes a second (0: do nothing); blocks, returns the compressed
+        bytes fetched.
+
+        Requests are ``BACKGROUND_REQUEST`` bytes, ``BACKGROUND_DEPTH`` outstanding, run in
+        the fetcher's low-priority (niced) thread and wait while on-demand fetches are in
+        flight: a read jumps the queue and is never starved. A read that needs a chunk
+        already in one of them joins that fetch (single flight) instead of asking again.
+        Errors are logged and counted; the chunks they concern are simply left for on-demand
+        reads. When every chunk is local the layer's state becomes ``complete``.
+        """
+        rate = self.background_rate
+        if rate <= 0:
+            return 0
+        todo = self.fill_order()
+        total = sum(c.compressed_size for c in todo)
+        with self.stats._lock:
+            self.stats.state = "filling"
+            self.stats.total_bytes = total
         batches = _batches(todo, BACKGROUND_REQUEST)
         fetched = 0
+        local = 0       # compressed bytes known local: found cached, or fetched by the fill
         start = clock()
         window: list[tuple[int, dict[Chunk, Future[bytes]]]] = []
+
+        def settle(nbytes: int, futures: dict[Chunk, Future[bytes]]) -> int:
+            nonlocal local
+            local += _settle(futures, self.read_deadline * 4)
+            with self.stats._lock:
+                self.stats.local_bytes = local
+            return nbytes
+
         for batch in batches:
             if self._stop.is_set():
                 break
-            batch = [c for c in batch if not self._is_cached(c)]
-            if not batch:
+            want = [c for c in batch if not self._is_cached(c)]
+            wanted = set(want)
+            local += sum(c.compressed_size for c in batch if c not in wanted)
+            if not want:
                 continue
             try:
-                futures = self.fetcher.request(self.target, batch, background=True,
-                                               max_bytes=BACKGROUND_REQUEST)
+                futures = self.fetcher.request(self.target, want, background=True,
+                                               max_bytes=BACKGROUND_REQUEST, kind=FILL)
             except ColdstartError:
                 break
-            window.append((sum(c.compressed_size for c in batch), futures))
+            window.append((sum(c.compressed_size for c in want), futures))
             if len(window) >= BACKGROUND_DEPTH:
                 nbytes, oldest = window.pop(0)
-                _settle(oldest, self.read_deadline * 4)
-                fetched += nbytes
+                fetched += settle(nbytes, oldest)
                 # token bucket with no burst: never ahead of rate x elapsed
                 ahead = fetched / rate - (clock() - start)
                 if ahead > 0:
                     sleep(ahead)
         for nbytes, futures in window:
-            _settle(futures, self.read_deadline * 4)
-            fetched += nbytes
-        self.stats.background_done = True
-        log.info("layer %s: background fetch done, %d bytes in %.1f s", self.digest, fetched,
-                 clock() - start)
+            fetched += settle(nbytes, futures)
+        complete = not self._stop.is_set() and all(self._is_cached(c) for c in todo)
+        with self.stats._lock:
+            self.stats.background_done = True
+            self.stats.local_bytes = total if complete else self.stats.local_bytes
+            self.stats.state = "complete" if complete else "on-demand"
+        log.info("layer %s: background fill %s, %d bytes in %.1f s", self.digest,
+                 "complete" if complete else "stopped", fetched, clock() - start)
         return fetched
 
     def prefetch_then_rest(self) -> None:
         """What the FUSE server runs in a thread after mounting: the prefetch list in bulk,
         then the rest of the layer in the background."""
-        if self.layer.toc.prefetch:
+        if self.wants_prefetch:
             self.prefetch()
         self.fetch_rest()
+
+    @property
+    def wants_prefetch(self) -> bool:
+        """Whether the layer names a start-up set (a landmark, or touched chunk ranges)."""
+        return bool(self.layer.toc.prefetch or self.prefetch_ranges)
+
+
+def _growing_batches(chunks: list[Chunk], first: int, limit: int) -> list[list[Chunk]]:
+    """``chunks`` in order, cut into batches of ``first`` compressed bytes, then twice as
+    many each, up to ``limit``."""
+    out: list[list[Chunk]] = []
+    size = want = 0
+    for c in chunks:
+        if not out or size >= want:
+            want = first if not out else min(limit, want * 2)
+            out.append([])
+            size = 0
+        out[-1].append(c)
+        size += c.compressed_size
+    return out
 
 
 def _batches(chunks: list[Chunk], limit: int) -> list[list[Chunk]]:

@@ -118,7 +118,8 @@ class FuseServer:
                                       read_deadline=f.read_deadline,
                                       background_rate=f.background_rate,
                                       allow_unverified=config.allow_unverified)
-        self.layers = LayerTable(self.fs, self.fuse_dir, self.resolver, self.state)
+        self.layers = LayerTable(self.fs, self.fuse_dir, self.resolver, self.state,
+                                 record=config.fuse.record, fetch=f)
         self._restored: trio.Event | None = None
 
     # -- process lifecycle -----------------------------------------------------------------
@@ -318,3 +319,9 @@ class _Handler:
 
     def status(self) -> list[dict[str, Any]]:
         return self.layers.status()
+
+    def record(self, on: bool, mountpoint: str | None) -> int:
+        return self.layers.record(on, mountpoint)
+
+    def profile(self) -> list[dict[str, Any]]:
+        return self.layers.profile()

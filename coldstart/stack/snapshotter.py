@@ -79,6 +79,11 @@ class SnapshotterDaemon:
     def fuse_pid(self) -> int | None:
         return read_pid(self.root / "fuse-server.pid")
 
+    @property
+    def fuse_socket(self) -> str:
+        """The control socket of the FUSE server it spawns (see :func:`snapshotter_config`)."""
+        return str(self.base / "f.sock")
+
     def stop(self) -> None:
         """Stop the gRPC process, then the FUSE server it spawned, then unmount leftovers."""
         if self.proc is not None:
@@ -91,9 +96,12 @@ class SnapshotterDaemon:
 
 
 def snapshotter_config(base: Path, *, spawn: bool = True, extra: str = "",
-                       log_level: str = "debug", background_rate: int | None = None) -> str:
+                       log_level: str = "debug", background_rate: int | None = 0,
+                       record: bool = False) -> str:
     """The snapshotter's TOML config, everything under ``base``; ``extra``: more top-level
-    keys."""
+    keys. ``background_rate``: ``fetch.background_rate`` (0, the default here: no fill, so
+    what a test reads is all that is fetched; None: the config's default, the link's rate);
+    ``record``: ``fuse.record`` (every layer records its file accesses)."""
     text = (
         f'root = "{base / "root"}"\n'
         f'socket = "{base / "s.sock"}"\n'
@@ -107,6 +115,7 @@ def snapshotter_config(base: Path, *, spawn: bool = True, extra: str = "",
         f"spawn = {'true' if spawn else 'false'}\n"
         "start_timeout = 20.0\n"
         "request_timeout = 20.0\n"
+        f"{'record = true' if record else ''}\n"
     )
     if background_rate is not None:
         text += f"[fetch]\nbackground_rate = {background_rate}\n"
@@ -116,7 +125,8 @@ def snapshotter_config(base: Path, *, spawn: bool = True, extra: str = "",
 @contextlib.contextmanager
 def start_snapshotter(base: Path, *, spawn: bool = True, metrics: bool = True,
                       extra: str = "", log_level: str = "debug",
-                      background_rate: int | None = None) -> Iterator[SnapshotterDaemon]:
+                      background_rate: int | None = 0,
+                      record: bool = False) -> Iterator[SnapshotterDaemon]:
     """Our daemon on a temp root (config written to ``base/config.toml``); stopped by PID."""
     base.mkdir(parents=True, exist_ok=True)
     config = base / "config.toml"
@@ -124,7 +134,7 @@ def start_snapshotter(base: Path, *, spawn: bool = True, metrics: bool = True,
     if metrics_address:
         extra = f'metrics_address = "{metrics_address}"\n' + extra
     config.write_text(snapshotter_config(base, spawn=spawn, extra=extra, log_level=log_level,
-                                         background_rate=background_rate))
+                                         background_rate=background_rate, record=record))
     d = SnapshotterDaemon(base=base, root=base / "root", socket=str(base / "s.sock"),
                           config=config, log=base / "snapshotter.log",
                           metrics_address=metrics_address)
@@ -159,7 +169,7 @@ class LocalStack:
 
     @property
     def fuse_socket(self) -> str:
-        return str(self.snapshotter.base / "f.sock")
+        return self.snapshotter.fuse_socket
 
     @property
     def fuse_log(self) -> Path:
@@ -173,7 +183,7 @@ class LocalStack:
 
 @contextlib.contextmanager
 def local_stack(base: Path, *, log_level: str = "info",
-                background_rate: int | None = None) -> Iterator[LocalStack]:
+                background_rate: int | None = 0) -> Iterator[LocalStack]:
     """``coldstart snapshotter`` (which spawns its FUSE server) and a containerd that knows it
     as ``coldstart``, under ``base`` until the block ends; ``ctr`` in namespace ``default``.
 
@@ -190,7 +200,7 @@ def local_stack(base: Path, *, log_level: str = "info",
 
 
 @contextlib.contextmanager
-def temp_local_stack(*, log_level: str = "info", background_rate: int | None = None
+def temp_local_stack(*, log_level: str = "info", background_rate: int | None = 0
                      ) -> Iterator[LocalStack]:
     """:func:`local_stack` in a fresh short directory under /tmp (unix socket paths are
     limited to 108 bytes; /tmp must not be overlayfs for overlay mounts), removed afterwards."""
@@ -216,9 +226,9 @@ def fuse_server_config(path: Path, root: Path, *, registry_host: str,
     ``background_rate``: ``fetch.background_rate`` (bytes/s of the background fetch of whole
     layers; 0: off); ``cache_dir``: the chunk cache somewhere else than ``root/cache``;
     ``registry_timeout``: ``registry.timeout`` (also how long a response may stall)."""
-    # written only when set: an older checkout's server (``source_root``) may not know them
+    # written only when set: an older checkout's server (``source_root``) may not know it
     cache = f'dir = "{cache_dir}"\n' if cache_dir is not None else ""
-    background = f"background_rate = {background_rate}\n" if background_rate else ""
+    background = f"background_rate = {background_rate}\n"
     path.write_text(
         f'root = "{root}"\n'
         "[registry]\n"

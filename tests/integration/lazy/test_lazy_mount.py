@@ -22,6 +22,7 @@ from coldstart.lazyfs.fetcher import MAX_GAP
 from coldstart.lazyfs.metrics import (
     CACHE_HITS,
     FETCHED_BYTES,
+    KIND_FETCHED_BYTES,
     LAYER_FETCHED_BYTES,
     READ_SECONDS,
 )
@@ -225,6 +226,8 @@ def test_kill_9_then_restart_restores_mounts(tmp_path: Path, registry: Registry,
             assert fetched > 0
             assert _metric(metrics, LAYER_FETCHED_BYTES + "_total",
                            f'layer="{spec.digest}"') == fetched
+            # all of it read on demand (this server has neither a landmark nor the fill)
+            assert _metric(metrics, KIND_FETCHED_BYTES + "_total", 'kind="demand"') == fetched
             assert _metric(metrics, READ_SECONDS + "_count") > 0
             client3.unmount(str(mp))
             assert not list((root / "fuse-state").glob("*.json"))

@@ -43,7 +43,7 @@ containerd = temp_containerd
 LazyStack = LocalStack
 
 
-def lazy_stack(log_level: str = "info", background_rate: int | None = None
+def lazy_stack(log_level: str = "info", background_rate: int | None = 0
                ) -> contextlib.AbstractContextManager[LocalStack]:
     """coldstart.stack's snapshotter + containerd in a fresh /tmp directory (see
     :func:`coldstart.stack.snapshotter.temp_local_stack`)."""

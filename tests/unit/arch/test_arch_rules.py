@@ -40,8 +40,8 @@ def rule(imports: str = "", libs: str = "", *, checked: bool = True) -> Rule:
     return Rule(frozenset(imports.split()), frozenset(libs.split()), checked)
 
 
-_BELOW_BENCH = ("errors config format remote oci cache lazyfs snapshotter containerd weights "
-                "probe unixsock _proto")
+_BELOW_BENCH = ("errors config format remote oci cache prefetch lazyfs snapshotter containerd "
+                "weights probe unixsock _proto")
 RULES: dict[str, Rule] = {
     "__init__": rule(),
     "errors": rule(),
@@ -49,9 +49,10 @@ RULES: dict[str, Rule] = {
     "unixsock": rule(),
     "format": rule("errors", "zstandard"),
     "remote": rule("errors config format", "httpx boto3 botocore"),
-    "oci": rule("errors config format remote", "httpx zstandard"),
+    "oci": rule("errors config format remote prefetch", "httpx zstandard"),
     "cache": rule("errors config format"),
-    "lazyfs": rule("errors config format remote oci cache unixsock",
+    "prefetch": rule("errors config format"),
+    "lazyfs": rule("errors config format remote oci cache prefetch unixsock",
                    "trio prometheus_client pyfuse3@lazyfs.fusefs pyfuse3@lazyfs.server"),
     "snapshotter": rule("errors config lazyfs.spec lazyfs.client lazyfs.control unixsock _proto",
                         "grpc google prometheus_client"),

@@ -16,13 +16,14 @@ from coldstart.probe.notify import notify, parse_notice
 
 @pytest.mark.parametrize(("text", "kind"), [
     ("exit", "exit"), ("notify", "notify"), ("http://127.0.0.1:8000/infer", "http"),
-    ("log:listening on \\d+", "log")])
+    ("tcp:127.0.0.1:8000", "tcp"), ("log:listening on \\d+", "log")])
 def test_parse_ready(text: str, kind: str) -> None:
     assert parse_ready(text).kind == kind
     assert str(parse_ready(text)) == text
 
 
-@pytest.mark.parametrize("text", ["", "ready", "log:", "log:([", "tcp://1.2.3.4:5"])
+@pytest.mark.parametrize("text", ["", "ready", "log:", "log:([", "tcp://1.2.3.4:5",
+                                  "tcp:1.2.3.4", "tcp:1.2.3.4:0", "tcp::80"])
 def test_parse_ready_rejects(text: str) -> None:
     with pytest.raises(InvalidArgument, match="--ready"):
         parse_ready(text)
@@ -175,3 +176,32 @@ def test_the_status_sent_with_ready_starts_no_phase(tmp_path: Path) -> None:
         notify(ready=True, status="ready", socket_path=str(tmp_path / "n.sock"))
         w.wait(5)
         assert [m[0] for m in w.marks.marks] == ["loading"]
+
+
+def test_tcp_ready_once_the_port_accepts(tmp_path: Path) -> None:
+    import socket
+    import threading
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+
+    def listen_later() -> None:
+        time.sleep(0.3)
+        srv = socket.socket()
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(("127.0.0.1", port))
+        srv.listen()
+        time.sleep(2.0)
+        srv.close()
+
+    t = threading.Thread(target=listen_later)
+    t.start()
+    try:
+        with _watch(tmp_path, f"tcp:127.0.0.1:{port}", [None]) as watch:
+            assert parse_ready(f"tcp:127.0.0.1:{port}").needs_host_network
+            outcome = watch.wait(10.0)
+        assert outcome.ready_at >= 0.25
+    finally:
+        t.join()

@@ -64,3 +64,11 @@ def test_out_of_range_values_and_unreadable_files_are_one_line(tmp_path: Path) -
     # zero is allowed where it means "off"
     conf.write_text("[fetch]\nbackground_rate = 0\n")
     assert load(conf).fetch.background_rate == 0
+
+
+def test_status_without_a_fuse_server_is_one_line(tmp_path: Path) -> None:
+    r = cli("snapshotter", "status", "--fuse-socket", str(tmp_path / "nothing.sock"))
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "not reachable" in lines[0], r.stderr
+    assert "nothing.sock" in lines[0]

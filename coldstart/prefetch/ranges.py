@@ -1,0 +1,109 @@
+"""Which parts of a layer's prefetch span a start-up touched: a layer annotation.
+
+The files before a layer's prefetch landmark are whole files; a start-up often touches only
+some chunks of its big ones (a library ``mmap``'d and faulted in page by page). ``coldstart
+optimize`` therefore also writes, on each layer it reorders, the compressed byte ranges of the
+chunks the recording touched, as the annotation :data:`PREFETCH_RANGES_ANNOTATION`. Its key
+starts with ``containerd.io/snapshot/``, so containerd hands it to the snapshotter as a label
+(CRI pulls included); it fits one label (:data:`MAX_TEXT`). The FUSE server then prefetches only
+those chunks of the span. Other tools ignore it; without it the whole span is prefetched.
+
+Text form: ``v1:`` then ``START+LENGTH`` pairs in hex, comma-separated, sorted, disjoint.
+
+>>> text = encode_ranges([(0, 4096), (8192, 12288)])
+>>> text, decode_ranges(text)
+('v1:0+1000,2000+1000', [(0, 4096), (8192, 12288)])
+>>> encode_ranges([(0, 10), (20, 30), (1000, 1010)], max_text=15)   # gaps merged to fit
+'v1:0+1e,3e8+a'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from coldstart.errors import InvalidArgument
+
+__all__ = ["MAX_TEXT", "PREFETCH_RANGES_ANNOTATION", "decode_ranges", "encode_ranges",
+           "merge_gaps"]
+
+PREFETCH_RANGES_ANNOTATION = "containerd.io/snapshot/coldstart.prefetch-ranges"
+#: containerd limits a label's key + value to 4096 bytes
+MAX_TEXT = 4096 - len(PREFETCH_RANGES_ANNOTATION) - 16
+_PREFIX = "v1:"
+
+
+def merge_gaps(ranges: Iterable[tuple[int, int]], waste: float) -> list[tuple[int, int]]:
+    """Sorted, disjoint ``ranges`` with the smallest gaps between them closed, as long as the
+    bytes added stay within ``waste`` times the bytes of the ranges: fewer, larger requests
+    for a bounded overfetch.
+
+    >>> merge_gaps([(0, 100), (110, 200), (1000, 1100)], 0.1)
+    [(0, 200), (1000, 1100)]
+    """
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(r for r in ranges if r[1] > r[0]):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    budget = waste * sum(b - a for a, b in merged)
+    gaps = sorted(range(len(merged) - 1), key=lambda i: merged[i + 1][0] - merged[i][1])
+    close: set[int] = set()
+    for i in gaps:
+        gap = merged[i + 1][0] - merged[i][1]
+        if gap > budget:
+            break
+        budget -= gap
+        close.add(i)
+    out: list[tuple[int, int]] = []
+    for i, r in enumerate(merged):
+        if out and i - 1 in close:
+            out[-1] = (out[-1][0], r[1])
+        else:
+            out.append(r)
+    return out
+
+
+def _text(ranges: list[tuple[int, int]]) -> str:
+    return _PREFIX + ",".join(f"{a:x}+{b - a:x}" for a, b in ranges)
+
+
+def encode_ranges(ranges: Iterable[tuple[int, int]], *, max_text: int = MAX_TEXT) -> str:
+    """``[start, end)`` ranges as the annotation's text; the closest ones are merged (more is
+    then prefetched, never less) until it is at most ``max_text`` characters."""
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(r for r in ranges if r[1] > r[0]):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    while len(merged) > 1 and len(_text(merged)) > max_text:
+        # merge the pair with the smallest gap (a few passes for a long list)
+        gaps = sorted(range(len(merged) - 1), key=lambda i: merged[i + 1][0] - merged[i][1])
+        drop = set(gaps[:max(1, len(merged) // 8)])
+        out: list[tuple[int, int]] = []
+        for i, r in enumerate(merged):
+            if out and i - 1 in drop:
+                out[-1] = (out[-1][0], r[1])
+            else:
+                out.append(r)
+        merged = out
+    return _text(merged)
+
+
+def decode_ranges(text: str) -> list[tuple[int, int]]:
+    """The ranges of an annotation's text; InvalidArgument if it is malformed."""
+    if not text.startswith(_PREFIX):
+        raise InvalidArgument(f"prefetch ranges: unknown form {text[:16]!r}")
+    out: list[tuple[int, int]] = []
+    body = text[len(_PREFIX):]
+    for part in body.split(",") if body else []:
+        start, sep, length = part.partition("+")
+        try:
+            a, n = int(start, 16), int(length, 16)
+        except ValueError:
+            raise InvalidArgument(f"prefetch ranges: bad pair {part[:32]!r}") from None
+        if not sep or a < 0 or n <= 0 or (out and a < out[-1][1]):
+            raise InvalidArgument(f"prefetch ranges: bad or unsorted pair {part[:32]!r}")
+        out.append((a, a + n))
+    return out

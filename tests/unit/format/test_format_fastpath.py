@@ -1,0 +1,138 @@
+"""The TOC's two parsers: the column-wise fast path must accept exactly what the strict parser
+accepts and build the same entries; anything unusual goes to the strict one."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import random
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coldstart.errors import FormatError
+from coldstart.format.toc import TOC
+from coldstart.format.tocjson import _parse_fast, _parse_strict, parse_toc
+from tests.unit.format.layers import FORMATS, Converted, add, convert, every_kind_tar, toc_doc
+
+H = "0123456789abcdef" * 4
+
+
+def _same(a: TOC, b: TOC) -> None:
+    assert list(a.entries) == list(b.entries) or set(a.entries) == set(b.entries)
+    assert a.order == b.order and a.prefetch == b.prefetch and a.format == b.format
+    assert len(a.entries) == len(b.entries) and a.total_size == b.total_size
+    for name, eb in b.entries.items():
+        ea = a.entries[name]
+        assert ea == eb, name
+        assert [c.owner for c in ea.chunks] == [c.owner for c in eb.chunks] == \
+            [name] * len(eb.chunks), name
+        assert a.entries.types[a.entries.position(name) or 0] == eb.type
+    for d in ("", *(n for n, e in b.entries.items() if e.type == "dir")):
+        assert a.children(d) == b.children(d)
+
+
+def _both(c: Converted, doc: dict[str, Any]) -> tuple[TOC | None, TOC | BaseException]:
+    """(fast result or None, strict result or its exception) for ``doc`` on ``c``'s blob."""
+    fmt, end, exact = c.layer.format, c.layer.toc_offset, c.layer.format != "estargz"
+    try:
+        fast = _parse_fast(copy.deepcopy(doc["entries"]), fmt, end, exact)
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, FormatError):
+        fast = None
+    strict: TOC | BaseException
+    try:
+        strict = _parse_strict(copy.deepcopy(doc["entries"]), fmt, end, exact)
+    except FormatError as exc:
+        strict = exc
+    return fast, strict
+
+
+def _layers(tmp: Path) -> list[Converted]:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        add(tf, "app/", type=tarfile.DIRTYPE, mode=0o755)
+        for i in range(40):
+            add(tf, f"app/m{i}.py", f"print({i})\n".encode() * (i + 1), uid=i % 3)
+        add(tf, "app/big.bin", bytes(range(256)) * 300)          # several chunks
+        add(tf, "app/.hidden", b"dot")
+        add(tf, "deep/a/b/c/file", b"x")                          # parents synthesized
+    many = buf.getvalue()
+    out = []
+    for fmt in FORMATS:
+        (tmp / fmt).mkdir(exist_ok=True)
+        out.append(convert(every_kind_tar(tmp / fmt), fmt, chunk_size=8192))
+        out.append(convert(many, fmt, chunk_size=8192, prefetch=["app/m3.py", "app/big.bin"]))
+    return out
+
+
+def test_the_fast_path_takes_ordinary_layers_and_builds_the_same_entries(tmp_path: Path) -> None:
+    for c in _layers(tmp_path):
+        fast, strict = _both(c, toc_doc(c))
+        assert fast is not None, c.layer.format       # the ordinary TOC takes the fast path
+        assert isinstance(strict, TOC)
+        _same(fast, strict)
+        # and what open_layer gave (parse_toc) is the same again
+        _same(c.layer.toc, strict)
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda d: d["entries"][1].update(name="./" + d["entries"][1]["name"]),
+    lambda d: d["entries"][1].update(name=d["entries"][1]["name"] + "/")
+    if d["entries"][1].get("type") == "dir" else d["entries"][1].update(mode=None),
+    lambda d: d["entries"][1].update(uid=None),
+    lambda d: d["entries"].insert(0, {"name": "./", "type": "dir", "mode": 493}),
+])
+def test_what_the_fast_path_leaves_the_strict_one_still_accepts(tmp_path: Path,
+                                                               mutate: Any) -> None:
+    c = _layers(tmp_path)[1]
+    doc = toc_doc(c)
+    mutate(doc)
+    fast, strict = _both(c, doc)
+    assert fast is None and isinstance(strict, TOC)
+    blob_toc = parse_toc(json.dumps(doc).encode(), format=c.layer.format,
+                         data_end=c.layer.toc_offset, exact_frames=c.layer.format != "estargz")
+    _same(blob_toc, strict)
+
+
+_VALUES: list[Any] = [
+    -1, -(2**70), True, False, None, 1.5, "12", "", "sha256:" + H, "sha256:" + H.upper(),
+    "sha256:" + H[:-1], [], {}, {"user.x": "@@"}, {"user.x": 5}, 2**62, 0, "zeros",
+    "chunk", "hardlink", "dir", "reg", "a/../b", "/abs", "a//b", ".", "..", "x\x00y",
+    "1970-01-01T00:00:00Z", "yesterday", "1970-13-01T00:00:00Z",
+]
+_KEYS = ["name", "type", "size", "mode", "uid", "gid", "userName", "groupName", "modtime",
+         "linkName", "devMajor", "devMinor", "xattrs", "digest", "offset", "endOffset",
+         "chunkOffset", "chunkSize", "chunkDigest", "chunkType", "innerOffset"]
+
+
+def test_the_fast_path_never_accepts_what_the_strict_one_refuses(tmp_path: Path) -> None:
+    rnd = random.Random(7)
+    layers = _layers(tmp_path)
+    docs = [(c, toc_doc(c)) for c in layers]
+    refused = 0
+    for _ in range(1500):
+        c, base = rnd.choice(docs)
+        doc = copy.deepcopy(base)
+        entries = doc["entries"]
+        for _ in range(rnd.choice([1, 1, 2])):
+            e = rnd.choice(entries)
+            op = rnd.random()
+            if op < 0.7:
+                e[rnd.choice(_KEYS)] = rnd.choice(_VALUES)
+            elif op < 0.8:
+                e.pop(rnd.choice(_KEYS), None)
+            elif op < 0.9:
+                entries.append(copy.deepcopy(e))                  # a duplicate
+            else:
+                other = rnd.choice(entries)
+                e["name"] = other["name"] + "/child"              # below something
+        fast, strict = _both(c, doc)
+        if isinstance(strict, BaseException):
+            refused += 1
+            assert fast is None, (strict, doc)
+        elif fast is not None:
+            _same(fast, strict)
+    assert refused > 300          # the mutations do reach the checks

@@ -1,0 +1,176 @@
+"""Prefetch at mount (the span before the landmark, in a few large requests, only the chunks
+the recording touched when the layer says which) and the hybrid fill's order and states."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from coldstart.lazyfs import reader as reader_module
+from coldstart.lazyfs.fetcher import DEMAND, FILL, PREFETCH
+from coldstart.lazyfs.reader import _growing_batches
+from coldstart.prefetch.recorder import AccessRecorder
+from tests.integration.lazy.lazy_helpers import metadata_tar
+from tests.unit.lazy.test_lazy_reader import FORMATS, make, read_all
+
+
+def test_growing_batches() -> None:
+    from coldstart.format.toc import Chunk
+
+    chunks = [Chunk(i * 100, i * 100 + 100, i * 100, 100, f"d{i}") for i in range(40)]
+    batches = _growing_batches(chunks, 200, 800)
+    sizes = [sum(c.compressed_size for c in b) for b in batches]
+    assert sizes[:4] == [200, 400, 800, 800]
+    assert [c for b in batches for c in b] == chunks
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefetch_is_a_few_requests_counted_as_prefetch(tmp_path: Path, fmt: str) -> None:
+    tree = metadata_tar()
+    names = ["usr/lib/big.so", "usr/bin/sudo", "etc/os-release"]
+    reader, src, _ = make(tmp_path, fmt, tar=tree.tar, prefetch=names)
+    fetched = reader.prefetch()
+    assert fetched > 0
+    stats = reader.stats.as_dict()
+    assert stats["prefetched_bytes"] >= fetched and stats["on_demand_bytes"] == 0
+    # big.so (5 MiB) + two small files, contiguous: the growing batches, not one per chunk
+    assert src.counting.requests <= 4
+    before = src.counting.requests
+    for n in names:
+        assert read_all(reader, n) == tree.files[n]
+    assert src.counting.requests == before        # all of it came from the prefetch
+
+
+def test_prefetch_takes_only_the_touched_chunks(tmp_path: Path) -> None:
+    tree = metadata_tar()
+    reader, src, _ = make(tmp_path, "zstd:chunked", tar=tree.tar,
+                          prefetch=["usr/lib/big.so", "etc/os-release"])
+    big = reader.layer.resolve("usr/lib/big.so")
+    assert len(big.chunks) > 10
+    wanted = [big.chunks[0], big.chunks[3]]
+    reader.prefetch_ranges = sorted((c.offset, c.end_offset) for c in wanted)
+    reader.prefetch()
+    assert reader.cache is not None
+    assert all(c.digest in reader.cache for c in wanted)
+    assert big.chunks[1].digest not in reader.cache
+    assert reader.layer.resolve("etc/os-release").chunks[0].digest not in reader.cache
+    assert reader.stats.bytes_by_kind[PREFETCH] < sum(c.compressed_size for c in big.chunks) / 4
+    # the rest is still read on demand, correctly
+    assert read_all(reader, "usr/lib/big.so") == tree.files["usr/lib/big.so"]
+    assert reader.stats.bytes_by_kind[DEMAND] > 0
+    assert src.counting.requests > 1
+
+
+def test_fill_order_is_profile_then_small_then_big(tmp_path: Path) -> None:
+    tree = metadata_tar()
+    reader, _, _ = make(tmp_path, "zstd:chunked", tar=tree.tar, prefetch=["etc/shadow"])
+    order = reader.fill_order()
+    shadow = reader.layer.resolve("etc/shadow").chunks
+    big = reader.layer.resolve("usr/lib/big.so")
+    assert order[:len(shadow)] == shadow
+    first_big = order.index(big.chunks[0])
+    assert all(c in order[first_big:] for c in big.chunks)
+    small = reader.layer.resolve("usr/share/doc/f000.txt").chunks[0]
+    assert order.index(small) < first_big
+    keys = [(c.offset, c.inner_offset) for c in order]
+    assert len(keys) == len(set(keys))             # each chunk once
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fill_completes_and_says_so(tmp_path: Path, fmt: str) -> None:
+    tree = metadata_tar()
+    reader, src, _ = make(tmp_path, fmt, tar=tree.tar)
+    reader.background_rate = 1 << 40
+    reader.fetch_rest()
+    stats = reader.stats.as_dict()
+    assert stats["state"] == "complete"
+    assert stats["filled_bytes"] > 0 and stats["local_bytes"] == stats["total_bytes"] > 0
+    assert stats["requests_by_kind"][FILL] == src.counting.requests
+    before = src.counting.requests
+    for name, data in tree.files.items():
+        assert read_all(reader, name) == data
+    assert src.counting.requests == before
+
+
+def test_fill_that_is_stopped_is_not_complete(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reader_module, "BACKGROUND_REQUEST", 16 << 10)
+    reader, _, _ = make(tmp_path, "zstd:chunked", chunk_size=8 << 10)
+    reader.background_rate = 1 << 40
+    reader.close()
+    reader.fetch_rest()
+    assert reader.stats.state == "on-demand"
+
+
+def test_recorder_sees_cached_and_fetched_reads(tmp_path: Path) -> None:
+    tree = metadata_tar()
+    reader, _, _ = make(tmp_path, "zstd:chunked", tar=tree.tar)
+    reader.recorder = AccessRecorder()
+    sudo = reader.layer.resolve("usr/bin/sudo")
+    reader.read(sudo, 0, 100)                           # fetched (worker path)
+    got = reader.read_cached(sudo, 50, 100)             # local now (the loop's path)
+    assert isinstance(got, bytes)
+    reader.read(reader.layer.resolve("etc/os-release"), 0, 4096)
+    acc = reader.recorder.accesses()
+    assert [a.path for a in acc] == ["usr/bin/sudo", "etc/os-release"]
+    assert acc[0].ranges == [(0, 150)]
+    assert acc[1].ranges == [(0, len(tree.files["etc/os-release"]))]
+
+
+def _many_small(n: int = 600) -> tuple[bytes, list[str], dict[str, bytes]]:
+    import io
+    import tarfile
+
+    from coldstart.stack.images import realistic_bytes
+
+    buf = io.BytesIO()
+    files = {}
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for i in range(n):
+            data = realistic_bytes(6000 + 37 * i, i)
+            ti = tarfile.TarInfo(f"pkg/m{i:04d}.py")
+            ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data))
+            files[ti.name] = data
+    return buf.getvalue(), list(files), files
+
+
+def test_neighbour_window_grows_while_neighbours_are_read(tmp_path: Path) -> None:
+    tar, names, files = _many_small()
+    reader, src, _ = make(tmp_path, "zstd:chunked", tar=tar)
+    reader.neighbor_bytes = reader.neighbor_window = 32 << 10
+    reader.neighbor_max_bytes = 1 << 20
+    reader.fetcher.plan = lambda fn: None        # no follow-ahead: only misses fetch
+    for name in names:
+        assert read_all(reader, name) == files[name]
+    assert reader.neighbor_window == 1 << 20
+    # a fixed 32 KiB window would take one request per ~5 files; the grown one far fewer
+    assert src.counting.requests < len(names) / 20
+
+
+def test_neighbour_window_shrinks_when_neighbours_are_not_read(tmp_path: Path) -> None:
+    tar, names, files = _many_small()
+    reader, _, _ = make(tmp_path, "zstd:chunked", tar=tar)
+    reader.neighbor_bytes = reader.neighbor_window = 256 << 10
+    reader.fetcher.plan = lambda fn: None
+    for name in names[::60]:                     # far apart: no neighbour is ever read
+        assert read_all(reader, name) == files[name]
+    assert reader.neighbor_window < 256 << 10
+
+
+def test_ranges_without_a_landmark_prefetch_those_chunks(tmp_path: Path) -> None:
+    """The profile rides with an image that was not reordered: the layer's prefetch-ranges
+    annotation alone names the chunks to fetch at mount."""
+    tree = metadata_tar()
+    reader, _, _ = make(tmp_path, "zstd:chunked", tar=tree.tar)
+    assert not reader.layer.toc.prefetch and not reader.wants_prefetch
+    big = reader.layer.resolve("usr/lib/big.so")
+    sudo = reader.layer.resolve("usr/bin/sudo").chunks[0]
+    wanted = [big.chunks[2], sudo]
+    reader.prefetch_ranges = sorted((c.offset, c.end_offset) for c in wanted)
+    assert reader.wants_prefetch
+    assert reader.prefetch() > 0
+    assert reader.cache is not None
+    assert all(c.digest in reader.cache for c in wanted)
+    assert big.chunks[0].digest not in reader.cache
