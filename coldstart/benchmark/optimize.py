@@ -106,8 +106,9 @@ def record_profile(src: str, opts: OptimizeOptions, *, progress: Progress = _qui
         progress(f"running the image until {'it exits' if cond.kind == 'exit' else cond}"
                  f" (at most {opts.timeout:g} s)")
         run = cold_start(node, run_ref, work_load, 0, traffic=None)
+        started = any(p.name == "start" for p in run.phases)    # the app was running
         if not run.ok:
-            if run.error_kind == DeadlineExceeded.__name__ and cond.kind == "exit":
+            if run.error_kind == DeadlineExceeded.__name__ and cond.kind == "exit" and started:
                 notes.append(f"the command was still running after --timeout "
                              f"{opts.timeout:g} s: the profile holds what it read until then")
             elif run.error_kind == DeadlineExceeded.__name__:
@@ -119,29 +120,39 @@ def record_profile(src: str, opts: OptimizeOptions, *, progress: Progress = _qui
         elif run.exit_code not in (None, 0):
             notes.append(f"the command exited with status {run.exit_code} after it was "
                          "ready; the profile holds what it read until it was ready")
-        recorded = {x["digest"]: x["files"] for x in FuseServerClient(node.fuse_socket).profile()}
+        client_ = FuseServerClient(node.fuse_socket)
+        client_.record(False)
+        recorded = {x["digest"]: x["files"] for x in client_.profile()}
+        # times are since each layer's mount, which came after the run's start: a file first
+        # read later than the ready time (since the start) was read after ready
+        ready_at = run.ready_s if run.ok and run.ready_s is not None else float("inf")
         out = []
         for i, desc in enumerate(layers):
             files = tuple(FileAccess(f["path"], float(f["t"]),
                                      [(a, a + n) for a, n in f["ranges"]])
-                          for f in recorded.get(desc.digest, []))
+                          for f in recorded.get(desc.digest, []) if float(f["t"]) <= ready_at)
             out.append(LayerProfile(index=i, diff_id=src_diff_ids[i], digest=desc.digest,
                                     files=files))
-        ready_at = run.ready_s or 0.0
-        profile = Profile(image=src, layers=tuple(out), ready=str(cond.kind), seconds=ready_at)
+        profile = Profile(image=src, layers=tuple(out), ready=str(cond.kind),
+                          seconds=run.ready_s or 0.0)
         if profile.files == 0:
             notes.append("the start-up read no file of the image: the profile is empty")
         return profile
 
 
 def optimize_image(src: str, dst: str, opts: OptimizeOptions, *,
-                   progress: Progress = _quiet) -> OptimizeResult:
-    """Record ``src``'s start-up and write ``dst`` with each layer's files in that order."""
+                   progress: Progress = _quiet,
+                   on_profile: Callable[[Profile], None] | None = None) -> OptimizeResult:
+    """Record ``src``'s start-up and write ``dst`` with each layer's files in that order;
+    ``on_profile`` gets the profile as soon as it is recorded (to keep it before ``dst`` is
+    written)."""
     fmt = normalise_format(opts.format)
     if src == dst:
         raise InvalidArgument("SRC and DST must differ")
     warnings: list[str] = []
     profile = record_profile(src, opts, progress=progress, warnings=warnings)
+    if on_profile is not None:
+        on_profile(profile)
     progress(f"writing {dst} with {profile.files} start-up file(s) first")
     with RegistryClient(insecure_hosts=list(opts.insecure)) as client:
         summary = convert_image(src, dst, format=fmt, client=client, profile=profile,

@@ -86,12 +86,15 @@ def optimize(src: str, dst: str, argv: tuple[str, ...], ready: str, timeout: flo
     """
     from coldstart.benchmark.optimize import OptimizeOptions, optimize_image
     from coldstart.benchmark.ready import parse_ready
+    from coldstart.prefetch.profile import Profile
 
     parse_ready(ready)
     for e in env:
         if "=" not in e or e.startswith("="):
             raise InvalidArgument(f"--env {e!r}: expected KEY=VALUE")
     binds = tuple(_mount(m) for m in mounts)
+    if workdir is not None and not workdir.is_dir():
+        raise InvalidArgument(f"--workdir {workdir}: not a directory")
     out_path = profile_out or _default_profile_path(dst)
     if out_path.parent and not out_path.parent.exists():
         raise InvalidArgument(f"--profile-out {out_path}: {out_path.parent} does not exist")
@@ -102,11 +105,17 @@ def optimize(src: str, dst: str, argv: tuple[str, ...], ready: str, timeout: flo
         if not quiet:
             click.echo(f"coldstart optimize: {text}", err=True)
 
+    def keep(profile: Profile) -> None:      # before DST is written: a failure keeps it
+        tmp = out_path.with_name(out_path.name + ".tmp")
+        try:
+            tmp.write_text(profile.dumps())
+            tmp.replace(out_path)
+        except OSError as exc:
+            raise InvalidArgument(f"--profile-out {out_path}: {exc.strerror or exc}") from None
+        progress(f"profile kept in {out_path}")
+
     with signals_unwind():
-        result = optimize_image(src, dst, opts, progress=progress)
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    tmp.write_text(result.profile.dumps())
-    tmp.replace(out_path)
+        result = optimize_image(src, dst, opts, progress=progress, on_profile=keep)
     for w in result.warnings:
         click.echo(f"coldstart optimize: warning: {w}", err=True)
     summary = result.summary

@@ -36,6 +36,7 @@ def snapshotter(ctx: click.Context, config_path: str | None, root: str | None,
     Without a subcommand, runs the daemon until SIGTERM.
     """
     if ctx.invoked_subcommand is not None:
+        ctx.obj = config_path      # `snapshotter --config F status` reads F too
         return
     cfg = configmod.load(config_path)
     if root is not None:
@@ -65,7 +66,8 @@ def status(config_path: str | None, fuse_socket: str | None, as_json: bool) -> N
     prefetched, filled and fetched on demand, requests, errors."""
     from coldstart.lazyfs.client import FuseServerClient
 
-    cfg = configmod.load(config_path)
+    parent = click.get_current_context().parent
+    cfg = configmod.load(config_path or (parent.obj if parent is not None else None))
     rows = FuseServerClient(fuse_socket or cfg.fuse.socket, timeout=10.0).status()
     if as_json:
         click.echo(json.dumps(rows, indent=2))

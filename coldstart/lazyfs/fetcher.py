@@ -16,6 +16,7 @@ flight, so it never delays a read that a process is blocked on.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import os
 import threading
@@ -43,6 +44,7 @@ __all__ = [
     "LayerStats",
     "Span",
     "coalesce",
+    "lower_priority",
 ]
 
 log = logging.getLogger(__name__)
@@ -186,11 +188,13 @@ class _Flight:
     """One chunk being fetched (or looked up): its future, and how many callers other than
     its owner hold that future (the owner resolves it only if someone does)."""
 
-    __slots__ = ("future", "joiners")
+    __slots__ = ("future", "joiners", "urgent")
 
     def __init__(self) -> None:
         self.future: Future[bytes] = Future()
         self.joiners = 0
+        # a read (or prefetch) joined it: a fill request holding it must not wait any more
+        self.urgent = False
 
 
 #: a read's chunk: (chunk, start, end) of the bytes it needs within the decoded chunk
@@ -213,15 +217,20 @@ class ChunkFetcher:
         self.max_gap = max(0, max_gap)
         self.request_timeout = request_timeout
         self.telemetry = telemetry
-        self._pool = ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="fetch")
+        self.pool_size = max(1, concurrency)
+        # (a pool thread may be started from a niced fill thread: it resets its priority)
+        self._pool = ThreadPoolExecutor(self.pool_size, thread_name_prefix="fetch",
+                                        initializer=_normal_priority)
         self._bg_pool = ThreadPoolExecutor(1, thread_name_prefix="fill",
-                                           initializer=_lower_priority)
+                                           initializer=lower_priority)
         # plans read-ahead off the FUSE loop (choosing chunks and asking the cache about them)
-        self._planner = ThreadPoolExecutor(1, thread_name_prefix="plan")
+        self._planner = ThreadPoolExecutor(1, thread_name_prefix="plan",
+                                           initializer=_normal_priority)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._inflight: dict[str, _Flight] = {}
         self._foreground = 0
+        self._prefetching = 0       # prefetch requests queued or running, node-wide
         self._closed = False
         self.last_read = 0.0       # monotonic time of the last FUSE read served
 
@@ -240,6 +249,18 @@ class ChunkFetcher:
             self._planner.submit(fn)
         except RuntimeError:  # shutting down
             pass
+
+    def wait_prefetch_room(self, limit: int, timeout: float) -> None:
+        """Block (the caller's own thread, never a pool thread) while ``limit`` prefetch
+        requests are queued or running on the node, so that reads always find free threads
+        in the pool; gives up waiting after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._prefetching >= max(1, limit) and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._idle.wait(min(left, 0.5))
 
     def inflight(self) -> int:
         with self._lock:
@@ -285,6 +306,9 @@ class ChunkFetcher:
                         owned.append((i, c, fl))
                         continue
                 fl.joiners += 1
+                if not fl.urgent:
+                    fl.urgent = True
+                    self._idle.notify_all()     # a fill request holding it goes now
                 waits.append((i, fl.future))
         fetch: dict[Chunk, _Flight] = {}
         try:
@@ -400,6 +424,9 @@ class ChunkFetcher:
                     fl = mine[c] = self._inflight[k] = _Flight()
                 else:
                     fl.joiners += 1
+                    if not background and not fl.urgent:
+                        fl.urgent = True
+                        self._idle.notify_all()
                 out[c] = fl.future
         # A chunk not in flight may have been cached since the caller looked (a fetch stores
         # its chunks before it leaves the in-flight table): serve those from the cache.
@@ -434,12 +461,21 @@ class ChunkFetcher:
         if not background:
             with self._lock:
                 self._foreground += len(groups)
+                if kind == PREFETCH:
+                    self._prefetching += len(groups)
         for g in groups:
             owned = {c: chunks[c] for c in g}
             run: Callable[[], None]
             if background:
                 def run(owned: dict[Chunk, _Flight] = owned) -> None:
-                    self._wait_foreground_idle()
+                    if self._wait_foreground_idle(owned):
+                        # a read joined while it waited: fetch and decode it at the read's
+                        # priority, not on this niced thread
+                        try:
+                            self._pool.submit(self._fetch_group, target, owned, False, kind)
+                            return
+                        except RuntimeError:
+                            pass
                     self._fetch_group(target, owned, False, kind)
                 pool = self._bg_pool
             else:
@@ -450,22 +486,31 @@ class ChunkFetcher:
                 pool.submit(run)
             except RuntimeError as exc:  # pool shut down under us
                 self._settle_all(target, owned, Unavailable(f"fetch not started: {exc}"),
-                                 not background)
+                                 not background, kind)
 
     def note_read(self) -> None:
         """A FUSE read was served (the loop calls this: one clock read, no lock)."""
         self.last_read = time.monotonic()
 
-    def _wait_foreground_idle(self) -> None:
+    def wait_quiet(self) -> None:
+        """Block while on-demand fetches are in flight or a read was served within the last
+        ``QUIET_SECONDS`` (see :meth:`_wait_foreground_idle`)."""
+        self._wait_foreground_idle({})
+
+    def _wait_foreground_idle(self, owned: dict[Chunk, _Flight]) -> bool:
         """Hold a background request while on-demand fetches are in flight, and until no read
         was served for ``QUIET_SECONDS``: the start-up reading its files has the CPU and the
-        link first (its decoding, hashing and cache writes are what the fill would take)."""
+        link first (its decoding, hashing and cache writes are what the fill would take).
+        Returns True at once when a read joins one of ``owned`` (it must not wait)."""
         with self._lock:
             while not self._closed:
+                if any(fl.urgent for fl in owned.values()):
+                    return True
                 quiet = QUIET_SECONDS - (time.monotonic() - self.last_read)
                 if self._foreground == 0 and quiet <= 0:
-                    return
-                self._idle.wait(min(0.5, max(0.01, quiet)))
+                    return False
+                self._idle.wait(quiet if self._foreground == 0 else 0.5)
+            return False
 
     def _release_locked(self, target: FetchTarget, c: Chunk, fl: _Flight) -> None:
         k = _key(target, c)
@@ -478,7 +523,7 @@ class ChunkFetcher:
             self._release_locked(target, c, fl)
 
     def _settle_all(self, target: FetchTarget, owned: dict[Chunk, _Flight],
-                    exc: BaseException, foreground: bool) -> None:
+                    exc: BaseException, foreground: bool, kind: str = DEMAND) -> None:
         for c, fl in owned.items():
             self._release(target, c, fl)
             if not fl.future.done():
@@ -486,6 +531,8 @@ class ChunkFetcher:
         if foreground:
             with self._lock:
                 self._foreground -= 1
+                if kind == PREFETCH:
+                    self._prefetching -= 1
                 self._idle.notify_all()
 
     def _fetch_group(self, target: FetchTarget, owned: dict[Chunk, _Flight],
@@ -493,14 +540,16 @@ class ChunkFetcher:
         group = sorted(owned, key=lambda c: (c.offset, c.inner_offset))
         start = group[0].offset
         end = max(c.end_offset for c in group)
+        # a large prefetch request gets as much more time as it is larger than a usual one
+        timeout = self.request_timeout * max(1.0, (end - start) / self.max_coalesce_bytes)
         try:
-            raw = target.source.read_at(start, end - start, timeout=self.request_timeout)
+            raw = target.source.read_at(start, end - start, timeout=timeout)
         except BaseException as exc:
-            kind = type(exc).__name__
-            msg = self._report(target, kind, f"layer {target.digest}: fetching bytes "
-                               f"{start}..{end} ({len(group)} chunks) failed: {kind}: {exc}")
+            what = type(exc).__name__
+            msg = self._report(target, what, f"layer {target.digest}: fetching bytes "
+                               f"{start}..{end} ({len(group)} chunks) failed: {what}: {exc}")
             err = exc if isinstance(exc, ColdstartError) else Unavailable(msg)
-            self._settle_all(target, owned, err, foreground)
+            self._settle_all(target, owned, err, foreground, kind)
             return
         with target.stats._lock:
             target.stats.fetched_bytes += len(raw)
@@ -516,7 +565,8 @@ class ChunkFetcher:
         finally:
             # normally all settled already; this only catches an unexpected failure
             self._settle_all(target, owned,
-                             Unavailable(f"layer {target.digest}: fetch aborted"), foreground)
+                             Unavailable(f"layer {target.digest}: fetch aborted"), foreground,
+                             kind)
 
     def _report(self, target: FetchTarget, kind: str, msg: str) -> str:
         """Log a failed fetch or chunk, note it in the layer's status and telemetry; ``msg``."""
@@ -553,13 +603,19 @@ class ChunkFetcher:
             fl.future.set_result(res)
 
 
-def _lower_priority() -> None:
-    """The fill pool's thread initializer: nice this thread (Linux: per thread) so that the
-    start-up's own processes win the CPU; decoding and hashing the fill costs them little."""
+def lower_priority() -> None:
+    """Nice the calling thread (Linux: per thread; the fill's threads) so that the start-up's
+    own processes win the CPU; decoding and hashing the fill then costs them little."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), FILL_NICENESS)
     except (OSError, AttributeError) as exc:   # not permitted, or not Linux: run as is
         log.debug("fill thread keeps its priority: %s", exc)
+
+
+def _normal_priority() -> None:
+    """Thread initializer of the read path's pools: niceness 0, whoever started the thread."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 0)
 
 
 def wait_for(fut: Future[bytes], deadline: float, what: str) -> bytes:

@@ -82,6 +82,7 @@ class LayerTable:
         self._generation = 0
         self._stopping = False
         self._record_new = record     # layers mounted from now on record their accesses
+        self._stopped: dict[str, AccessRecorder] = {}   # layer key -> a stopped recording
         self._fetch = fetch or FetchConfig()
 
     def _lock(self, mountpoint: str) -> trio.Lock:
@@ -151,6 +152,7 @@ class LayerTable:
     def _drop_layer(self, digest: str) -> None:
         layer = self.layers.pop(digest, None)
         if layer is not None:
+            self._stopped.pop(layer.key, None)
             self.fs.remove(layer.key)
 
     async def unmount(self, mountpoint: str) -> None:
@@ -206,15 +208,20 @@ class LayerTable:
                 reader.recorder = AccessRecorder()
                 changed += 1
             elif not on and reader.recorder is not None:
+                # kept (for ``profile``) until recording starts again or the layer goes
+                self._stopped[layer.key] = reader.recorder
                 reader.recorder = None
                 changed += 1
+            if on:
+                self._stopped.pop(layer.key, None)
         return changed
 
     def profile(self) -> list[dict[str, Any]]:
-        """Per recording layer: digest, mountpoints, files read (first-access order)."""
+        """Per layer recording (or recorded until stopped): digest, mountpoints, files read
+        (first-access order)."""
         out: list[dict[str, Any]] = []
         for digest, layer in sorted(self.layers.items()):
-            rec = layer.tree.reader.recorder
+            rec = layer.tree.reader.recorder or self._stopped.get(layer.key)
             if rec is None:
                 continue
             out.append({"digest": digest, "mountpoints": sorted(layer.mountpoints),

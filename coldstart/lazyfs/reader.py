@@ -32,7 +32,15 @@ from coldstart.config import FetchConfig
 from coldstart.errors import ColdstartError, FormatError
 from coldstart.format.layer import SeekableLayer
 from coldstart.format.toc import Chunk, Entry
-from coldstart.lazyfs.fetcher import FILL, PREFETCH, ChunkFetcher, FetchTarget, LayerStats, Span
+from coldstart.lazyfs.fetcher import (
+    FILL,
+    PREFETCH,
+    ChunkFetcher,
+    FetchTarget,
+    LayerStats,
+    Span,
+    lower_priority,
+)
 from coldstart.prefetch.recorder import AccessRecorder
 from coldstart.remote import Source
 
@@ -189,8 +197,9 @@ class LayerReader:
         if tel is not None:
             tel.cache_hit(end - offset)
             tel.read_done(time.monotonic() - t0)
-        if self.recorder is not None:
-            self.recorder.note(entry.name, offset, end)
+        rec = self.recorder         # once: recording may be switched off meanwhile
+        if rec is not None:
+            rec.note(entry.name, offset, end)
         if entry.size <= self.small_file_bytes:
             self._note_small(chunks)
             self._follow_window(chunks)
@@ -252,8 +261,9 @@ class LayerReader:
                 return self._whole_and_neighbors(entry, missed)[len(missed):]
             self._note_small(chunks)    # before the fetch: it may join the window's request
         got = self.fetcher.get(self.target, spans, deadline, more=more, name=entry.name)
-        if self.recorder is not None:
-            self.recorder.note(entry.name, offset, end)
+        rec = self.recorder         # once: recording may be switched off meanwhile
+        if rec is not None:
+            rec.note(entry.name, offset, end)
         self._note_read(entry, offset, end, chunks, plan=False)
         pieces = done + got
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
@@ -471,21 +481,24 @@ class LayerReader:
         files outside the set. A read that needs a chunk in flight joins its fetch. Errors are
         logged and counted, not raised: the chunks they concern are left to on-demand reads.
         """
-        names = self.layer.toc.prefetch
-        if not names and self.prefetch_ranges:
-            # no landmark, but the image names the chunks its start-up touched (the profile
-            # rides with an image that was not reordered): those, wherever they lie
-            candidates = self._unique_chunks()
+        if self.prefetch_ranges:
+            # the chunks the recorded start-up touched (the layer's prefetch-ranges
+            # annotation), wherever they lie: behind a landmark or not
+            todo = [c for c in self._unique_chunks() if self._touched(c)
+                    and not self._is_cached(c)]
         else:
-            candidates = self._unique_chunks(names)
-        todo = [c for c in candidates if not self._is_cached(c) and self._touched(c)]
+            todo = [c for c in self._unique_chunks(self.layer.toc.prefetch)
+                    if not self._is_cached(c)]
         with self.stats._lock:
             self.stats.state = "prefetching"
         fetched = 0
         window: list[tuple[int, dict[Chunk, Future[bytes]]]] = []
+        room = max(1, self.fetcher.pool_size // 2)
         for batch in _growing_batches(todo, PREFETCH_FIRST, PREFETCH_REQUEST):
             if self._stop.is_set():
                 break
+            # half the pool at most, node-wide: reads of files outside the set find threads
+            self.fetcher.wait_prefetch_room(room, self.read_deadline)
             try:
                 futures = self.fetcher.request(self.target, batch, kind=PREFETCH,
                                                max_bytes=PREFETCH_REQUEST + PREFETCH_GAP,
@@ -565,6 +578,8 @@ class LayerReader:
             return 0
         todo = self.fill_order()
         total = sum(c.compressed_size for c in todo)
+        if not self._fits_in_cache(todo):
+            return 0
         with self.stats._lock:
             self.stats.state = "filling"
             self.stats.total_bytes = total
@@ -613,12 +628,34 @@ class LayerReader:
                  "complete" if complete else "stopped", fetched, clock() - start)
         return fetched
 
+    def _fits_in_cache(self, todo: list[Chunk]) -> bool:
+        """Whether the chunks not yet local fit beside what the cache holds: a fill that
+        does not would evict the start-up's own chunks and never end (it is skipped)."""
+        cache = self.cache
+        limit = getattr(cache, "max_bytes", None)
+        used = getattr(cache, "total_bytes", None)
+        if cache is None or not isinstance(limit, int) or not callable(used):
+            return True
+        missing = sum(c.chunk_size for c in todo if not self._is_cached(c))
+        if used() + missing <= limit:
+            return True
+        log.warning("layer %s: background fill skipped: %d more bytes do not fit in the chunk "
+                    "cache (%d of cache.max_bytes %d used)", self.digest, missing, used(), limit)
+        self.stats.record_error("background fill skipped: the layer does not fit in the "
+                                "chunk cache (raise cache.max_bytes)")
+        return False
+
     def prefetch_then_rest(self) -> None:
         """What the FUSE server runs in a thread after mounting: the prefetch list in bulk,
         then the rest of the layer in the background."""
         if self.wants_prefetch:
             self.prefetch()
-        self.fetch_rest()
+        if self.background_rate > 0:
+            # the rest is background work: this thread yields the CPU from here on, and
+            # plans the fill (every entry of the TOC) only once the start-up pauses
+            lower_priority()
+            self.fetcher.wait_quiet()
+            self.fetch_rest()
 
     @property
     def wants_prefetch(self) -> bool:

@@ -82,7 +82,8 @@ PREFETCH_FILES_ANNOTATION = "dev.coldstart.prefetch.files"
 
 # annotations describing a previous seekable encoding; stale once the blob is rewritten
 _STALE_PREFIXES = ("containerd.io/snapshot/stargz/", "io.containers.estargz.",
-                   "io.github.containers.zstd-chunked.", PREFETCH_FILES_ANNOTATION)
+                   "io.github.containers.zstd-chunked.", PREFETCH_FILES_ANNOTATION,
+                   PREFETCH_RANGES_ANNOTATION)
 _ATTESTATION_KEY = "vnd.docker.reference.type"
 
 
@@ -323,12 +324,17 @@ class _Converter:
             if not self.dst.has_blob(desc.digest) and not self.dst.try_mount(desc.digest,
                                                                              self.src):
                 self.dst.put_blob_file(Path(f.name), desc)
-        annotations = dict(desc.annotations)
-        if touched is not None:
+        annotations = {k: v for k, v in desc.annotations.items()
+                       if k != PREFETCH_RANGES_ANNOTATION}
+        if touched is None:
+            log.warning("layer %s: the profile records no byte ranges; --keep-layers has "
+                        "nothing to annotate it with", desc.digest)
+        else:
             annotations[PREFETCH_RANGES_ANNOTATION] = touched
         out = Descriptor(desc.media_type, desc.digest, desc.size, annotations)
         return LayerSummary(desc, out, diff_id, True, time.monotonic() - t0,
-                            _toc_of(desc.annotations), prefetch_files=len(recorded.files))
+                            _toc_of(desc.annotations),
+                            prefetch_files=len(recorded.files) if touched else 0)
 
     def _copy_blob(self, desc: Descriptor) -> None:
         if self.dst.has_blob(desc.digest) or self.dst.try_mount(desc.digest, self.src):

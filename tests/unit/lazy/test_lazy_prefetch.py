@@ -97,10 +97,48 @@ def test_fill_that_is_stopped_is_not_complete(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(reader_module, "BACKGROUND_REQUEST", 16 << 10)
     reader, _, _ = make(tmp_path, "zstd:chunked", chunk_size=8 << 10)
-    reader.background_rate = 1 << 40
-    reader.close()
-    reader.fetch_rest()
-    assert reader.stats.state == "on-demand"
+    reader.background_rate = 1 << 10           # slow: the pacing sleeps after a few requests
+
+    def stop_at_first_pause(_seconds: float) -> None:
+        reader.close()                         # stopped in the middle of the fill
+
+    reader.fetch_rest(sleep=stop_at_first_pause)
+    stats = reader.stats.as_dict()
+    assert stats["state"] == "on-demand"
+    assert stats["filled_bytes"] > 0 and stats["local_bytes"] < stats["total_bytes"]
+
+
+def test_a_read_joining_a_held_fill_request_does_not_wait_for_quiet(tmp_path: Path) -> None:
+    """The fill holds its requests while reads keep coming; a read that needs a chunk of
+    such a held request takes it over at once instead of waiting with it."""
+    import threading
+    import time
+
+    tree = metadata_tar()
+    reader, _, fetcher = make(tmp_path, "zstd:chunked", tar=tree.tar)
+    big = reader.layer.resolve("usr/lib/big.so")
+    stop = threading.Event()
+
+    def keep_reading() -> None:            # the start-up, reading on: never quiet
+        while not stop.is_set():
+            fetcher.note_read()
+            time.sleep(0.01)
+
+    t = threading.Thread(target=keep_reading)
+    t.start()
+    try:
+        time.sleep(0.05)
+        futures = fetcher.request(reader.target, big.chunks[3:6], background=True)
+        time.sleep(0.5)
+        assert not any(f.done() for f in futures.values())     # held by the quiet gate
+        t0 = time.monotonic()
+        got = read_all(reader, "usr/lib/big.so")
+        assert got == tree.files["usr/lib/big.so"]
+        assert time.monotonic() - t0 < 3.0
+        assert all(f.done() for f in futures.values())
+    finally:
+        stop.set()
+        t.join()
 
 
 def test_recorder_sees_cached_and_fetched_reads(tmp_path: Path) -> None:
