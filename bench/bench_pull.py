@@ -14,9 +14,9 @@ containerd + ``coldstart snapshotter`` (with its FUSE server) and times, through
 Prints medians (min-max), the ratio, and µs per TOC entry of the lazy pull; writes JSON to
 ``bench/results/bench_pull-<time>.json``. ``--spy DIR`` records the FUSE server with py-spy
 during each lazy pull (folded stacks, for flamegraph.pl or speedscope), to see where the time
-goes. The torch image's pull next
-to stargz's ``ctr-remote image rpull`` is ``coldstart bench builtin:torch --embedded --mode
-coldstart,stargz`` (its ``pull`` phase). Needs root; take the bench lock when others measure::
+goes. The torch image's pull next to stargz's ``ctr-remote image rpull`` is ``coldstart bench
+builtin:torch --embedded --mode coldstart,stargz`` (its ``pull`` phase). Needs root; take the
+bench lock when others measure::
 
     flock /tmp/cs-bench.lock .venv/bin/python bench/bench_pull.py [--files 200000] [--rounds 3]
 """
