@@ -30,7 +30,17 @@ from coldstart.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from coldstart.probe.notify import MAX_DATAGRAM, parse_notice
 from coldstart.probe.states import Notice
 
-__all__ = ["PhaseMarks", "ReadyCondition", "ReadyWatch", "parse_ready", "phase_name"]
+__all__ = ["CONDITIONS_HELP", "PhaseMarks", "ReadyCondition", "ReadyWatch", "parse_ready",
+           "phase_name"]
+
+#: the --ready conditions as the commands' help lists them
+CONDITIONS_HELP = """\
+  exit               the command exits with code 0
+  notify             READY=1 on $NOTIFY_SOCKET (sd_notify; STATUS=/X_PHASE= name phases)
+  http://H:P/PATH    a GET answers 200 (the container uses the host's network)
+  tcp:HOST:PORT      the port accepts a connection (the host's network too)
+  log:REGEX          a line of its output matches
+"""
 
 LOG_PHASE = re.compile(rb"^coldstart-phase (\S+)", re.MULTILINE)
 _TRAILING_NUMBERS = re.compile(r"(\s+[-+]?[\d.]+%?)+$")

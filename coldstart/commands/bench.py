@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from coldstart.benchmark.ready import CONDITIONS_HELP
 from coldstart.commands._signals import signals_unwind
 
 if TYPE_CHECKING:
@@ -29,12 +30,7 @@ REF is one of:
 
 \b
 --ready CONDITION, when the container counts as ready:
-  exit               the command exits with code 0
-  notify             READY=1 on $NOTIFY_SOCKET (sd_notify; STATUS=/X_PHASE= name phases)
-  http://H:P/PATH    a GET answers 200 (the container uses the host's network)
-  tcp:HOST:PORT      the port accepts a connection (the host's network too)
-  log:REGEX          a line of its output matches
-
+{ready}
 \b
 Examples:
   coldstart bench builtin:tiny --embedded --runs 3
@@ -44,7 +40,7 @@ Examples:
 Every run starts on a fresh node: a new containerd (empty content store and snapshots), a new
 snapshotter with an empty chunk cache, the page cache dropped. The modes alternate. Needs
 root. The JSON schema is coldstart/benchmark/result_schema.json.
-"""
+""".replace("{ready}", CONDITIONS_HELP)
 
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from coldstart.benchmark.ready import CONDITIONS_HELP
 from coldstart.commands._signals import signals_unwind
 from coldstart.errors import InvalidArgument
 
@@ -16,12 +17,7 @@ __all__ = ["optimize"]
 
 _EPILOG = """\b
 --ready CONDITION, when the start-up is over:
-  exit               the command exits (code 0)
-  notify             READY=1 on $NOTIFY_SOCKET (sd_notify)
-  http://H:P/PATH    a GET answers 200 (the container uses the host's network)
-  tcp:HOST:PORT      the port accepts a connection (the host's network too)
-  log:REGEX          a line of its output matches
-
+{ready}
 \b
 Examples:
   coldstart optimize oci:./torch:v1 oci:./torch-opt:v1 -- python3 -c 'import torch'
@@ -34,7 +30,7 @@ cache, recording every file each layer serves, until the ready condition holds, 
 exits, or --timeout. DST gets each layer's recorded files first, in access order, then the
 prefetch landmark: a node fetches that span in a few large requests as soon as the layer is
 mounted. `coldstart convert --profile FILE` applies a saved profile again. Needs root.
-"""
+""".replace("{ready}", CONDITIONS_HELP)
 
 
 def _mount(text: str) -> tuple[str, str]:

@@ -68,11 +68,12 @@ READAHEAD_REQUEST = 1 << 20
 #: ``NEIGHBOR_BYTES``) when fewer than a tenth were.
 NEIGHBOR_BYTES = _DEFAULTS.neighbor_bytes
 NEIGHBOR_MAX_BYTES = _DEFAULTS.neighbor_max_bytes
-#: Compressed bytes of the first prefetch request; each next one is twice as large, up to
-#: ``PREFETCH_REQUEST``; at most ``PREFETCH_STREAMS`` are in flight.
+#: Compressed bytes of the first prefetch request; each next one is ``PREFETCH_GROWTH`` times
+#: as large, up to ``PREFETCH_REQUEST``; at most ``PREFETCH_STREAMS`` per layer are in flight.
 PREFETCH_FIRST = 4 << 20
 PREFETCH_REQUEST = 64 << 20
 PREFETCH_STREAMS = 4
+PREFETCH_GROWTH = 4
 #: Chunks of the prefetch set this many compressed bytes apart share a request (the bytes of
 #: the untouched chunks between them are fetched and dropped): fewer round trips.
 PREFETCH_GAP = 1 << 20
@@ -477,10 +478,12 @@ class LayerReader:
         Runs in a thread of the server as soon as the layer is mounted, concurrently with the
         container's start, at on-demand priority: in blob order (the profile's access order),
         in a few large range requests, the first small (the start-up wants its first files at
-        once) and each next one twice as large up to ``PREFETCH_REQUEST``, at most
-        ``PREFETCH_STREAMS`` at a time, so that the fetch pool keeps threads for reads of
-        files outside the set. A read that needs a chunk in flight joins its fetch. Errors are
-        logged and counted, not raised: the chunks they concern are left to on-demand reads.
+        once) and each next one ``PREFETCH_GROWTH`` times as large up to ``PREFETCH_REQUEST``;
+        at most ``PREFETCH_STREAMS`` per layer and half the fetch pool node-wide at a time, so
+        that the pool keeps threads for reads of files outside the set. With the layer's
+        prefetch-ranges annotation only the chunks the recorded start-up touched are fetched.
+        A read that needs a chunk in flight joins its fetch. Errors are logged and counted,
+        not raised: the chunks they concern are left to on-demand reads.
         """
         if self.prefetch_ranges:
             # the chunks the recorded start-up touched (the layer's prefetch-ranges
@@ -665,13 +668,13 @@ class LayerReader:
 
 
 def _growing_batches(chunks: list[Chunk], first: int, limit: int) -> list[list[Chunk]]:
-    """``chunks`` in order, cut into batches of ``first`` compressed bytes, then twice as
-    many each, up to ``limit``."""
+    """``chunks`` in order, cut into batches of ``first`` compressed bytes, then
+    ``PREFETCH_GROWTH`` times as many each, up to ``limit``."""
     out: list[list[Chunk]] = []
     size = want = 0
     for c in chunks:
         if not out or size >= want:
-            want = first if not out else min(limit, want * 2)
+            want = first if not out else min(limit, want * PREFETCH_GROWTH)
             out.append([])
             size = 0
         out[-1].append(c)

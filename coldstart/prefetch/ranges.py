@@ -32,6 +32,34 @@ MAX_TEXT = 4096 - len(PREFETCH_RANGES_ANNOTATION) - 16
 _PREFIX = "v1:"
 
 
+def _union(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Non-empty ``ranges`` sorted, the overlapping or touching ones merged."""
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(r for r in ranges if r[1] > r[0]):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _close(merged: list[tuple[int, int]], gaps: set[int]) -> list[tuple[int, int]]:
+    """``merged`` with gap ``i`` (between ranges ``i`` and ``i + 1``) closed for each in
+    ``gaps``."""
+    out: list[tuple[int, int]] = []
+    for i, r in enumerate(merged):
+        if out and i - 1 in gaps:
+            out[-1] = (out[-1][0], r[1])
+        else:
+            out.append(r)
+    return out
+
+
+def _by_gap(merged: list[tuple[int, int]]) -> list[int]:
+    """The gaps of ``merged``, smallest first."""
+    return sorted(range(len(merged) - 1), key=lambda i: merged[i + 1][0] - merged[i][1])
+
+
 def merge_gaps(ranges: Iterable[tuple[int, int]], waste: float) -> list[tuple[int, int]]:
     """Sorted, disjoint ``ranges`` with the smallest gaps between them closed, as long as the
     bytes added stay within ``waste`` times the bytes of the ranges: fewer, larger requests
@@ -40,28 +68,16 @@ def merge_gaps(ranges: Iterable[tuple[int, int]], waste: float) -> list[tuple[in
     >>> merge_gaps([(0, 100), (110, 200), (1000, 1100)], 0.1)
     [(0, 200), (1000, 1100)]
     """
-    merged: list[tuple[int, int]] = []
-    for a, b in sorted(r for r in ranges if r[1] > r[0]):
-        if merged and a <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-        else:
-            merged.append((a, b))
+    merged = _union(ranges)
     budget = waste * sum(b - a for a, b in merged)
-    gaps = sorted(range(len(merged) - 1), key=lambda i: merged[i + 1][0] - merged[i][1])
     close: set[int] = set()
-    for i in gaps:
+    for i in _by_gap(merged):
         gap = merged[i + 1][0] - merged[i][1]
         if gap > budget:
             break
         budget -= gap
         close.add(i)
-    out: list[tuple[int, int]] = []
-    for i, r in enumerate(merged):
-        if out and i - 1 in close:
-            out[-1] = (out[-1][0], r[1])
-        else:
-            out.append(r)
-    return out
+    return _close(merged, close)
 
 
 def _text(ranges: list[tuple[int, int]]) -> str:
@@ -71,23 +87,10 @@ def _text(ranges: list[tuple[int, int]]) -> str:
 def encode_ranges(ranges: Iterable[tuple[int, int]], *, max_text: int = MAX_TEXT) -> str:
     """``[start, end)`` ranges as the annotation's text; the closest ones are merged (more is
     then prefetched, never less) until it is at most ``max_text`` characters."""
-    merged: list[tuple[int, int]] = []
-    for a, b in sorted(r for r in ranges if r[1] > r[0]):
-        if merged and a <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-        else:
-            merged.append((a, b))
+    merged = _union(ranges)
     while len(merged) > 1 and len(_text(merged)) > max_text:
-        # merge the pair with the smallest gap (a few passes for a long list)
-        gaps = sorted(range(len(merged) - 1), key=lambda i: merged[i + 1][0] - merged[i][1])
-        drop = set(gaps[:max(1, len(merged) // 8)])
-        out: list[tuple[int, int]] = []
-        for i, r in enumerate(merged):
-            if out and i - 1 in drop:
-                out[-1] = (out[-1][0], r[1])
-            else:
-                out.append(r)
-        merged = out
+        # close the smallest gaps, an eighth of them a pass
+        merged = _close(merged, set(_by_gap(merged)[:max(1, len(merged) // 8)]))
     return _text(merged)
 
 
