@@ -75,7 +75,7 @@ FORMATS: Mapping[str, str] = {
 
 #: the prefetch-ranges annotation may name up to this much more than the touched chunks, to
 #: close the gaps between them (fewer, larger requests at mount)
-PREFETCH_OVERFETCH = 0.1
+PREFETCH_OVERFETCH = 0.15
 
 #: on a layer written with a prefetch list: how many files lie before its prefetch landmark
 PREFETCH_FILES_ANNOTATION = "dev.coldstart.prefetch.files"
@@ -512,7 +512,7 @@ def _touched_ranges(blob: Path, annotations: Mapping[str, str],
             if not f.ranges or any(a < c.chunk_offset + c.chunk_size and b > c.chunk_offset
                                    for a, b in f.ranges):
                 out.append((c.offset, c.end_offset))
-    # close the smallest gaps for at most 10 % more bytes: far fewer requests at mount
+    # close the smallest gaps for at most 15 % more bytes: far fewer requests at mount
     return encode_ranges(merge_gaps(out, PREFETCH_OVERFETCH))
 
 
