@@ -24,14 +24,12 @@ from typing import Any
 
 import trio
 
-from coldstart.config import FetchConfig
 from coldstart.errors import AlreadyExists, ColdstartError, FailedPrecondition, NotFound
 from coldstart.lazyfs.fusefs import FuseFS, LayerTree, build_tree
 from coldstart.lazyfs.mountstate import MountRecord, MountState
 from coldstart.lazyfs.mountsys import bind_mount, is_mountpoint, lazy_unmount
 from coldstart.lazyfs.resolver import LayerResolver
 from coldstart.lazyfs.spec import LayerSpec
-from coldstart.prefetch.ranges import PREFETCH_RANGES_ANNOTATION, decode_ranges
 from coldstart.prefetch.recorder import AccessRecorder
 
 __all__ = ["LayerTable"]
@@ -53,25 +51,11 @@ class _Mount:
     layer: _Layer
 
 
-def _prefetch_ranges(spec: LayerSpec) -> list[tuple[int, int]] | None:
-    """The layer's prefetch-ranges annotation, decoded; None (the whole span) if absent or
-    malformed (a warning: the prefetch only fetches more)."""
-    text = spec.annotations.get(PREFETCH_RANGES_ANNOTATION)
-    if not text:
-        return None
-    try:
-        return decode_ranges(text)
-    except ColdstartError as exc:
-        log.warning("layer %s: %s; prefetching the whole span", spec.digest, exc)
-        return None
-
-
 class LayerTable:
     """The served layers of one FUSE file system mounted at ``fuse_dir``; trio-side methods."""
 
     def __init__(self, fs: FuseFS, fuse_dir: Path, resolver: LayerResolver,
-                 state: MountState, *, record: bool = False,
-                 fetch: FetchConfig | None = None) -> None:
+                 state: MountState, *, record: bool = False) -> None:
         self.fs = fs
         self.fuse_dir = fuse_dir
         self.resolver = resolver
@@ -83,7 +67,6 @@ class LayerTable:
         self._stopping = False
         self._record_new = record     # layers mounted from now on record their accesses
         self._stopped: dict[str, AccessRecorder] = {}   # layer key -> a stopped recording
-        self._fetch = fetch or FetchConfig()
 
     def _lock(self, mountpoint: str) -> trio.Lock:
         lock = self._locks.get(mountpoint)
@@ -116,10 +99,6 @@ class LayerTable:
                 layer = _Layer(key, tree)
                 if self._record_new:
                     reader.recorder = AccessRecorder()
-                reader.prefetch_ranges = _prefetch_ranges(spec)
-                reader.neighbor_bytes = reader.neighbor_window = self._fetch.neighbor_bytes
-                reader.neighbor_max_bytes = max(self._fetch.neighbor_bytes,
-                                                self._fetch.neighbor_max_bytes)
                 self.layers[spec.digest] = layer
                 self.fs.add(tree)
                 created = True

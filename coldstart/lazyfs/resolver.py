@@ -17,7 +17,10 @@ from a worker thread, never from the trio loop.
 
 from __future__ import annotations
 
-from coldstart.errors import FailedPrecondition, IntegrityError, NotFound
+import logging
+
+from coldstart.config import FetchConfig
+from coldstart.errors import ColdstartError, FailedPrecondition, IntegrityError, NotFound
 from coldstart.format.layer import ESTARGZ_TOC_DIGEST, ZSTD_CHUNKED_MANIFEST_CHECKSUM, open_layer
 from coldstart.lazyfs.fetcher import ChunkFetcher
 from coldstart.lazyfs.reader import LayerReader
@@ -25,9 +28,15 @@ from coldstart.lazyfs.spec import LayerSpec
 from coldstart.oci.manifest import parse_manifest
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
+from coldstart.prefetch.ranges import PREFETCH_RANGES_ANNOTATION, decode_ranges
 from coldstart.remote import RegistryBlob
 
 __all__ = ["TOC_KEYS", "LayerResolver", "check_same_toc"]
+
+log = logging.getLogger(__name__)
+
+#: the neighbour-window defaults, from the one config tree
+_FETCH = FetchConfig()
 
 #: annotations that carry a layer's TOC digest (eStargz; zstd:chunked, both spellings)
 TOC_KEYS = (ESTARGZ_TOC_DIGEST, ZSTD_CHUNKED_MANIFEST_CHECKSUM,
@@ -46,14 +55,16 @@ class LayerResolver:
 
     def __init__(self, client: RegistryClient, fetcher: ChunkFetcher, *,
                  request_timeout: float, read_deadline: float, background_rate: int,
-                 allow_unverified: bool) -> None:
-        # every value from the one config tree (FetchConfig, Config.allow_unverified): no
-        # defaults restated here
+                 allow_unverified: bool, neighbor_bytes: int = _FETCH.neighbor_bytes,
+                 neighbor_max_bytes: int = _FETCH.neighbor_max_bytes) -> None:
+        # every value from the one config tree (FetchConfig, Config.allow_unverified)
         self.client = client
         self.fetcher = fetcher
         self.request_timeout = request_timeout
         self.read_deadline = read_deadline
         self.background_rate = background_rate
+        self.neighbor_bytes = neighbor_bytes
+        self.neighbor_max_bytes = neighbor_max_bytes
         self.allow_unverified = allow_unverified
 
     def annotations(self, spec: LayerSpec) -> dict[str, str]:
@@ -79,13 +90,31 @@ class LayerResolver:
                               timeout=self.request_timeout)
         layer = open_layer(source, annotations=annotations,
                            allow_unverified=self.allow_unverified)
-        return LayerReader(spec.digest, layer, source, self.fetcher,
-                           read_deadline=self.read_deadline,
-                           background_rate=self.background_rate)
+        reader = LayerReader(spec.digest, layer, source, self.fetcher,
+                             read_deadline=self.read_deadline,
+                             background_rate=self.background_rate,
+                             neighbor_bytes=self.neighbor_bytes,
+                             neighbor_max_bytes=self.neighbor_max_bytes)
+        # the spec's or the manifest's: which chunks the recorded start-up touched
+        reader.prefetch_ranges = _prefetch_ranges(spec.digest, annotations)
+        return reader
 
     def check_same_toc(self, spec: LayerSpec, toc_digest: str) -> None:
         """Raise unless ``spec`` vouches for the TOC ``toc_digest`` of the layer served already."""
         check_same_toc(self.annotations(spec), toc_digest, self.allow_unverified, spec.digest)
+
+
+def _prefetch_ranges(digest: str, annotations: dict[str, str]) -> list[tuple[int, int]] | None:
+    """The layer's prefetch-ranges annotation, decoded; None (the whole span) if absent or
+    malformed (a warning: the prefetch only fetches more)."""
+    text = annotations.get(PREFETCH_RANGES_ANNOTATION)
+    if not text:
+        return None
+    try:
+        return decode_ranges(text)
+    except ColdstartError as exc:
+        log.warning("layer %s: %s; prefetching the whole span", digest, exc)
+        return None
 
 
 def check_same_toc(annotations: dict[str, str], toc_digest: str, allow_unverified: bool,

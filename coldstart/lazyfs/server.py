@@ -117,9 +117,11 @@ class FuseServer:
                                       request_timeout=f.request_timeout,
                                       read_deadline=f.read_deadline,
                                       background_rate=f.background_rate,
+                                      neighbor_bytes=f.neighbor_bytes,
+                                      neighbor_max_bytes=f.neighbor_max_bytes,
                                       allow_unverified=config.allow_unverified)
         self.layers = LayerTable(self.fs, self.fuse_dir, self.resolver, self.state,
-                                 record=config.fuse.record, fetch=f)
+                                 record=config.fuse.record)
         self._restored: trio.Event | None = None
 
     # -- process lifecycle -----------------------------------------------------------------
