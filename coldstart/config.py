@@ -124,6 +124,9 @@ class CacheConfig(_Checked):
 
 @dataclass(frozen=True)
 class FuseConfig(_Checked):
+    # hand each prefetched (start-up) chunk to the kernel's page cache as soon as it is
+    # verified: the start-up then reads those files without a FUSE request
+    page_cache: bool = True
     # control socket of the FUSE server process (outlives the gRPC process)
     socket: str = "/run/coldstart/fuse.sock"
     # kernel entry / attribute cache timeouts, seconds (layers are immutable)

@@ -54,6 +54,8 @@ class ModeSpec:
     description: str
     # coldstart's fetch.background_rate (the hybrid fill): 0 = off, None = its default
     background_rate: int | None = 0
+    # coldstart's fuse.page_cache (prefetched chunks handed to the kernel's page cache)
+    page_cache: bool = True
 
 
 MODES: dict[str, ModeSpec] = {m.name: m for m in (
@@ -73,6 +75,9 @@ MODES: dict[str, ModeSpec] = {m.name: m for m in (
     ModeSpec("coldstart+fill", "coldstart", "zstd:chunked-profile",
              "coldstart+profile with the hybrid fill on (the rest of every layer at the "
              "link's rate, in the background)", background_rate=None),
+    ModeSpec("coldstart+profile-nowarm", "coldstart", "zstd:chunked-profile",
+             "coldstart+profile without handing the prefetched chunks to the kernel's page "
+             "cache (fuse.page_cache = false; an ablation)", page_cache=False),
 )}
 
 
@@ -224,7 +229,8 @@ def start_node(mode: ModeSpec, base: Path, *, insecure: tuple[str, ...] = (),
 
                 sn = stack.enter_context(start_snapshotter(
                     base / "sn", metrics=False, log_level="info",
-                    background_rate=mode.background_rate, record=record))
+                    background_rate=mode.background_rate, record=record,
+                    page_cache=mode.page_cache))
                 proxies["coldstart"] = sn.socket
                 daemons["snapshotter"] = lambda: sn.proc.pid if sn.proc else None
                 daemons["fuse-server"] = lambda: sn.fuse_pid

@@ -79,7 +79,14 @@ _WRITE_ERROR_LOG_INTERVAL = 60.0
 _DIGEST_RE = re.compile(r"^sha256:([0-9a-f]{64})$")
 # put_async blocks while this many bytes wait for the writer thread (backpressure); a cold
 # start's prefetched set fits, served from memory while the writer catches up
-_MAX_PENDING = 256 << 20
+_MAX_PENDING = 512 << 20
+# below this many pending bytes (and a quarter of max_bytes) the writer waits for
+# ``write_gate`` (the node's reads to pause) before it writes; above it, it writes at once
+_GATED_PENDING = 384 << 20
+# the longest a burst of writes waits for a pause; a node still busy then gets its writes
+# (the backlog drains without waiting again)
+_GATE_WAIT = 5.0
+_GATE_STEP = 0.02
 # niceness of the writer thread: the disk writes can wait, the start-up reading cannot
 WRITER_NICENESS = 10
 # chunks of at most this many bytes go to packs (a file costs ~0.2-1 ms, an append ~10 µs)
@@ -128,6 +135,12 @@ class ChunkCache:
         self.verify_reads = self.verify == "always"
         #: called with :data:`WRITE_ERROR` or :data:`CORRUPT` (e.g. a metrics counter)
         self.on_error = on_error
+        #: called (with the longest wait, seconds) before each background write while the
+        #: backlog is small: blocks until the node's reads pause (the FUSE server's fetcher:
+        #: True) or the wait is over (False: the rest of this backlog is written at once), so
+        #: a start-up's cache writes wait until it stops reading; None: write at once
+        self.write_gate: Callable[[float], bool] | None = None
+        self._flushing = 0
         self._err_logged: tuple[int | None, float] = (None, 0.0)   # errno, when
         self._err_unlogged = 0
         #: chunks of at most this many bytes are appended to packs (0: every chunk is a file)
@@ -459,11 +472,14 @@ class ChunkCache:
     def _write_loop(self) -> None:
         with contextlib.suppress(OSError, AttributeError):   # Linux: per thread
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+        gated = min(_GATED_PENDING, self.max_bytes // 4)
+        waited_out = False      # this backlog waited its longest at the gate already
         while True:
             touch: Path | None = None
             hexd, data = "", b""
             with self._lock:
                 while not self._queue and not self._touches:
+                    waited_out = False
                     if self._closed or not self._pending_cv.wait(5.0):
                         self._writer = None
                         return
@@ -472,6 +488,10 @@ class ChunkCache:
                 else:
                     hexd = self._queue.popleft()
                     data = self._pending[hexd]
+                gate = (self.write_gate if not waited_out and self._pending_bytes < gated
+                        and not self._flushing and not self._closed else None)
+            if gate is not None and touch is None:
+                waited_out = not self._wait_at_gate(gate, gated)
             if touch is not None:
                 with contextlib.suppress(OSError):
                     os.utime(touch)
@@ -485,6 +505,25 @@ class ChunkCache:
                     self._pending.pop(hexd, None)
                     self._pending_bytes -= len(data)
                     self._pending_cv.notify_all()
+
+    def _wait_at_gate(self, gate: Callable[[float], bool], gated: int) -> bool:
+        """Wait (in short steps) until ``gate`` says the node is quiet: True; False once
+        ``_GATE_WAIT`` is over, the backlog has grown past ``gated`` bytes, or a flush or close
+        wants the writes now."""
+        give_up = time.monotonic() + _GATE_WAIT
+        while True:
+            left = give_up - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                if gate(min(_GATE_STEP, left)):
+                    return True
+            except Exception:   # a broken gate must not stop the writes
+                log.exception("chunk cache: write gate failed")
+                return False
+            with self._lock:
+                if self._pending_bytes >= gated or self._flushing or self._closed:
+                    return False
 
     def _count_write_error(self) -> None:
         with self._lock:
@@ -519,11 +558,15 @@ class ChunkCache:
         """Wait until every :meth:`put_async` chunk is on disk; False on timeout."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            while self._pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._pending_cv.wait(min(left, 0.5))
+            self._flushing += 1       # no waiting at the gate meanwhile
+            try:
+                while self._pending:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._pending_cv.wait(min(left, 0.5))
+            finally:
+                self._flushing -= 1
         return True
 
     def close(self) -> None:

@@ -51,8 +51,9 @@ root. The JSON schema is coldstart/benchmark/result_schema.json.
               metavar="MODE[,MODE…]",
               help="Modes to compare: overlayfs, coldstart, stargz, stargz-optimized, "
                    "coldstart+profile (the image from coldstart optimize), coldstart+fill "
-                   "(the same with the hybrid fill), coldstart+ctr-profile (coldstart on "
-                   "ctr-remote's optimized image).")
+                   "(the same with the hybrid fill), coldstart+profile-nowarm (the same "
+                   "without handing the prefetched chunks to the page cache), "
+                   "coldstart+ctr-profile (coldstart on ctr-remote's optimized image).")
 @click.option("--runs", "-n", default=5, show_default=True, type=click.IntRange(1, 1000),
               help="Cold starts per mode.")
 @click.option("--ready", default=None, metavar="CONDITION",

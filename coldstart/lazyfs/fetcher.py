@@ -105,6 +105,8 @@ class LayerStats:
     #: compressed bytes of the layer's chunks, and of those known local (set by the fill)
     total_bytes: int = 0
     local_bytes: int = 0
+    #: bytes of prefetched chunks handed to the kernel's page cache
+    page_cache_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record_error(self, message: str) -> None:
@@ -131,6 +133,7 @@ class LayerStats:
                 "requests_by_kind": dict(self.requests_by_kind),
                 "total_bytes": self.total_bytes,
                 "local_bytes": self.local_bytes,
+                "page_cache_bytes": self.page_cache_bytes,
             }
 
 
@@ -492,24 +495,34 @@ class ChunkFetcher:
         """A FUSE read was served (the loop calls this: one clock read, no lock)."""
         self.last_read = time.monotonic()
 
-    def wait_quiet(self) -> None:
+    def wait_quiet(self, timeout: float | None = None) -> bool:
         """Block while on-demand fetches are in flight or a read was served within the last
-        ``QUIET_SECONDS`` (see :meth:`_wait_foreground_idle`)."""
-        self._wait_foreground_idle({})
+        ``QUIET_SECONDS`` (see :meth:`_wait_foreground_idle`), at most ``timeout`` seconds;
+        False if it gave up."""
+        return not self._wait_foreground_idle({}, timeout)
 
-    def _wait_foreground_idle(self, owned: dict[Chunk, _Flight]) -> bool:
+    def _wait_foreground_idle(self, owned: dict[Chunk, _Flight],
+                              timeout: float | None = None) -> bool:
         """Hold a background request while on-demand fetches are in flight, and until no read
         was served for ``QUIET_SECONDS``: the start-up reading its files has the CPU and the
         link first (its decoding, hashing and cache writes are what the fill would take).
-        Returns True at once when a read joins one of ``owned`` (it must not wait)."""
+        Returns True at once when a read joins one of ``owned`` (it must not wait), or when
+        ``timeout`` seconds passed."""
+        give_up = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while not self._closed:
                 if any(fl.urgent for fl in owned.values()):
                     return True
-                quiet = QUIET_SECONDS - (time.monotonic() - self.last_read)
+                now = time.monotonic()
+                quiet = QUIET_SECONDS - (now - self.last_read)
                 if self._foreground == 0 and quiet <= 0:
                     return False
-                self._idle.wait(quiet if self._foreground == 0 else 0.5)
+                wait = quiet if self._foreground == 0 else 0.5
+                if give_up is not None:
+                    if now >= give_up:
+                        return True
+                    wait = min(wait, give_up - now)
+                self._idle.wait(wait)
             return False
 
     def _release_locked(self, target: FetchTarget, c: Chunk, fl: _Flight) -> None:

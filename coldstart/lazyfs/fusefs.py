@@ -729,3 +729,12 @@ def fuse_terminate() -> None:
 
 def fuse_close(unmount: bool = True) -> None:
     pyfuse3.close(unmount=unmount)
+
+
+def store_pages(inode: int, offset: int, data: bytes | memoryview) -> None:
+    """Put ``data`` into the kernel's page cache of ``inode`` at ``offset`` (FUSE
+    ``NOTIFY_STORE``): reads of those pages then never reach this process. The kernel must
+    know the inode (looked up); OSError otherwise. Never call it from the FUSE loop's thread:
+    it may wait for a page that a read in flight holds locked."""
+    # pyfuse3 takes any contiguous buffer (its stub says bytes): no copy of a chunk's slice
+    pyfuse3.notify_store(inode, offset, data)  # type: ignore[arg-type]

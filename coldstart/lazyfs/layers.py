@@ -18,6 +18,7 @@ import gc
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,11 @@ from typing import Any
 import trio
 
 from coldstart.errors import AlreadyExists, ColdstartError, FailedPrecondition, NotFound
-from coldstart.lazyfs.fusefs import FuseFS, LayerTree, build_tree
+from coldstart.lazyfs.fusefs import FuseFS, LayerTree, build_tree, store_pages
 from coldstart.lazyfs.mountstate import MountRecord, MountState
 from coldstart.lazyfs.mountsys import bind_mount, is_mountpoint, lazy_unmount
+from coldstart.lazyfs.pagecache import PageCacheWarmer
+from coldstart.lazyfs.reader import LayerReader
 from coldstart.lazyfs.resolver import LayerResolver
 from coldstart.lazyfs.spec import LayerSpec
 from coldstart.prefetch.recorder import AccessRecorder
@@ -35,6 +38,15 @@ from coldstart.prefetch.recorder import AccessRecorder
 __all__ = ["LayerTable"]
 
 log = logging.getLogger(__name__)
+
+
+def _sizes(reader: LayerReader) -> Callable[[str], int | None]:
+    entries = reader.layer.toc.entries
+
+    def size(name: str) -> int | None:
+        e = entries.get(name)
+        return None if e is None else e.size
+    return size
 
 
 @dataclass
@@ -55,7 +67,7 @@ class LayerTable:
     """The served layers of one FUSE file system mounted at ``fuse_dir``; trio-side methods."""
 
     def __init__(self, fs: FuseFS, fuse_dir: Path, resolver: LayerResolver,
-                 state: MountState, *, record: bool = False) -> None:
+                 state: MountState, *, record: bool = False, page_cache: bool = True) -> None:
         self.fs = fs
         self.fuse_dir = fuse_dir
         self.resolver = resolver
@@ -66,6 +78,7 @@ class LayerTable:
         self._generation = 0
         self._stopping = False
         self._record_new = record     # layers mounted from now on record their accesses
+        self._page_cache = page_cache  # prefetched chunks go to the kernel's page cache
         self._stopped: dict[str, AccessRecorder] = {}   # layer key -> a stopped recording
 
     def _lock(self, mountpoint: str) -> trio.Lock:
@@ -99,6 +112,9 @@ class LayerTable:
                 layer = _Layer(key, tree)
                 if self._record_new:
                     reader.recorder = AccessRecorder()
+                if self._page_cache and reader.wants_prefetch:
+                    reader.page_cache = PageCacheWarmer(self.fuse_dir / key, _sizes(reader),
+                                                        store_pages, stats=reader.stats)
                 self.layers[spec.digest] = layer
                 self.fs.add(tree)
                 created = True

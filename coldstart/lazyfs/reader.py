@@ -20,6 +20,7 @@ Round trips are what cost on a cold start, so:
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import threading
 import time
@@ -41,6 +42,7 @@ from coldstart.lazyfs.fetcher import (
     Span,
     lower_priority,
 )
+from coldstart.lazyfs.pagecache import PageCacheWarmer
 from coldstart.prefetch.recorder import AccessRecorder
 from coldstart.remote import Source
 
@@ -154,10 +156,15 @@ class LayerReader:
         #: the compressed ranges of the prefetch span the recorded start-up touched (the
         #: layer's prefetch-ranges annotation); None: prefetch the whole span
         self.prefetch_ranges: list[tuple[int, int]] | None = None
+        #: hands each prefetched chunk, once verified, to the kernel's page cache (unless
+        #: recording: the recorder must see every read)
+        self.page_cache: PageCacheWarmer | None = None
 
     def close(self) -> None:
-        """Stop prefetching."""
+        """Stop prefetching (and warming the page cache)."""
         self._stop.set()
+        if self.page_cache is not None:
+            self.page_cache.close()
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -488,8 +495,7 @@ class LayerReader:
         if self.prefetch_ranges:
             # the chunks the recorded start-up touched (the layer's prefetch-ranges
             # annotation), wherever they lie: behind a landmark or not
-            todo = [c for c in self._unique_chunks() if self._touched(c)
-                    and not self._is_cached(c)]
+            todo = [c for c in self._touched_chunks() if not self._is_cached(c)]
         else:
             todo = [c for c in self._unique_chunks(self.layer.toc.prefetch)
                     if not self._is_cached(c)]
@@ -509,6 +515,10 @@ class LayerReader:
                                                max_gap=PREFETCH_GAP)
             except ColdstartError:
                 break
+            warmer = self.page_cache
+            if warmer is not None and self.recorder is None:
+                for c, f in futures.items():
+                    f.add_done_callback(functools.partial(_hand_over, warmer, c))
             window.append((0, futures))
             if len(window) >= PREFETCH_STREAMS:
                 fetched += _settle(window.pop(0)[1], self.read_deadline * 4)
@@ -519,6 +529,19 @@ class LayerReader:
             self.stats.state = "on-demand"
         log.info("layer %s: prefetched %d chunks, %d bytes", self.digest, len(todo), fetched)
         return fetched
+
+    def _touched_chunks(self) -> list[Chunk]:
+        """The chunks the prefetch-ranges annotation names, in blob order. A layer written
+        with its start-up files first (a landmark) holds them all in its prefetch span when
+        the ranges end within it: only those entries are looked at, not the whole TOC
+        (building every entry of a large layer costs a start-up about half a second)."""
+        ranges = self.prefetch_ranges or []
+        if self.layer.toc.prefetch:
+            front = self._unique_chunks(self.layer.toc.prefetch)
+            span = max((c.end_offset for c in front), default=0)
+            if all(hi <= span for _, hi in ranges):
+                return [c for c in front if self._touched(c)]
+        return [c for c in self._unique_chunks() if self._touched(c)]
 
     def _touched(self, c: Chunk) -> bool:
         """Whether the recorded start-up touched chunk ``c`` (True when nothing says)."""
@@ -693,6 +716,12 @@ def _batches(chunks: list[Chunk], limit: int) -> list[list[Chunk]]:
         batches[-1].append(c)
         size += c.compressed_size
     return batches
+
+
+def _hand_over(warmer: PageCacheWarmer, c: Chunk, f: Future[bytes]) -> None:
+    """A prefetch future's done-callback (in the thread that decoded the chunk)."""
+    if not f.cancelled() and f.exception() is None:
+        warmer.put(c, f.result())
 
 
 def _settle(futures: dict[Chunk, Future[bytes]], timeout: float) -> int:

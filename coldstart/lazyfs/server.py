@@ -104,6 +104,9 @@ class FuseServer:
         self.fetcher = ChunkFetcher(self.cache, concurrency=f.concurrency,
                                     max_coalesce_bytes=f.max_coalesce_bytes,
                                     request_timeout=f.request_timeout, telemetry=self.metrics)
+        # the start-up's cache writes wait until its reads pause (the data is served from
+        # memory meanwhile)
+        self.cache.write_gate = self.fetcher.wait_quiet
         self.fs = FuseFS(entry_timeout=config.fuse.entry_timeout,
                          attr_timeout=config.fuse.attr_timeout,
                          read_threads=max(8, 2 * f.concurrency), on_error=self.metrics.error)
@@ -121,7 +124,8 @@ class FuseServer:
                                       neighbor_max_bytes=f.neighbor_max_bytes,
                                       allow_unverified=config.allow_unverified)
         self.layers = LayerTable(self.fs, self.fuse_dir, self.resolver, self.state,
-                                 record=config.fuse.record)
+                                 record=config.fuse.record,
+                                 page_cache=config.fuse.page_cache)
         self._restored: trio.Event | None = None
 
     # -- process lifecycle -----------------------------------------------------------------

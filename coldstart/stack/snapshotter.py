@@ -97,11 +97,12 @@ class SnapshotterDaemon:
 
 def snapshotter_config(base: Path, *, spawn: bool = True, extra: str = "",
                        log_level: str = "debug", background_rate: int | None = 0,
-                       record: bool = False) -> str:
+                       record: bool = False, page_cache: bool = True) -> str:
     """The snapshotter's TOML config, everything under ``base``; ``extra``: more top-level
     keys. ``background_rate``: ``fetch.background_rate`` (0, the default here: no fill, so
     what a test reads is all that is fetched; None: the config's default, the link's rate);
-    ``record``: ``fuse.record`` (every layer records its file accesses)."""
+    ``record``: ``fuse.record`` (every layer records its file accesses); ``page_cache``:
+    ``fuse.page_cache`` (prefetched chunks handed to the kernel's page cache)."""
     text = (
         f'root = "{base / "root"}"\n'
         f'socket = "{base / "s.sock"}"\n'
@@ -116,6 +117,7 @@ def snapshotter_config(base: Path, *, spawn: bool = True, extra: str = "",
         "start_timeout = 20.0\n"
         "request_timeout = 20.0\n"
         f"{'record = true' if record else ''}\n"
+        f"{'' if page_cache else 'page_cache = false'}\n"
     )
     if background_rate is not None:
         text += f"[fetch]\nbackground_rate = {background_rate}\n"
@@ -126,7 +128,8 @@ def snapshotter_config(base: Path, *, spawn: bool = True, extra: str = "",
 def start_snapshotter(base: Path, *, spawn: bool = True, metrics: bool = True,
                       extra: str = "", log_level: str = "debug",
                       background_rate: int | None = 0,
-                      record: bool = False) -> Iterator[SnapshotterDaemon]:
+                      record: bool = False, page_cache: bool = True,
+                      ) -> Iterator[SnapshotterDaemon]:
     """Our daemon on a temp root (config written to ``base/config.toml``); stopped by PID."""
     base.mkdir(parents=True, exist_ok=True)
     config = base / "config.toml"
@@ -134,7 +137,8 @@ def start_snapshotter(base: Path, *, spawn: bool = True, metrics: bool = True,
     if metrics_address:
         extra = f'metrics_address = "{metrics_address}"\n' + extra
     config.write_text(snapshotter_config(base, spawn=spawn, extra=extra, log_level=log_level,
-                                         background_rate=background_rate, record=record))
+                                         background_rate=background_rate, record=record,
+                                         page_cache=page_cache))
     d = SnapshotterDaemon(base=base, root=base / "root", socket=str(base / "s.sock"),
                           config=config, log=base / "snapshotter.log",
                           metrics_address=metrics_address)
@@ -219,13 +223,14 @@ def fuse_server_config(path: Path, root: Path, *, registry_host: str,
                        read_deadline: float = 10.0, request_timeout: float = 5.0,
                        cache_max: int = 1 << 30, max_coalesce: int = 16 << 20,
                        background_rate: int = 0, cache_dir: Path | None = None,
-                       registry_timeout: float = 5.0) -> Path:
+                       registry_timeout: float = 5.0, page_cache: bool = True) -> Path:
     """Write a FUSE server config at ``path`` (root, cache and socket under ``root``; plain
     HTTP to ``registry_host``, no retries) and return ``path``.
 
     ``background_rate``: ``fetch.background_rate`` (bytes/s of the background fetch of whole
     layers; 0: off); ``cache_dir``: the chunk cache somewhere else than ``root/cache``;
-    ``registry_timeout``: ``registry.timeout`` (also how long a response may stall)."""
+    ``registry_timeout``: ``registry.timeout`` (also how long a response may stall);
+    ``page_cache``: ``fuse.page_cache`` (written only when off)."""
     # written only when set: an older checkout's server (``source_root``) may not know it
     cache = f'dir = "{cache_dir}"\n' if cache_dir is not None else ""
     background = f"background_rate = {background_rate}\n"
@@ -244,6 +249,7 @@ def fuse_server_config(path: Path, root: Path, *, registry_host: str,
         f"{cache}max_bytes = {cache_max}\n"
         "[fuse]\n"
         f'socket = "{root}/fuse.sock"\n'
+        f"{'' if page_cache else 'page_cache = false'}\n"
     )
     return path
 
@@ -254,7 +260,7 @@ def fuse_server(tmp: Path, *, registry_host: str, log_name: str = "fuse-server.l
                 request_timeout: float = 5.0, cache_max: int = 1 << 30,
                 max_coalesce: int = 16 << 20, source_root: Path | None = None,
                 background_rate: int = 0, cache_dir: Path | None = None,
-                registry_timeout: float = 5.0
+                registry_timeout: float = 5.0, page_cache: bool = True
                 ) -> Iterator[tuple[subprocess.Popen[bytes], FuseServerClient, Path]]:
     """Run ``coldstart fuse-server`` on ``tmp/root`` (config :func:`fuse_server_config`);
     yield ``(process, control client, root)``; stop it and unmount everything after (below
@@ -269,7 +275,7 @@ def fuse_server(tmp: Path, *, registry_host: str, log_name: str = "fuse-server.l
                              read_deadline=read_deadline, request_timeout=request_timeout,
                              cache_max=cache_max, max_coalesce=max_coalesce,
                              background_rate=background_rate, cache_dir=cache_dir,
-                             registry_timeout=registry_timeout)
+                             registry_timeout=registry_timeout, page_cache=page_cache)
     sock = root / "fuse.sock"
     with contextlib.suppress(FileNotFoundError):
         sock.unlink()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,59 @@ def test_put_async_is_readable_at_once_and_lands_on_disk(tmp_path: Path, thresho
     assert all(c2.get(dg(ch)) == ch for ch in chunks)
     with pytest.raises(IntegrityError):
         c2.put_async(dg(b"a"), b"b")
+
+
+def test_background_writes_wait_at_the_gate_and_are_served_from_memory(tmp_path: Path) -> None:
+    import threading
+
+    c = ChunkCache(tmp_path / "c", max_bytes=1 << 20)
+    opened = threading.Event()
+    waits: list[float] = []
+
+    def gate(longest: float) -> bool:      # the node is reading: hold the writes
+        waits.append(longest)
+        return opened.wait(longest)
+
+    c.write_gate = gate
+    chunks = [blob(i)[:3000] for i in range(5)]
+    for ch in chunks:
+        c.put_async(dg(ch), ch, verified=True)
+    assert wait_until(lambda: len(waits) >= 1)
+    other = ChunkCache(tmp_path / "c", max_bytes=1 << 20)     # what the disk holds
+    assert not any(dg(ch) in other for ch in chunks)
+    assert all(c.get(dg(ch)) == ch for ch in chunks)           # served from memory meanwhile
+    assert all(0 < w <= 0.02 for w in waits)                   # short steps
+    opened.set()
+    assert c.flush(30)
+    other.close()
+    other = ChunkCache(tmp_path / "c", max_bytes=1 << 20)
+    assert all(other.get(dg(ch)) == ch for ch in chunks)
+    other.close()
+    c.close()
+
+
+def test_flush_does_not_wait_for_the_gate(tmp_path: Path) -> None:
+    import time
+
+    c = ChunkCache(tmp_path, max_bytes=1 << 20)
+    def busy(longest: float) -> bool:     # the node never goes quiet
+        time.sleep(longest)
+        return False
+
+    c.write_gate = busy
+    chunks = [blob(i)[:3000] for i in range(20)]
+    for ch in chunks:
+        c.put_async(dg(ch), ch, verified=True)
+    assert c.flush(3)      # the gate alone would hold the first write 5 s
+    c.close()
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()

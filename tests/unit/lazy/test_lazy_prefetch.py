@@ -214,3 +214,26 @@ def test_ranges_without_a_landmark_prefetch_those_chunks(tmp_path: Path) -> None
     assert reader.cache is not None
     assert all(c.digest in reader.cache for c in wanted)
     assert big.chunks[0].digest not in reader.cache
+
+
+def test_touched_chunks_match_a_scan_of_the_whole_layer(tmp_path: Path) -> None:
+    """With a landmark, only the prefetch span is looked at when the ranges end within it;
+    the answer is the same as a scan of every entry, also for ranges that reach past it."""
+    import random
+
+    tree = metadata_tar()
+    reader, _, _ = make(tmp_path, "zstd:chunked", tar=tree.tar,
+                        prefetch=["usr/lib/big.so", "etc/os-release"])
+    every = reader._unique_chunks()
+    front = reader._unique_chunks(reader.layer.toc.prefetch)
+    span = max(c.end_offset for c in front)
+    rng = random.Random(5)
+    for trial in range(40):
+        pool = front if trial % 2 == 0 else every     # within the span, then anywhere
+        picked = sorted(rng.sample(pool, min(len(pool), rng.randint(1, 6))),
+                        key=lambda c: c.offset)
+        reader.prefetch_ranges = [(c.offset, c.end_offset) for c in picked]
+        want = [c for c in every if reader._touched(c)]
+        assert reader._touched_chunks() == want
+        if trial % 2 == 0:
+            assert all(c.end_offset <= span for c in want)

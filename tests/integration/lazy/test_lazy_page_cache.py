@@ -1,0 +1,110 @@
+"""The prefetch hands its verified chunks to the kernel's page cache (``fuse.page_cache``),
+through a real FUSE mount: the start-up's files are resident before anything reads them, and
+their reads then never reach the server. Residency is the kernel's own word (``mincore``)."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coldstart.lazyfs.client import FuseServerClient
+from coldstart.lazyfs.spec import LayerSpec
+from tests.fixtures.procs import wait_for
+from tests.fixtures.registry import Registry
+from tests.integration.lazy.lazy_helpers import convert, fuse_server, metadata_tar, push_layer
+
+pytestmark = pytest.mark.integration
+
+PAGE = mmap.PAGESIZE
+START_UP = ["usr/lib/big.so", "etc/os-release", "usr/bin/sudo"]
+LATER = "usr/share/doc/f007.txt"        # not in the start-up set
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def resident_pages(path: Path) -> tuple[int, int]:
+    """``(resident, total)`` pages of ``path`` in the page cache, without reading it: mapping
+    a file reads nothing, and ``mincore`` only asks the kernel what it holds."""
+    size = path.stat().st_size
+    pages = (size + PAGE - 1) // PAGE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    finally:
+        os.close(fd)
+    if addr is None or addr == _MAP_FAILED:
+        raise OSError(ctypes.get_errno(), f"mmap {path}")
+    try:
+        vec = ctypes.create_string_buffer(pages)
+        if _libc.mincore(addr, size, vec) != 0:
+            raise OSError(ctypes.get_errno(), f"mincore {path}")
+        return sum(1 for b in vec.raw[:pages] if b & 1), pages
+    finally:
+        _libc.munmap(addr, size)
+
+
+def _status(client: FuseServerClient, spec: LayerSpec) -> dict[str, Any]:
+    return next(s for s in client.status() if s["digest"] == spec.digest)
+
+
+def _layer(registry: Registry, repo: str) -> tuple[Any, LayerSpec]:
+    tree = metadata_tar(big_size=3 << 20, seed=41)
+    blob, res = convert(tree.tar, "zstd:chunked", prefetch=START_UP)
+    return tree, push_layer(registry.host, repo, blob, res)
+
+
+def test_prefetched_files_are_in_the_page_cache_before_any_read(tmp_path: Path,
+                                                               registry: Registry) -> None:
+    tree, spec = _layer(registry, "pagecache/on")
+    with fuse_server(tmp_path, registry_host=registry.host) as (_, client, _):
+        mp = tmp_path / "mnt"
+        mp.mkdir()
+        client.mount(str(mp), spec)
+        want = sum(len(tree.files[n]) for n in START_UP)
+        wait_for(lambda: _status(client, spec)["prefetch_done"]
+                 and _status(client, spec)["page_cache_bytes"] >= want,
+                 timeout=60, what="the prefetch handed to the page cache")
+        st = _status(client, spec)
+        assert st["page_cache_bytes"] == want       # whole files: the last page ends the file
+        assert st["on_demand_bytes"] == 0
+        for name in START_UP:
+            resident, total = resident_pages(mp / name)
+            assert resident == total, f"{name}: {resident} of {total} pages resident"
+        # a file outside the start-up set was not pushed
+        resident, total = resident_pages(mp / LATER)
+        assert resident == 0
+        # reading the start-up files asks the server for nothing and gives the right bytes
+        requests = st["requests"]
+        for name in START_UP:
+            assert (mp / name).read_bytes() == tree.files[name]
+        st = _status(client, spec)
+        assert st["requests"] == requests and st["on_demand_bytes"] == 0
+        assert (mp / LATER).read_bytes() == tree.files[LATER]
+        assert _status(client, spec)["errors"] == 0
+
+
+def test_page_cache_off_leaves_the_files_to_be_read_through_fuse(tmp_path: Path,
+                                                                registry: Registry) -> None:
+    tree, spec = _layer(registry, "pagecache/off")
+    with fuse_server(tmp_path, registry_host=registry.host, page_cache=False) as (_, client, _):
+        mp = tmp_path / "mnt"
+        mp.mkdir()
+        client.mount(str(mp), spec)
+        wait_for(lambda: _status(client, spec)["prefetch_done"], timeout=60,
+                 what="the prefetch")
+        assert _status(client, spec)["page_cache_bytes"] == 0
+        resident, _ = resident_pages(mp / "usr/lib/big.so")
+        assert resident == 0
+        for name in START_UP:
+            assert (mp / name).read_bytes() == tree.files[name]
