@@ -107,6 +107,8 @@ class LayerStats:
     local_bytes: int = 0
     #: bytes of prefetched chunks handed to the kernel's page cache
     page_cache_bytes: int = 0
+    #: FUSE reads of the layer's files (counted by the FUSE loop alone: no lock)
+    fuse_reads: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record_error(self, message: str) -> None:
@@ -134,6 +136,7 @@ class LayerStats:
                 "total_bytes": self.total_bytes,
                 "local_bytes": self.local_bytes,
                 "page_cache_bytes": self.page_cache_bytes,
+                "fuse_reads": self.fuse_reads,
             }
 
 
@@ -492,7 +495,9 @@ class ChunkFetcher:
                                  not background, kind)
 
     def note_read(self) -> None:
-        """A FUSE read was served (the loop calls this: one clock read, no lock)."""
+        """The node is busy: a FUSE read was served, or a file looked up or opened (the loop
+        calls this: one clock read, no lock). A start-up whose data is in the page cache
+        still looks up and opens its files: it counts as reading."""
         self.last_read = time.monotonic()
 
     def wait_quiet(self, timeout: float | None = None) -> bool:

@@ -524,6 +524,7 @@ class FuseFS(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.ENOENT)
             return self._attr(tree, tree.root)
         tree = self._tree(parent_inode)
+        tree.reader.fetcher.note_read()     # busy: cache writes and the fill wait
         if name == b".":
             return self._attr(tree, parent_inode)
         if name == b"..":
@@ -633,12 +634,14 @@ class FuseFS(pyfuse3.Operations):
         tree = self._tree(inode)
         if tree.entry(inode - tree.base).type != "reg":
             raise pyfuse3.FUSEError(errno.EINVAL)
+        tree.reader.fetcher.note_read()     # busy: a file served from the page cache is opened
         return pyfuse3.FileInfo(fh=inode, keep_cache=True)
 
     @_guarded
     async def read(self, fh: int, off: int, size: int) -> bytes:
         tree = self._tree(fh)
         entry = tree.entries[fh - tree.base]
+        tree.reader.stats.fuse_reads += 1   # this loop alone counts: no lock
         if off >= entry.size:
             return b""
         if _DEBUG:

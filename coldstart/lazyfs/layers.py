@@ -14,6 +14,7 @@ resolver run in worker threads, since binding makes the kernel ask this process'
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -38,6 +39,10 @@ from coldstart.prefetch.recorder import AccessRecorder
 __all__ = ["LayerTable"]
 
 log = logging.getLogger(__name__)
+
+
+def _not_recording(reader: LayerReader) -> bool:
+    return reader.recorder is None
 
 
 def _sizes(reader: LayerReader) -> Callable[[str], int | None]:
@@ -113,8 +118,9 @@ class LayerTable:
                 if self._record_new:
                     reader.recorder = AccessRecorder()
                 if self._page_cache and reader.wants_prefetch:
-                    reader.page_cache = PageCacheWarmer(self.fuse_dir / key, _sizes(reader),
-                                                        store_pages, stats=reader.stats)
+                    reader.page_cache = PageCacheWarmer(
+                        self.fuse_dir / key, _sizes(reader), store_pages, stats=reader.stats,
+                        enabled=functools.partial(_not_recording, reader))
                 self.layers[spec.digest] = layer
                 self.fs.add(tree)
                 created = True
@@ -240,8 +246,16 @@ class LayerTable:
                           type(exc).__name__, exc)
 
     async def stop(self) -> None:
-        """Refuse further mounts; lazily unmount every bind (the records stay, for a restore)."""
+        """Refuse further mounts; stop every layer's prefetch and page cache warming (no
+        store may reach the FUSE session once it closes); lazily unmount every bind (the
+        records stay, for a restore)."""
         self._stopping = True
+        for layer in self.layers.values():
+            layer.tree.reader.close()
+        for layer in self.layers.values():
+            warmer = layer.tree.reader.page_cache
+            if warmer is not None:
+                await trio.to_thread.run_sync(warmer.join, 5.0)
         for mp in list(self.mounts):
             try:
                 await trio.to_thread.run_sync(lazy_unmount, mp)

@@ -32,7 +32,7 @@ from coldstart.cache import ChunkStore
 from coldstart.config import FetchConfig
 from coldstart.errors import ColdstartError, FormatError
 from coldstart.format.layer import SeekableLayer
-from coldstart.format.toc import Chunk, Entry
+from coldstart.format.toc import PREFETCH_LANDMARK, Chunk, Entry
 from coldstart.lazyfs.fetcher import (
     FILL,
     PREFETCH,
@@ -156,8 +156,8 @@ class LayerReader:
         #: the compressed ranges of the prefetch span the recorded start-up touched (the
         #: layer's prefetch-ranges annotation); None: prefetch the whole span
         self.prefetch_ranges: list[tuple[int, int]] | None = None
-        #: hands each prefetched chunk, once verified, to the kernel's page cache (unless
-        #: recording: the recorder must see every read)
+        #: hands each prefetched chunk, once verified, to the kernel's page cache (the
+        #: warmer asks whether the layer records: the recorder must see every read)
         self.page_cache: PageCacheWarmer | None = None
 
     def close(self) -> None:
@@ -495,10 +495,18 @@ class LayerReader:
         if self.prefetch_ranges:
             # the chunks the recorded start-up touched (the layer's prefetch-ranges
             # annotation), wherever they lie: behind a landmark or not
-            todo = [c for c in self._touched_chunks() if not self._is_cached(c)]
+            wanted = self._touched_chunks()
         else:
-            todo = [c for c in self._unique_chunks(self.layer.toc.prefetch)
-                    if not self._is_cached(c)]
+            wanted = self._unique_chunks(self.layer.toc.prefetch)
+        todo: list[Chunk] = []
+        local: list[Chunk] = []
+        for c in wanted:
+            (local if self._is_cached(c) else todo).append(c)
+        warmer = self.page_cache
+        if warmer is not None and local:
+            # on a node that has them already, the start-up's chunks still go to the page
+            # cache (read from the chunk cache here, in this thread)
+            self._warm_from_cache(warmer, local)
         with self.stats._lock:
             self.stats.state = "prefetching"
         fetched = 0
@@ -515,8 +523,7 @@ class LayerReader:
                                                max_gap=PREFETCH_GAP)
             except ColdstartError:
                 break
-            warmer = self.page_cache
-            if warmer is not None and self.recorder is None:
+            if warmer is not None:
                 for c, f in futures.items():
                     f.add_done_callback(functools.partial(_hand_over, warmer, c))
             window.append((0, futures))
@@ -530,16 +537,35 @@ class LayerReader:
         log.info("layer %s: prefetched %d chunks, %d bytes", self.digest, len(todo), fetched)
         return fetched
 
+    def _warm_from_cache(self, warmer: PageCacheWarmer, chunks: list[Chunk]) -> None:
+        cache = self.cache
+        for c in chunks:
+            if self._stop.is_set() or cache is None:
+                return
+            if c.zeros or not c.digest:
+                continue
+            try:
+                data = cache.get(c.digest, expected_size=c.chunk_size)
+            except (ColdstartError, OSError):
+                data = None
+            if data is not None:
+                warmer.put(c, data, wait=True)
+
     def _touched_chunks(self) -> list[Chunk]:
         """The chunks the prefetch-ranges annotation names, in blob order. A layer written
         with its start-up files first (a landmark) holds them all in its prefetch span when
         the ranges end within it: only those entries are looked at, not the whole TOC
         (building every entry of a large layer costs a start-up about half a second)."""
         ranges = self.prefetch_ranges or []
-        if self.layer.toc.prefetch:
-            front = self._unique_chunks(self.layer.toc.prefetch)
+        toc = self.layer.toc
+        mark = toc.entries.get(PREFETCH_LANDMARK)
+        if toc.prefetch and mark is not None and mark.chunks:
+            front = self._unique_chunks(toc.prefetch)
             span = max((c.end_offset for c in front), default=0)
-            if all(hi <= span for _, hi in ranges):
+            # the writers that put a landmark (ours, ctr-remote's) store the files before it
+            # first, in TOC order: so the blob up to the landmark's own data holds their
+            # chunks and no others (checked: the landmark lies past them all)
+            if span <= mark.chunks[0].offset and all(hi <= span for _, hi in ranges):
                 return [c for c in front if self._touched(c)]
         return [c for c in self._unique_chunks() if self._touched(c)]
 
@@ -719,7 +745,8 @@ def _batches(chunks: list[Chunk], limit: int) -> list[list[Chunk]]:
 
 
 def _hand_over(warmer: PageCacheWarmer, c: Chunk, f: Future[bytes]) -> None:
-    """A prefetch future's done-callback (in the thread that decoded the chunk)."""
+    """A prefetch future's done-callback (in the thread that decoded the chunk: it never
+    waits; past the warmer's bound the chunk is dropped)."""
     if not f.cancelled() and f.exception() is None:
         warmer.put(c, f.result())
 

@@ -136,3 +136,22 @@ def test_the_fast_path_never_accepts_what_the_strict_one_refuses(tmp_path: Path)
         elif fast is not None:
             _same(fast, strict)
     assert refused > 300          # the mutations do reach the checks
+
+
+def test_json_that_msgspec_refuses_is_decided_by_json(tmp_path: Path) -> None:
+    """The fast decoder refuses raw bytes that are not UTF-8 and surrogates (written as an
+    escape or as raw bytes); json decides those, exactly as before it: a clean FormatError
+    for bytes that are not UTF-8, the same entries for a surrogate however written."""
+    c = _layers(tmp_path)[1]
+    kw: dict[str, Any] = {"format": c.layer.format, "data_end": c.layer.toc_offset,
+                          "exact_frames": c.layer.format != "estargz"}
+    doc = toc_doc(c)
+    small = next(e for e in doc["entries"] if e["type"] == "reg")
+    raw = json.dumps(doc).encode()
+    name = json.dumps(small["name"]).encode()
+    with pytest.raises(FormatError, match="JSON"):
+        parse_toc(raw.replace(name, name[:-1] + b'\xff"', 1), **kw)
+    escaped = parse_toc(raw.replace(name, name[:-1] + b'\\udcff"', 1), **kw)
+    as_bytes = parse_toc(raw.replace(name, name[:-1] + b'\xed\xb3\xbf"', 1), **kw)
+    assert small["name"] + "\udcff" in escaped.entries
+    _same(as_bytes, escaped)

@@ -121,7 +121,11 @@ def test_prefetch_hands_each_verified_chunk_over_unless_recording(tmp_path: Path
         buf = got.setdefault(name, bytearray(sizes[name]))
         buf[offset : offset + len(data)] = data
 
-    reader.page_cache = _warmer(root, sizes, store)   # type: ignore[arg-type]
+    reader.page_cache = PageCacheWarmer(root, sizes.get, store,
+                                        enabled=lambda: reader.recorder is None)
+    for n in names:
+        (root / n).parent.mkdir(parents=True, exist_ok=True)
+        (root / n).write_bytes(b"")
     reader.prefetch()
     assert reader.page_cache.join(10)
     if recording:      # the recorder must see the start-up's reads: nothing was pushed
@@ -130,3 +134,60 @@ def test_prefetch_hands_each_verified_chunk_over_unless_recording(tmp_path: Path
     for n in names:
         assert bytes(got[n]) == tree.files[n], n
     reader.close()
+
+
+def test_a_node_that_has_the_chunks_already_still_warms_the_page_cache(tmp_path: Path) -> None:
+    tree = metadata_tar()
+    names = ["usr/lib/big.so", "etc/os-release"]
+    reader, src, _ = make(tmp_path / "r", "zstd:chunked", tar=tree.tar, prefetch=names)
+    reader.prefetch()                       # the node's cache now holds the start-up set
+    requests = src.counting.requests
+    root = tmp_path / "mnt"
+    store = Stores()
+    reader.page_cache = _warmer(root, {n: len(tree.files[n]) for n in names}, store)
+    reader.prefetch()                       # a second container of the image on the node
+    assert reader.page_cache.join(10)
+    assert src.counting.requests == requests           # nothing fetched again
+    pushed = {n: bytearray(len(tree.files[n])) for n in names}
+    inos = {os.stat(root / n).st_ino: n for n in names}
+    for ino, offset, data in store.calls:
+        pushed[inos[ino]][offset : offset + len(data)] = data
+    assert {n: bytes(b) for n, b in pushed.items()} == {n: tree.files[n] for n in names}
+
+
+def test_queued_bytes_are_bounded_and_the_thread_ends_when_idle(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from coldstart.lazyfs import pagecache
+
+    monkeypatch.setattr(pagecache, "IDLE_EXIT", 0.1)
+    release = threading.Event()
+    calls: list[int] = []
+
+    def slow_store(ino: int, offset: int, data: memoryview) -> None:
+        release.wait(10)
+        calls.append(offset)
+
+    w = _warmer(tmp_path, {"f": 64 * PAGE}, Stores())
+    w.store = slow_store
+    w.max_queued = 3 * PAGE
+    assert w.put(_chunk("f", 0, PAGE), b"a" * PAGE)     # taken by the thread, held in store
+    deadline = 50
+    while w._queued and deadline:                        # the thread took it off the queue
+        deadline -= 1
+        threading.Event().wait(0.02)
+    assert all(w.put(_chunk("f", (1 + i) * PAGE, PAGE), b"b" * PAGE) for i in range(3))
+    assert not w.put(_chunk("f", 4 * PAGE, PAGE), b"c" * PAGE)   # over the bound: dropped
+    assert w.dropped == 1
+    release.set()
+    assert w.join(10)
+    assert calls == [0, PAGE, 2 * PAGE, 3 * PAGE]
+    thread = w._thread
+    assert thread is not None
+    thread.join(5)
+    assert not thread.is_alive() and w._thread is None   # ended once idle
+    assert w.put(_chunk("f", 5 * PAGE, PAGE), b"d" * PAGE)   # and comes back
+    assert w.join(10)
+    assert calls[-1] == 5 * PAGE
+    w.close()
