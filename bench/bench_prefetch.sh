@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-5}
-MODES=${MODES:-overlayfs,stargz-optimized,coldstart,coldstart+ctr-profile,coldstart+profile,coldstart+fill}
+MODES=${MODES:-overlayfs,stargz-optimized,coldstart,coldstart+ctr-profile,coldstart+profile,coldstart+profile-nowarm,coldstart+fill}
 LINKS=${LINKS:-"none 1gbit,2ms"}
 OUT=bench/results/prefetch-$(date +%Y%m%dT%H%M%S)
 mkdir -p "$OUT"
