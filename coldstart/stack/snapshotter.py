@@ -62,9 +62,12 @@ class SnapshotterDaemon:
     def start(self, timeout: float = 60.0) -> None:
         argv = [sys.executable, "-m", "coldstart.cli", "snapshotter", "--config",
                 str(self.config)]
+        # this checkout's code, as for fuse_server(): a benchmark run from an older tree
+        # (its bench script on PYTHONPATH) measures that tree's daemons, not the installed ones
+        env = dict(os.environ, PYTHONPATH=str(_SRC_ROOT))
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         start_new_session=True, env=env)
         wait_for(unix_open(self.socket), timeout=timeout, what="coldstart snapshotter",
                  proc=self.proc, log=self.log)
 
