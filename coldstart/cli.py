@@ -14,12 +14,14 @@ from typing import NoReturn
 
 import click
 
+from coldstart.commands._common import add_common_options, skopeo_bool_flags
 from coldstart.errors import ColdstartError
 
 # command name -> (module, attribute). A module that does not exist yet is simply not listed.
 _COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("coldstart.commands.bench", "bench"),
     "bench-image": ("coldstart.commands.bench_image", "bench_image"),
+    "completion": ("coldstart.commands.completion", "completion"),
     "demo": ("coldstart.commands.demo", "demo"),
     "convert": ("coldstart.commands.convert", "convert"),
     "pull": ("coldstart.commands.pull", "pull"),
@@ -44,10 +46,21 @@ class _LazyGroup(click.Group):
             return None
         module = importlib.import_module(entry[0])
         command: click.Command = getattr(module, entry[1])
-        return command
+        return add_common_options(command)
 
 
-@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+_EPILOG = """\b
+Every command takes --log-level/--debug ($COLDSTART_LOG_LEVEL) and -h/--help; commands that
+print results take -o json; long operations show progress on a terminal (-q: none).
+Exit codes: 0 ok, 1 failed, 2 bad arguments, 3 not found, 4 already exists, 5 wrong state,
+6 unavailable (registry, containerd, S3 down), 7 deadline exceeded, 8 integrity (digest
+mismatch), 9 bad format, 130 interrupted.
+Shell completion: coldstart completion bash|zsh|fish.
+"""
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog=_EPILOG)
 @click.version_option(package_name="coldstart")
 def cli() -> None:
     """coldstart: make big GPU containers start fast.
@@ -57,14 +70,42 @@ def cli() -> None:
     """
 
 
+add_common_options(cli)
+
+
+# an optional package -> the extra that installs it (pyproject.toml)
+_EXTRAS = {"torch": "weights", "numpy": "weights", "boto3": "weights", "botocore": "weights",
+           "yaml": "weights", "pyfuse3": "snapshotter", "trio": "snapshotter",
+           "prometheus_client": "snapshotter", "redis": "probe", "matplotlib": "plot"}
+
+
+def _imported(name: str) -> bool:
+    return sys.modules.get(name) is not None
+
+
+def _missing_extra(exc: ModuleNotFoundError) -> str | None:
+    top = (exc.name or "").split(".", 1)[0]
+    extra = _EXTRAS.get(top)
+    if extra is None or _imported(top):
+        return None         # installed, but something inside it is missing: a real bug
+    try:
+        if importlib.util.find_spec(top) is not None:
+            return None
+    except (ImportError, ValueError):
+        pass
+    return (f"this command needs the {extra!r} extra ({top} is not installed): "
+            f"pip install 'coldstart[{extra}]'")
+
+
 def main(argv: list[str] | None = None) -> NoReturn:
     """Entry point of the console script: run the CLI, turning expected failures into one line.
 
     Always ends with ``SystemExit``: 0 on success (``--help`` included), the error's exit code
     otherwise.
     """
+    args = skopeo_bool_flags(sys.argv[1:] if argv is None else list(argv))
     try:
-        rv = cli.main(args=argv, prog_name="coldstart", standalone_mode=False)
+        rv = cli.main(args=args, prog_name="coldstart", standalone_mode=False)
         sys.exit(rv if isinstance(rv, int) else 0)
     except ColdstartError as exc:
         click.echo(f"coldstart: error: {exc}", err=True)
@@ -87,6 +128,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
     except KeyboardInterrupt:
         click.echo("coldstart: interrupted", err=True)
         sys.exit(130)
+    except ModuleNotFoundError as exc:
+        message = _missing_extra(exc)
+        if message is None:
+            raise
+        click.echo(f"coldstart: error: {message}", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":  # pragma: no cover

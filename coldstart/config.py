@@ -148,7 +148,7 @@ class FuseConfig(_Checked):
 @dataclass(frozen=True)
 class SourceConfig(_Checked):
     """Byte sources opened by location (``coldstart.remote.open_source``, the weights loader):
-    local files, ``http(s)://``, ``s3://``, ``oci://`` blobs."""
+    local files, ``http(s)://``, ``s3://``, ``registry://`` blobs."""
 
     # deadline of one network request, seconds: each range attempt has this long, and a
     # range's retries share twice this

@@ -2,9 +2,49 @@
 # Installs everything coldstart and its tests need on Debian 12, as root; safe to run again.
 #   apt: containerd + runc, the OCI registry, skopeo, ctr-remote (stargz-snapshotter), redis-server,
 #        FUSE 3 (and its headers, to build pyfuse3), busybox-static (test images), zstd
-#   a virtualenv in .venv with coldstart and all its extras, torch 2.13.0 (CPU) included,
-#   then compiles the containerd protos into coldstart/_proto.
+#   a virtualenv in .venv with coldstart and all its extras, and torch: the CPU build by default
+#   (TORCH_VARIANT, see --help), then compiles the containerd protos into coldstart/_proto.
 set -euo pipefail
+
+usage() {
+  cat <<'USAGE'
+Usage: bash scripts/install.sh [--help]
+
+Installs coldstart's system packages (apt, as root) and a virtualenv in .venv with coldstart,
+all its extras and torch; safe to run again. Settings, from the environment:
+
+  TORCH_VARIANT=cpu|cuda  which torch build goes into .venv (default: cpu).
+                          cpu:  torch==TORCH_VERSION+cpu, a few hundred MB; enough for the
+                                test suite, which never needs a GPU.
+                          cuda: a CUDA build of torch==TORCH_VERSION (several GB), for GPU nodes.
+  TORCH_VERSION=V         the torch release (default: 2.13.0).
+  TORCH_INDEX=URL         an extra package index for torch, e.g. https://download.pytorch.org/whl/cpu
+                          or https://download.pytorch.org/whl/cu128. Default: pip's configured
+                          indexes first; for cpu, where they have no +cpu build (PyPI's Linux
+                          wheels are CUDA builds), then https://download.pytorch.org/whl/cpu.
+                          cuda takes PyPI's build unless TORCH_INDEX names another.
+  PYTHON=python3          the interpreter that creates .venv.
+
+A torch already in .venv that is the asked version and variant is kept; any other one is named
+and replaced. The script never picks a CUDA build unless TORCH_VARIANT=cuda.
+USAGE
+}
+case "${1:-}" in
+  -h|--help) usage; exit 0 ;;
+  "") ;;
+  *) usage >&2; echo "install: unknown argument: $1" >&2; exit 2 ;;
+esac
+
+TORCH_VARIANT=${TORCH_VARIANT:-cpu}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+TORCH_VERSION=${TORCH_VERSION%%+*}  # the public part: the variant says which build
+TORCH_INDEX=${TORCH_INDEX:-}
+TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+case "$TORCH_VARIANT" in
+  cpu|cuda) ;;
+  *) echo "install: TORCH_VARIANT must be cpu or cuda, not '$TORCH_VARIANT' (see --help)" >&2; exit 2 ;;
+esac
+
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(
@@ -41,9 +81,59 @@ pip_install() {
   fi
 }
 pip_install --upgrade pip
-if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
-  echo "install: torch 2.13.0 (CPU)" >&2
-  pip_install torch==2.13.0
+
+# torch: the asked version and variant, or nothing changes. "VERSION VARIANT" of the torch in .venv
+# (VARIANT: cpu, cuda, rocm), "broken" when it is installed but does not import, "none" without it.
+torch_installed() {
+  .venv/bin/python - <<'PY' 2>/dev/null || echo broken
+import importlib.util, sys
+if importlib.util.find_spec("torch") is None:
+    print("none"); sys.exit()
+import torch
+v = torch.version
+print(torch.__version__, "cuda" if v.cuda else "rocm" if getattr(v, "hip", None) else "cpu")
+PY
+}
+if [ "$TORCH_VARIANT" = cpu ]; then
+  # the local version label pins the CPU build: a CUDA build can never satisfy it
+  torch_req="torch==$TORCH_VERSION+cpu"
+else
+  torch_req="torch==$TORCH_VERSION,!=$TORCH_VERSION+cpu"
+fi
+have=$(torch_installed)
+case "$have" in
+  "$TORCH_VERSION $TORCH_VARIANT"|"$TORCH_VERSION+"*" $TORCH_VARIANT")
+    echo "install: torch ${have% *} (${have##* }) already in .venv, kept" >&2
+    torch_req="" ;;
+  none) ;;
+  broken)
+    echo "install: the torch in .venv does not import; reinstalling it" >&2
+    .venv/bin/python -m pip uninstall -y torch >>"$LOG" 2>&1 || true ;;
+  *)
+    echo "install: .venv has torch ${have% *} (${have##* }), but TORCH_VARIANT=$TORCH_VARIANT" \
+      "TORCH_VERSION=$TORCH_VERSION asks for $torch_req: replacing it" >&2 ;;
+esac
+if [ -n "$torch_req" ]; then
+  if [ -n "$TORCH_INDEX" ]; then
+    echo "install: $torch_req (TORCH_VARIANT=$TORCH_VARIANT) from pip's indexes and $TORCH_INDEX" >&2
+    pip_install "$torch_req" --extra-index-url "$TORCH_INDEX"
+  elif [ "$TORCH_VARIANT" = cpu ]; then
+    echo "install: $torch_req (TORCH_VARIANT=cpu)" >&2
+    if ! .venv/bin/python -m pip install "$torch_req" >>"$LOG" 2>&1; then
+      echo "install: pip's configured indexes have no $torch_req; trying $TORCH_CPU_INDEX" >&2
+      pip_install "$torch_req" --extra-index-url "$TORCH_CPU_INDEX"
+    fi
+  else
+    echo "install: $torch_req (TORCH_VARIANT=cuda: a CUDA build, several GB)" >&2
+    pip_install "$torch_req"
+  fi
+  have=$(torch_installed)
+  case "$have" in
+    *" $TORCH_VARIANT") echo "install: torch ${have% *} (${have##* }) installed" >&2 ;;
+    *) echo "install: asked for TORCH_VARIANT=$TORCH_VARIANT, but .venv now has torch" \
+         "${have% *} (${have##* }) (full log: $LOG)" >&2
+       exit 1 ;;
+  esac
 fi
 echo "install: coldstart and its extras" >&2
 pip_install -e '.[snapshotter,weights,probe,test,bench,plot]'

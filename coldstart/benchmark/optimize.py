@@ -55,6 +55,8 @@ class OptimizeOptions:
     format: str = "zstd:chunked"
     insecure: Sequence[str] = ()
     workdir: Path | None = None
+    tls_verify: bool = True              # of SRC's and DST's registries
+    authfile: Path | None = None         # their credentials (Docker config.json)
 
 
 @dataclass
@@ -84,8 +86,9 @@ def record_profile(src: str, opts: OptimizeOptions, *, progress: Progress = _qui
             prefix="coldstart-optimize-", dir=opts.workdir)))
         reg = stack.enter_context(start_registry(work / "registry", log_level="error",
                                                  access_log=False))
-        client = stack.enter_context(RegistryClient(insecure_hosts=[reg.host,
-                                                                    *opts.insecure]))
+        client = stack.enter_context(RegistryClient(insecure_hosts=[reg.host, *opts.insecure],
+                                                    tls_verify=opts.tls_verify,
+                                                    docker_config=opts.authfile))
         run_ref = f"{reg.host}/optimize/run:zstd"
         progress(f"making a lazily pullable copy of {src} to record with")
         convert_image(src, run_ref, format="zstd:chunked", client=client, workdir=work)
@@ -154,7 +157,8 @@ def optimize_image(src: str, dst: str, opts: OptimizeOptions, *,
     if on_profile is not None:
         on_profile(profile)
     progress(f"writing {dst} with {profile.files} start-up file(s) first")
-    with RegistryClient(insecure_hosts=list(opts.insecure)) as client:
+    with RegistryClient(insecure_hosts=list(opts.insecure), tls_verify=opts.tls_verify,
+                        docker_config=opts.authfile) as client:
         summary = convert_image(src, dst, format=fmt, client=client, profile=profile,
                                 workdir=opts.workdir)
     for img in summary.images:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from coldstart.benchmark.ready import CONDITIONS_HELP
+from coldstart.commands._common import output_option, split_commas
 from coldstart.commands._signals import signals_unwind
 
 if TYPE_CHECKING:
@@ -77,13 +78,14 @@ root. The JSON schema is coldstart/benchmark/result_schema.json.
 @click.option("--image", "images", multiple=True, metavar="MODE=REF",
               help="The image a mode pulls, instead of converting REF (repeatable).")
 @click.option("--insecure", multiple=True, metavar="HOST[:PORT]",
-              help="Registry spoken to over plain HTTP (loopback always is).")
+              help="Registry spoken to over plain HTTP (repeatable or comma list; loopback "
+                   "always is). A registry that needs credentials or a private CA: copy the "
+                   "image into an OCI layout first (coldstart convert … oci:DIR) and bench that.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="Write the results here (schema: result_schema.json).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="Draw the phases per mode into this PNG (needs matplotlib).")
-@click.option("--output", "-o", type=click.Choice(["table", "json"]), default="table",
-              show_default=True, help="What to print on stdout.")
+@output_option("the whole result, as --json FILE writes it")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               envvar="COLDSTART_BENCH_IMAGES", show_envvar=True,
               help="Built-in images and the local registry's storage.")
@@ -154,7 +156,8 @@ def bench(ref: str, modes: str, runs: int, ready: str | None, command: str | Non
     opts = BenchOptions(ref=ref, modes=mode_list, runs=runs, ready=ready,
                         command=argv, env=env, link=shaped,
                         address=address, workdir=workdir, cache_dir=cache_dir,
-                        images=overrides, insecure=insecure, timeout=timeout, settle=settle,
+                        images=overrides, insecure=tuple(split_commas(insecure)),
+                        timeout=timeout, settle=settle,
                         floor=not no_floor, prepare_only=prepare_only,
                         estargz_level=estargz_level)
     with signals_unwind(), _Progress(quiet, runs * len(mode_list)) as progress:

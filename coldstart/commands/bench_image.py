@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import click
 
+from coldstart.commands._common import echo_json, output_option
 from coldstart.errors import InvalidArgument
 
 __all__ = ["bench_image"]
@@ -21,9 +21,10 @@ def _size(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
-def _progress(name: str) -> Callable[[str], None]:
+def _progress(name: str, quiet: bool) -> Callable[[str], None]:
     def echo(line: str) -> None:
-        click.echo(f"{name}: {line}", err=True)
+        if not quiet:
+            click.echo(f"{name}: {line}", err=True)
     return echo
 
 
@@ -46,15 +47,15 @@ def bench_image() -> None:
 @bench_image.command("build")
 @click.argument("names", nargs=-1, required=True, metavar="NAME...")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help=_CACHE_HELP)
+              envvar="COLDSTART_BENCH_IMAGES", help=_CACHE_HELP)
 @click.option("--force", is_flag=True,
               help="Build again even if a complete build is cached (downloads and the Debian "
                    "rootfs under <cache>/_build are still reused; delete it to redo them).")
-@click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text",
-              show_default=True,
-              help="json: one JSON object per image (name, layout, command, ready, env, sizes, "
-                   "description), one a line.")
-def build(names: tuple[str, ...], cache_dir: Path | None, force: bool, output: str) -> None:
+@output_option("a list with one object per image: name, layout, command, ready, env, "
+               "sizes, description")
+@click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
+def build(names: tuple[str, ...], cache_dir: Path | None, force: bool, output: str,
+          quiet: bool) -> None:
     """Build the images NAME... (or find them cached) and print where they are.
 
     Progress goes to stderr; stdout gets, per image, its layout directory and sizes (or JSON
@@ -72,23 +73,23 @@ def build(names: tuple[str, ...], cache_dir: Path | None, force: bool, output: s
     if unknown:
         raise InvalidArgument(f"unknown bench image {unknown[0]!r} "
                               f"(built-in: {', '.join(BUILTIN)})")
+    built = []
     for name in dict.fromkeys(names):
         t0 = time.monotonic()
-        image = build_image(name, cache_dir, force=force, progress=_progress(name))
-        if output == "json":
-            click.echo(json.dumps(image.to_json()))
-        else:
+        image = build_image(name, cache_dir, force=force, progress=_progress(name, quiet))
+        built.append(image.to_json())
+        if output == "text":
             click.echo(f"{image.name}\t{image.layout}\t{_size(image.uncompressed_bytes)} "
                        f"uncompressed, {_size(image.compressed_bytes)} gzip\t"
                        f"({time.monotonic() - t0:.1f} s)")
+    if output == "json":
+        echo_json(built)
 
 
 @bench_image.command("list")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help=_CACHE_HELP)
-@click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text",
-              show_default=True,
-              help="json: a list of {name, description, built, and the built image's fields}.")
+              envvar="COLDSTART_BENCH_IMAGES", help=_CACHE_HELP)
+@output_option("a list of {name, description, built, and the built image's fields}")
 def list_images(cache_dir: Path | None, output: str) -> None:
     """List the built-in images, whether each is built, and their sizes."""
     from coldstart.benchmark.images import BUILTIN, default_cache_dir, load_image
@@ -103,7 +104,7 @@ def list_images(cache_dir: Path | None, output: str) -> None:
             row.update(image.to_json())
         rows.append(row)
     if output == "json":
-        click.echo(json.dumps(rows, indent=2))
+        echo_json(rows)
         return
     click.echo(f"{'NAME':<10} {'BUILT':<5} {'UNCOMPRESSED':>12} {'GZIP':>10}  DESCRIPTION")
     for row in rows:

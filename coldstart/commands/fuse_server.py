@@ -8,6 +8,7 @@ import os
 
 import click
 
+from coldstart.commands._common import configure_logging, explicit_log_level
 from coldstart.config import load
 from coldstart.errors import InvalidArgument
 
@@ -27,7 +28,7 @@ def _host_port(ctx: click.Context, param: click.Parameter, value: str | None) ->
 
 @click.command("fuse-server")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="TOML config file (default: built-in defaults).")
+              envvar="COLDSTART_CONFIG", help="TOML config file (default: built-in defaults).")
 @click.option("--root", default=None, help="State root (overrides config `root`).")
 @click.option("--socket", "socket_path", default=None,
               help="Control socket (overrides config `fuse.socket`).")
@@ -39,14 +40,15 @@ def fuse_server(config_path: str | None, root: str | None, socket_path: str | No
     """Serve lazily pulled layers over FUSE; restore persisted mounts at start.
 
     Refuses to start (exit status 5, nothing touched) when another fuse-server serves the same
-    root or already answers on the control socket."""
+    root or already answers on the control socket. Logs at the config's log_level unless
+    --log-level/--debug (or COLDSTART_FUSE_DEBUG=1, which the snapshotter passes on) says
+    otherwise."""
     cfg = load(config_path)
     if root:
         cfg = dataclasses.replace(cfg, root=root)
-    logging.basicConfig(
-        level=(logging.DEBUG if os.environ.get("COLDSTART_FUSE_DEBUG") == "1"
-               else getattr(logging, cfg.log_level.upper(), logging.INFO)),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = explicit_log_level() or (
+        "debug" if os.environ.get("COLDSTART_FUSE_DEBUG") == "1" else cfg.log_level)
+    configure_logging(level, daemon=True)
     # one line per range request would drown the data path's own log lines
     logging.getLogger("httpx").setLevel(logging.WARNING)
     from coldstart.lazyfs.server import FuseServer

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
 import click
 
+from coldstart.commands._common import echo_json, output_option
 from coldstart.errors import ColdstartError
 
 _ROOT_HELP = ("Repository root: a local directory or s3://BUCKET/PREFIX (standard AWS "
@@ -16,7 +18,7 @@ _ROOT_HELP = ("Repository root: a local directory or s3://BUCKET/PREFIX (standar
 
 def _root_option(f: click.decorators.FC) -> click.decorators.FC:
     return click.option("--root", required=True, envvar="COLDSTART_MODELS_ROOT",
-                        help=_ROOT_HELP + " Env: COLDSTART_MODELS_ROOT.")(f)
+                        help=_ROOT_HELP)(f)
 
 
 @click.group()
@@ -38,16 +40,25 @@ def models() -> None:
 @click.option("--activate", is_flag=True, help="Make it the active version once complete.")
 @click.option("--no-validate", is_flag=True,
               help="Skip checking the safetensors files before uploading.")
+@output_option("model, version, active, location")
+@click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
 def publish(folder: str, root: str, model: str, version: str | None, activate: bool,
-            no_validate: bool) -> None:
+            no_validate: bool, output: str, quiet: bool) -> None:
     """Upload FOLDER as a new version of --model.
 
     Example: coldstart models publish ./out --root s3://models/prod --model llama --activate
     """
+    from coldstart.commands._progress import Progress
     from coldstart.weights import ModelRepository
 
     repo = ModelRepository(root)
-    v = repo.publish(folder, model, version, activate=activate, validate=not no_validate)
+    with Progress(["hash", "upload"], quiet=quiet) as progress:
+        v = repo.publish(folder, model, version, activate=activate, validate=not no_validate,
+                         progress=progress)
+    if output == "json":
+        echo_json({"model": model, "version": v, "active": activate,
+                   "location": repo.location(model, v)})
+        return
     click.echo(f"published {model}/{v}" + (" (active)" if activate else ""))
 
 
@@ -55,7 +66,8 @@ def publish(folder: str, root: str, model: str, version: str | None, activate: b
 @_root_option
 @click.option("--model", required=True, help="Model name.")
 @click.argument("version")
-def activate(root: str, model: str, version: str) -> None:
+@output_option("model, version, previous (null on a first activation)")
+def activate(root: str, model: str, version: str, output: str) -> None:
     """Make VERSION the active version of --model (it must be complete and intact).
 
     Example: coldstart models activate --root /srv/models --model llama 7
@@ -63,13 +75,22 @@ def activate(root: str, model: str, version: str) -> None:
     from coldstart.weights import ModelRepository
 
     previous = ModelRepository(root).activate(model, version)
-    click.echo(f"{model}: active version {version} (was {previous})")
+    if output == "json":
+        echo_json({"model": model, "version": version, "previous": previous})
+        return
+    if previous is None:
+        click.echo(f"{model}: active version {version} (its first active version)")
+    elif previous == version:
+        click.echo(f"{model}: active version {version} (already active)")
+    else:
+        click.echo(f"{model}: active version {version} (was {previous})")
 
 
 @models.command()
 @_root_option
 @click.option("--model", required=True, help="Model name.")
-def rollback(root: str, model: str) -> None:
+@output_option("model, version")
+def rollback(root: str, model: str, output: str) -> None:
     """Re-activate the previously active version of --model.
 
     Example: coldstart models rollback --root /srv/models --model llama
@@ -77,28 +98,32 @@ def rollback(root: str, model: str) -> None:
     from coldstart.weights import ModelRepository
 
     version = ModelRepository(root).rollback(model)
+    if output == "json":
+        echo_json({"model": model, "version": version})
+        return
     click.echo(f"{model}: rolled back to version {version}")
 
 
 @models.command("list")
 @_root_option
 @click.option("--model", help="Only this model.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
-def list_cmd(root: str, model: str | None, as_json: bool) -> None:
+@output_option("a list of {model, version, complete, active, files, bytes}", json_alias=True)
+def list_cmd(root: str, model: str | None, output: str) -> None:
     """List models and versions; * marks the active one, 'incomplete' a half-written one.
 
     Example: coldstart models list --root s3://models/prod
     """
     from coldstart.weights import ModelRepository
 
-    for info in ModelRepository(root).list_versions(model):
-        if as_json:
-            click.echo(json.dumps(info.__dict__))
-        else:
-            state = "complete" if info.complete else "incomplete"
-            mark = "*" if info.active else " "
-            click.echo(f"{mark} {info.model}/{info.version}\t{state}\t{info.files} files\t"
-                       f"{info.bytes / 1e6:.1f} MB")
+    infos = ModelRepository(root).list_versions(model)
+    if output == "json":
+        echo_json([dataclasses.asdict(info) for info in infos])
+        return
+    for info in infos:
+        state = "complete" if info.complete else "incomplete"
+        mark = "*" if info.active else " "
+        click.echo(f"{mark} {info.model}/{info.version}\t{state}\t{info.files} files\t"
+                   f"{info.bytes / 1e6:.1f} MB")
 
 
 @models.command()
@@ -109,7 +134,9 @@ def list_cmd(root: str, model: str | None, as_json: bool) -> None:
 @click.option("--device", default="cpu", show_default=True,
               help="Where each version's tensors are loaded (cpu or cuda).")
 @click.option("--once", is_flag=True, help="Load the active version, report, and exit.")
-def watch(root: str, model: str, interval: float, device: str, once: bool) -> None:
+@output_option("one JSON object per line and event: serving, refused, stopped")
+def watch(root: str, model: str, interval: float, device: str, once: bool,
+          output: str) -> None:
     """Load the active version of --model and hot-swap whenever active.yaml changes.
 
     The new version is loaded beside the serving one and swapped in only when complete and
@@ -121,9 +148,17 @@ def watch(root: str, model: str, interval: float, device: str, once: bool) -> No
     def loader(location: str) -> dict[str, object]:
         return dict(load(location, device=device))
 
+    def event(kind: str, text: str, err: bool = False, **fields: object) -> None:
+        if output == "json":
+            click.echo(json.dumps({"event": kind, "model": model, **fields}))
+        else:
+            click.echo(text, err=err)
+
     def on_swap(old: object, new: object) -> None:
-        click.echo(f"{model}: serving version {getattr(new, 'version', '?')} "
-                   f"({len(getattr(new, 'value', {}))} tensors)")
+        version = getattr(new, "version", None)
+        tensors = len(getattr(new, "value", {}))
+        event("serving", f"{model}: serving version {version or '?'} ({tensors} tensors)",
+              version=version, tensors=tensors)
 
     watcher: ModelWatcher[dict[str, object]] = ModelWatcher(
         ModelRepository(root), model, loader=loader, poll_interval=interval, on_swap=on_swap)
@@ -134,8 +169,9 @@ def watch(root: str, model: str, interval: float, device: str, once: bool) -> No
         cur = watcher.current()
         if watcher.last_error is not None and watcher.last_error is not last_error:
             last_error = watcher.last_error
-            click.echo(f"{model}: refused new version, still serving "
-                       f"{cur.version if cur else 'nothing'}: {last_error}", err=True)
+            event("refused", f"{model}: refused new version, still serving "
+                  f"{cur.version if cur else 'nothing'}: {last_error}", err=True,
+                  serving=cur.version if cur else None, error=str(last_error))
 
     watcher.poll_once()
     report()
@@ -149,4 +185,4 @@ def watch(root: str, model: str, interval: float, device: str, once: bool) -> No
             watcher.poll_once()
             report()
     except KeyboardInterrupt:
-        click.echo(f"{model}: stopped")
+        event("stopped", f"{model}: stopped")

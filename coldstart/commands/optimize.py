@@ -3,13 +3,21 @@ first (behind the prefetch landmark), and keep the profile as JSON."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import click
 
 from coldstart.benchmark.ready import CONDITIONS_HELP
+from coldstart.commands._common import (
+    FORMAT_CHOICE,
+    FORMAT_HELP,
+    check_authfile,
+    echo_json,
+    output_option,
+    registry_options,
+    split_commas,
+)
 from coldstart.commands._signals import signals_unwind
 from coldstart.errors import InvalidArgument
 
@@ -62,19 +70,18 @@ def _default_profile_path(dst: str) -> Path:
               help="Bind-mount a host path into the recorded run (repeatable).")
 @click.option("--profile-out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Where to keep the profile as JSON [default: <DST name>.profile.json].")
-@click.option("--format", "fmt", type=click.Choice(["zstd-chunked", "estargz"]),
-              default="zstd-chunked", show_default=True, help="Layer format of DST.")
-@click.option("--insecure", multiple=True, metavar="HOST[:PORT]",
-              help="Talk plain HTTP to this registry (repeatable; loopback always is).")
+@click.option("--format", "fmt", type=FORMAT_CHOICE,
+              default="zstd-chunked", show_default=True,
+              help="Layer format of DST" + FORMAT_HELP + ".")
+@registry_options
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where temporary files go (default: the system's temp directory).")
-@click.option("--output", "-o", type=click.Choice(["text", "json"]), default="text",
-              show_default=True, help="What to print on stdout at the end.")
+@output_option("destination, profile, files, files_per_layer, ready_s, warnings")
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
 def optimize(src: str, dst: str, argv: tuple[str, ...], ready: str, timeout: float,
              env: tuple[str, ...], mounts: tuple[str, ...], profile_out: Path | None, fmt: str,
-             insecure: tuple[str, ...], workdir: Path | None, output: str,
-             quiet: bool) -> None:
+             insecure: tuple[str, ...], tls_verify: bool, authfile: Path | None,
+             workdir: Path | None, output: str, quiet: bool) -> None:
     """Record what image SRC reads as it starts, and write DST with that set first.
 
     SRC and DST are registry references (registry/repo:tag) or OCI layouts (oci:DIR[:tag]).
@@ -94,8 +101,10 @@ def optimize(src: str, dst: str, argv: tuple[str, ...], ready: str, timeout: flo
     out_path = profile_out or _default_profile_path(dst)
     if out_path.parent and not out_path.parent.exists():
         raise InvalidArgument(f"--profile-out {out_path}: {out_path.parent} does not exist")
+    authfile = check_authfile(authfile)
     opts = OptimizeOptions(command=list(argv), env=list(env), mounts=binds, ready=ready,
-                           timeout=timeout, format=fmt, insecure=insecure, workdir=workdir)
+                           timeout=timeout, format=fmt, insecure=split_commas(insecure),
+                           workdir=workdir, tls_verify=tls_verify, authfile=authfile)
 
     def progress(text: str) -> None:
         if not quiet:
@@ -118,11 +127,10 @@ def optimize(src: str, dst: str, argv: tuple[str, ...], ready: str, timeout: flo
     assert summary is not None
     per_layer = [len(x.files) for x in result.profile.layers]
     if output == "json":
-        click.echo(json.dumps({"destination": f"{summary.destination}@{summary.digest}",
-                               "profile": str(out_path), "files": result.profile.files,
-                               "files_per_layer": per_layer,
-                               "ready_s": round(result.profile.seconds, 3),
-                               "warnings": result.warnings}, indent=2))
+        echo_json({"destination": f"{summary.destination}@{summary.digest}",
+                   "profile": str(out_path), "files": result.profile.files,
+                   "files_per_layer": per_layer, "ready_s": round(result.profile.seconds, 3),
+                   "warnings": result.warnings})
         return
     click.echo(f"{summary.destination}@{summary.digest}")
     click.echo(f"profile: {out_path} ({result.profile.files} files; per layer "

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 import urllib.parse
 
 import click
 
+from coldstart.commands._common import configure_logging, explicit_log_level
 from coldstart.config import ProbeTimingConfig
 from coldstart.errors import InvalidArgument
 from coldstart.probe.states import Thresholds
@@ -27,13 +27,10 @@ def _host_port(value: str, what: str) -> tuple[str, int]:
 
 def _default_advertise(target: str | None) -> str:
     if target and "://" in target:
-        parts = urllib.parse.urlsplit(target)
+        parts = urllib.parse.urlsplit(target)  # parse_target has refused what cannot be parsed
         if parts.hostname:
             default = {"http": 80, "grpc": 50051}.get(parts.scheme, 0)
-            try:
-                port = parts.port or default
-            except ValueError:
-                port = default
+            port = parts.port or default
             return f"{parts.hostname}:{port}" if port else parts.hostname
     import socket
 
@@ -53,8 +50,9 @@ def _default_advertise(target: str | None) -> str:
 @click.option("--sink", "sinks", multiple=True, metavar="URL",
               help="Where state changes go; repeat for several. redis://… or valkey://… "
                    "(routing state + heartbeat + PUBLISH), http(s)://… (webhook POST), "
-                   "k8s://NAMESPACE/POD[?api=URL&condition=TYPE] (pod condition for "
-                   "readinessGates).")
+                   "k8s://NAMESPACE/POD[?api=URL&condition=TYPE&token_file=PATH] (pod "
+                   "condition for readinessGates; the token file is read again per request, "
+                   "as projected tokens rotate).")
 @click.option("--listen", metavar="HOST:PORT",
               help="Serve readiness for the kubelet's readinessProbe: 200 only when READY "
                    "(any path), JSON on /status.")
@@ -67,7 +65,13 @@ def _default_advertise(target: str | None) -> str:
               show_default=True,
               help="Deadline of one try while starting (s).")
 @click.option("--startup-timeout", type=float, default=_T.startup_timeout, show_default=True,
-              help="FAILED if not READY within this many seconds.")
+              help="FAILED if not READY within this many seconds: logged as an error with the "
+                   "last try's answer and pushed to the sinks; then the sidecar exits 1 "
+                   "(unless --keep-probing) and the wrapper stops the app and exits 1.")
+@click.option("--keep-probing", is_flag=True,
+              help="Sidecar: after FAILED, probe on at --interval and go READY if the app "
+                   "comes up late, instead of exiting 1 (which lets the kubelet restart this "
+                   "container and show the failure, as for a failed startupProbe).")
 @click.option("--interval", type=float, default=_T.interval, show_default=True,
               help="Seconds between tries once READY or DEGRADED.")
 @click.option("--try-timeout", type=float, default=_T.try_timeout, show_default=True,
@@ -88,16 +92,13 @@ def _default_advertise(target: str | None) -> str:
               help="After routers are told DRAINING, wait this long before the app's SIGTERM.")
 @click.option("--grace", type=float, default=_T.grace, show_default=True,
               help="The app's grace period after SIGTERM before SIGKILL (s).")
-@click.option("--log-level", default="warning", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]),
-              help="Log verbosity (stderr).")
 @click.argument("app", nargs=-1, type=click.UNPROCESSED, metavar="[-- APP ARGS...]")
 def probe(
     target: str | None, service: str, advertise: str | None, sinks: tuple[str, ...],
     listen: str | None, notify_socket: str | None, startup_interval: float,
     startup_try_timeout: float, startup_timeout: float, interval: float, try_timeout: float,
     failures: int, successes: int, slow: float, heartbeat: float, ttl: float, capacity: int,
-    drain_delay: float, grace: float, log_level: str, app: tuple[str, ...],
+    drain_delay: float, grace: float, keep_probing: bool, app: tuple[str, ...],
 ) -> None:
     """Probe an app while it starts (every 5 ms) and push each state change to routers.
 
@@ -112,24 +113,38 @@ def probe(
           --target http://127.0.0.1:8000/health -- python server.py
 
     On SIGTERM the state goes DRAINING and the sinks are told before the app gets SIGTERM.
+    State changes are logged at INFO, DEGRADED at WARNING, FAILED at ERROR.
+
+    \b
+    Exit codes:
+      0  drained after SIGTERM (sidecar)
+      1  FAILED: not READY within --startup-timeout (the sinks are told first; the
+         wrapper stops the app first: SIGTERM, --grace, SIGKILL)
+      2  bad arguments (e.g. an exec: target that does not exist)
+      N  wrapper: the app's own exit code (128+N if signal N killed it)
     """
     from coldstart.probe.checks import Check, parse_target
     from coldstart.probe.prober import ProbeConfig, Prober
     from coldstart.probe.sinks import Sink, make_sink
     from coldstart.probe.states import Thresholds
 
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s coldstart.probe %(levelname)s %(message)s")
+    # a sidecar's log lines carry their time (the CLI's --log-level picks the level)
+    configure_logging(explicit_log_level() or "warning", daemon=True)
     if not target and not app and not notify_socket:
         raise InvalidArgument("nothing to probe: give --target, --notify-socket or -- APP ARGS")
+    if keep_probing and app:
+        raise InvalidArgument(
+            "--keep-probing is for the sidecar: a wrapped app that is not READY in time is "
+            "stopped; drop the flag or run the app apart"
+        )
+    check: Check | None = parse_target(target) if target else None
     config = ProbeConfig(
         service=service, target=advertise or _default_advertise(target),
         startup_interval=startup_interval, startup_try_timeout=startup_try_timeout,
         interval=interval, try_timeout=try_timeout, heartbeat=heartbeat, ttl=ttl,
-        drain_delay=drain_delay, grace=grace,
+        drain_delay=drain_delay, grace=grace, keep_probing=keep_probing,
         thresholds=Thresholds(failures, successes, slow, startup_timeout),
     )
-    check: Check | None = parse_target(target) if target else None
     built: list[Sink] = [
         make_sink(url, service, config.target, ttl=ttl, capacity=capacity) for url in sinks
     ]

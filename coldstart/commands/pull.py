@@ -8,7 +8,11 @@ Afterwards ``ctr --address SOCK run --snapshotter coldstart REF ID CMD`` runs th
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
+
+from coldstart.commands._common import echo_json, output_option, registry_client, registry_options
 
 __all__ = ["pull"]
 
@@ -20,33 +24,51 @@ __all__ = ["pull"]
 @click.option("--namespace", "-n", default="default", show_default=True,
               envvar="CONTAINERD_NAMESPACE", help="containerd namespace.")
 @click.option("--snapshotter", default="coldstart", show_default=True,
+              envvar="CONTAINERD_SNAPSHOTTER",
               help="containerd snapshotter to unpack into (e.g. overlayfs for a plain pull).")
-@click.option("--insecure", "insecure", multiple=True, metavar="HOST",
-              help="Registry host[:port] spoken to over plain HTTP (repeatable).")
+@registry_options
 @click.option("--platform", default=None, metavar="OS/ARCH[/VARIANT]",
-              help="Platform to pick from an index (default: this host).")
+              help="Platform to pick from an index, as containerd reads it (linux/amd64, "
+                   "Linux/x86_64, arm64; default: this host). One: a pull unpacks one "
+                   "platform.")
 @click.option("--timeout", default=60.0, show_default=True, type=float,
-              help="Deadline in seconds of each registry and containerd call.")
+              help="Deadline in seconds of each registry and containerd call (connecting to "
+                   "containerd included).")
+@output_option("the image name, digest and each layer: lazy, downloaded or present")
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
 def pull(ref: str, address: str, namespace: str, snapshotter: str, insecure: tuple[str, ...],
-         platform: str | None, timeout: float, quiet: bool) -> None:
-    """Pull image REF into containerd (lazily where the snapshotter can)."""
+         tls_verify: bool, authfile: Path | None, platform: str | None, timeout: float,
+         output: str, quiet: bool) -> None:
+    """Pull image REF into containerd (lazily where the snapshotter can).
+
+    REF is registry/repo:tag[@digest], or docker://registry/repo:tag as skopeo writes it. The
+    image record gets REF's name without docker://; run it with
+    `ctr run --snapshotter coldstart REF ID`.
+    """
+    from coldstart.commands._progress import Progress
     from coldstart.containerd.client import Containerd
     from coldstart.containerd.pull import pull_image
     from coldstart.errors import InvalidArgument
     from coldstart.oci.manifest import Platform
-    from coldstart.oci.registry import RegistryClient
+    from coldstart.oci.reference import Reference
 
+    # every argument is checked before anything is dialled
     if timeout <= 0:
         raise InvalidArgument("--timeout must be > 0")
+    name = ref.removeprefix("docker://")
+    Reference.parse(name)
     want = Platform.parse(platform) if platform else None
 
-    def say(msg: str) -> None:
-        if not quiet:
-            click.echo(msg, err=True)
-
-    with Containerd(address, namespace, timeout=timeout) as ctd, \
-            RegistryClient(insecure_hosts=insecure, timeout=timeout) as registry:
-        result = pull_image(ctd, registry, ref, snapshotter=snapshotter, platform=want,
-                            progress=say)
+    with Progress(["download"], quiet=quiet) as progress, \
+            registry_client(insecure, tls_verify, authfile, timeout=timeout) as registry, \
+            Containerd(address, namespace, timeout=timeout, connect_timeout=timeout) as ctd:
+        result = pull_image(ctd, registry, name, snapshotter=snapshotter, platform=want,
+                            progress=progress.say, byte_progress=progress)
+    if output == "json":
+        echo_json({"name": result.name, "digest": result.target.digest,
+                   "manifest": result.manifest_digest, "config": result.config_digest,
+                   "chain_id": result.chain_id, "seconds": round(result.seconds, 3),
+                   "layers": [{"digest": la.digest, "how": la.how, "size": la.size,
+                               "fetched_bytes": la.fetched_bytes} for la in result.layers]})
+        return
     click.echo(f"{result.name} {result.target.digest}")

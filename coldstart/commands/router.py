@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
+from coldstart.commands._common import echo_json, output_option
 from coldstart.probe.router import Router
 
 _redis_option = click.option(
@@ -34,13 +33,18 @@ def router() -> None:
 @click.argument("service")
 @_redis_option
 @_timeout_option
-def pick(service: str, url: str, timeout: float) -> None:
+@output_option("service, target")
+def pick(service: str, url: str, timeout: float, output: str) -> None:
     """Print the least-loaded READY, live, non-quarantined target of SERVICE.
 
     Its in-flight count goes up by one; `release` it when the request is over. Exits 3 when no
     target can take a request.
     """
-    click.echo(Router.connect(url, service, timeout).pick())
+    target = Router.connect(url, service, timeout).pick()
+    if output == "json":
+        echo_json({"service": service, "target": target})
+        return
+    click.echo(target)
 
 
 @router.command()
@@ -51,12 +55,17 @@ def pick(service: str, url: str, timeout: float) -> None:
                    "with each consecutive failure).")
 @_redis_option
 @_timeout_option
-def release(service: str, target: str, failed: bool, url: str, timeout: float) -> None:
+@output_option("service, target, inflight, quarantine_s (null unless --failed)")
+def release(service: str, target: str, failed: bool, url: str, timeout: float,
+            output: str) -> None:
     """Mark one request to TARGET of SERVICE as finished; prints its in-flight count."""
     r = Router.connect(url, service, timeout)
     count = r.release(target, ok=not failed)
-    if failed:
-        backoff = r.quarantine(target)
+    backoff = r.quarantine(target) if failed else None
+    if output == "json":
+        echo_json({"service": service, "target": target, "inflight": count,
+                   "quarantine_s": backoff})
+    elif backoff is not None:
         click.echo(f"{count} (quarantined for {backoff:g} s)")
     else:
         click.echo(str(count))
@@ -71,27 +80,32 @@ def release(service: str, target: str, failed: bool, url: str, timeout: float) -
               help="Longest backoff (s).")
 @_redis_option
 @_timeout_option
+@output_option("service, target, quarantine_s")
 def quarantine(service: str, target: str, base: float, limit: float, url: str,
-               timeout: float) -> None:
+               timeout: float, output: str) -> None:
     """Keep TARGET of SERVICE out of picks after a connection failure; prints the backoff."""
-    click.echo(f"{Router.connect(url, service, timeout).quarantine(target, base, limit):g}")
+    backoff = Router.connect(url, service, timeout).quarantine(target, base, limit)
+    if output == "json":
+        echo_json({"service": service, "target": target, "quarantine_s": backoff})
+        return
+    click.echo(f"{backoff:g}")
 
 
 @router.command(name="list")
 @click.argument("service")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per target.")
 @_redis_option
 @_timeout_option
-def list_(service: str, as_json: bool, url: str, timeout: float) -> None:
+@output_option("a list of {target, state, inflight, heartbeat_ms, quarantine_ms, strikes, "
+               "status}", json_alias=True)
+def list_(service: str, url: str, timeout: float, output: str) -> None:
     """Show every target of SERVICE: state, in flight, heartbeat left, quarantine, progress."""
     views = Router.connect(url, service, timeout).list()
-    if as_json:
-        for v in views:
-            click.echo(json.dumps({
-                "target": v.target, "state": v.state, "inflight": v.inflight,
-                "heartbeat_ms": v.heartbeat_ms, "quarantine_ms": v.quarantine_ms,
-                "strikes": v.strikes, "status": v.doc,
-            }))
+    if output == "json":
+        echo_json([{
+            "target": v.target, "state": v.state, "inflight": v.inflight,
+            "heartbeat_ms": v.heartbeat_ms, "quarantine_ms": v.quarantine_ms,
+            "strikes": v.strikes, "status": v.doc,
+        } for v in views])
         return
     click.echo(f"{'TARGET':<28} {'STATE':<9} {'INFLIGHT':>8} {'HEARTBEAT':>10} "
                f"{'QUARANTINE':>10}  DETAIL")
@@ -111,9 +125,12 @@ def list_(service: str, as_json: bool, url: str, timeout: float) -> None:
 @click.argument("target")
 @_redis_option
 @_timeout_option
-def forget(service: str, target: str, url: str, timeout: float) -> None:
-    """Remove TARGET from SERVICE entirely (it is gone for good)."""
+@output_option("service, target, forgotten")
+def forget(service: str, target: str, url: str, timeout: float, output: str) -> None:
+    """Remove TARGET from SERVICE entirely (it is gone for good); prints nothing in text."""
     if not Router.connect(url, service, timeout).forget(target):
         from coldstart.errors import NotFound
 
         raise NotFound(f"{target} is not a target of {service}")
+    if output == "json":
+        echo_json({"service": service, "target": target, "forgotten": True})

@@ -6,34 +6,41 @@ Example::
     coldstart snapshotter --config /etc/coldstart/config.toml
     coldstart snapshotter --root /var/lib/coldstart --socket /run/coldstart/snapshotter.sock
     coldstart snapshotter --print-config > config.toml
-    coldstart snapshotter status --config /etc/coldstart/config.toml [--json]
+    coldstart snapshotter status --config /etc/coldstart/config.toml [-o json]
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import click
 
 from coldstart import config as configmod
+from coldstart.commands._common import (
+    configure_logging,
+    echo_json,
+    explicit_log_level,
+    output_option,
+)
 
 _CONFIG_HELP = "TOML config file (every key and its default: --print-config)."
 
 
 @click.group(invoke_without_command=True)
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help=_CONFIG_HELP)
-@click.option("--root", default=None, help="Metadata and snapshot directories (config: root).")
-@click.option("--socket", default=None, help="gRPC unix socket containerd dials "
-                                             "(config: socket).")
+              envvar="COLDSTART_CONFIG", help=_CONFIG_HELP)
+@click.option("--root", default=None, envvar="COLDSTART_ROOT",
+              help="Metadata and snapshot directories (config: root).")
+@click.option("--socket", default=None, envvar="COLDSTART_SOCKET",
+              help="gRPC unix socket containerd dials (config: socket).")
 @click.option("--print-config", is_flag=True, help="Print the effective config as TOML, exit.")
 @click.pass_context
 def snapshotter(ctx: click.Context, config_path: str | None, root: str | None,
                 socket: str | None, print_config: bool) -> None:
     """Serve containerd's snapshots API; lazily pulled layers are mounted by the FUSE server.
 
-    Without a subcommand, runs the daemon until SIGTERM.
+    Without a subcommand, runs the daemon until SIGTERM. It logs at the config's log_level
+    unless --log-level/--debug says otherwise.
     """
     if ctx.invoked_subcommand is not None:
         ctx.obj = config_path      # `snapshotter --config F status` reads F too
@@ -43,9 +50,13 @@ def snapshotter(ctx: click.Context, config_path: str | None, root: str | None,
         cfg = dataclasses.replace(cfg, root=root)
     if socket is not None:
         cfg = dataclasses.replace(cfg, socket=socket)
+    level = explicit_log_level()
+    if level is not None:
+        cfg = dataclasses.replace(cfg, log_level=level)
     if print_config:
         click.echo(configmod.dump(cfg), nl=False)
         return
+    configure_logging(cfg.log_level, daemon=True)
     from coldstart.snapshotter.daemon import run
 
     run(cfg)
@@ -57,11 +68,11 @@ def _mb(n: object) -> str:
 
 @snapshotter.command()
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help=_CONFIG_HELP)
+              envvar="COLDSTART_CONFIG", help=_CONFIG_HELP)
 @click.option("--fuse-socket", default=None, metavar="PATH",
               help="The FUSE server's control socket (config: fuse.socket).")
-@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
-def status(config_path: str | None, fuse_socket: str | None, as_json: bool) -> None:
+@output_option("a list with one object per layer", json_alias=True)
+def status(config_path: str | None, fuse_socket: str | None, output: str) -> None:
     """Per lazily mounted layer: state (prefetching, filling, complete, on-demand), bytes
     prefetched, filled and fetched on demand, requests, errors."""
     from coldstart.lazyfs.client import FuseServerClient
@@ -69,8 +80,8 @@ def status(config_path: str | None, fuse_socket: str | None, as_json: bool) -> N
     parent = click.get_current_context().parent
     cfg = configmod.load(config_path or (parent.obj if parent is not None else None))
     rows = FuseServerClient(fuse_socket or cfg.fuse.socket, timeout=10.0).status()
-    if as_json:
-        click.echo(json.dumps(rows, indent=2))
+    if output == "json":
+        echo_json(rows)
         return
     if not rows:
         click.echo("no lazily mounted layers")

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import sys
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import click
 
+from coldstart.commands._common import (
+    AliasChoice,
+    check_authfile,
+    echo_json,
+    output_option,
+    registry_options,
+    split_commas,
+)
 from coldstart.config import SourceConfig, WeightsConfig
 from coldstart.errors import InvalidArgument
 
@@ -18,17 +26,23 @@ _SOURCE = SourceConfig()
 _WEIGHTS = WeightsConfig()
 _MiB = 1 << 20
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
+# torch's own names too: --dtype bfloat16 is what a PyTorch user types
+_DTYPE_ALIASES = {**{v: k for k, v in _DTYPES.items()}, "half": "fp16", "float": "fp32",
+                  "double": "fp64", "torch.bfloat16": "bf16", "torch.float16": "fp16",
+                  "torch.float32": "fp32", "torch.float64": "fp64"}
 
 
 def _source_help() -> str:
     return ("SOURCE is a .safetensors file, a model.safetensors.index.json, or a folder holding "
             "either: a local path, s3://BUCKET/KEY (standard AWS credentials, AWS_ENDPOINT_URL "
             "for S3-compatible stores; folders end with /), http(s)://URL (Range GETs) or "
-            "oci://REGISTRY/REPO@sha256:DIGEST (a registry blob).")
+            "registry://REGISTRY/REPO@sha256:DIGEST (a registry blob; oci:DIR means an OCI image "
+            "layout in coldstart, as in skopeo).")
 
 
 def _options(f: Any) -> Any:
     # Applied last-first, so --help lists them in this file's order.
+    f = registry_options(f)
     f = click.option("--timeout", type=click.FloatRange(0.1), default=_SOURCE.timeout,
                      show_default=True, help="Deadline of each network request, seconds.")(f)
     f = click.option("--only", "only", multiple=True, metavar="NAME",
@@ -45,12 +59,15 @@ def _options(f: Any) -> Any:
                      help="Cap on pinned staging memory for --device cuda, MiB.")(f)
     f = click.option("--chunk-mb", type=click.FloatRange(0.01), show_default=True,
                      default=_WEIGHTS.chunk_bytes / _MiB, help="Largest single read, MiB.")(f)
-    f = click.option("--concurrency", type=click.IntRange(1, 256),
+    f = click.option("--concurrency", "concurrency_alias", type=click.IntRange(1, 256),
+                     hidden=True, help="Old name of --jobs.")(f)
+    f = click.option("-j", "--jobs", "concurrency", type=click.IntRange(1, 256),
                      help="Parallel reads (threads; each read is one preadv, populate or ranged "
                           f"GET). Default: {_SOURCE.concurrency} for network sources, a few "
                           "per core for files.")(f)
-    f = click.option("--dtype", type=click.Choice(sorted(_DTYPES)),
-                     help="Convert floating-point tensors to this dtype (on the device).")(f)
+    f = click.option("--dtype", type=AliasChoice(sorted(_DTYPES), _DTYPE_ALIASES),
+                     help="Convert floating-point tensors to this dtype (on the device); "
+                          "torch's names work too (bfloat16, float16, float32, float64).")(f)
     f = click.option("--device", default="cpu", show_default=True, metavar="cpu|cuda[:N]",
                      help="Where the tensors go. cuda streams through pinned staging buffers "
                           "with async host-to-device copies.")(f)
@@ -59,9 +76,14 @@ def _options(f: Any) -> Any:
 
 def _kwargs(device: str, dtype: str | None, concurrency: int | None, chunk_mb: float,
             max_host_mb: float, direct: bool, only: tuple[str, ...], timeout: float,
-            cpu_mode: str) -> dict[str, Any]:
+            cpu_mode: str, concurrency_alias: int | None = None,
+            insecure: tuple[str, ...] = (), tls_verify: bool = True,
+            authfile: Path | None = None) -> dict[str, Any]:
     import torch
 
+    authfile = check_authfile(authfile)
+    if concurrency is None:
+        concurrency = concurrency_alias
     return {
         "device": device,
         "dtype": getattr(torch, _DTYPES[dtype]) if dtype else None,
@@ -72,29 +94,30 @@ def _kwargs(device: str, dtype: str | None, concurrency: int | None, chunk_mb: f
         "cpu_mode": cpu_mode,
         "select": list(only) or None,
         "timeout": timeout,
+        "registry": {"insecure_hosts": split_commas(insecure), "tls_verify": tls_verify,
+                     "docker_config": authfile},
     }
 
 
 def _load_once(source: str, kwargs: dict[str, Any], show_progress: bool) -> Any:
+    from coldstart.commands._progress import Progress
     from coldstart.weights import LoadStats, load
 
     stats = LoadStats()
-    bar: Any = None
+    expected = threading.Event()
+    lock = threading.Lock()
 
-    def progress(n: int) -> None:
-        nonlocal bar
-        if bar is None:
-            bar = click.progressbar(length=stats.total_bytes, label="loading", file=sys.stderr,
-                                    show_pos=False, show_percent=True, show_eta=True)
-            bar.__enter__()
-        bar.update(n)
+    with Progress(["load"], quiet=not show_progress) as bar:
+        def progress(n: int) -> None:    # called from the loader's reading threads
+            if not expected.is_set():
+                with lock:
+                    if not expected.is_set():
+                        bar.expect(stats.total_bytes)
+                        expected.set()
+            bar.advance("load", n)
 
-    try:
-        tensors = load(source, progress=progress if show_progress else None, stats=stats,
+        tensors = load(source, progress=progress if bar.drawing else None, stats=stats,
                        **kwargs)
-    finally:
-        if bar is not None:
-            bar.__exit__(None, None, None)
     return tensors, stats
 
 
@@ -106,29 +129,30 @@ def weights() -> None:
 @weights.command("load", epilog=_source_help())
 @click.argument("source")
 @_options
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@output_option("source, files, tensors, bytes, seconds, GB/s", json_alias=True)
 @click.option("--list", "list_tensors", is_flag=True, help="Also print each tensor's name, "
               "dtype and shape.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def load_cmd(source: str, device: str, dtype: str | None, concurrency: int | None,
-             chunk_mb: float, max_host_mb: float, direct: bool, cpu_mode: str,
-             only: tuple[str, ...], timeout: float, as_json: bool, list_tensors: bool,
+             concurrency_alias: int | None, chunk_mb: float, max_host_mb: float, direct: bool,
+             cpu_mode: str, only: tuple[str, ...], timeout: float, insecure: tuple[str, ...],
+             tls_verify: bool, authfile: Path | None, output: str, list_tensors: bool,
              quiet: bool) -> None:
     """Load SOURCE once and report tensors, bytes, time and GB/s.
 
     Example: coldstart weights load s3://models/llama/3/ --device cuda
     """
     kwargs = _kwargs(device, dtype, concurrency, chunk_mb, max_host_mb, direct, only, timeout,
-                     cpu_mode)
-    tensors, stats = _load_once(source, kwargs, show_progress=not quiet and not as_json)
+                     cpu_mode, concurrency_alias, insecure, tls_verify, authfile)
+    tensors, stats = _load_once(source, kwargs, show_progress=not quiet)
     report = {"source": source, "path": stats.path, "files": stats.files,
               "tensors": stats.tensors, "bytes": stats.bytes, "seconds": round(stats.seconds, 4),
               "gb_per_s": round(stats.gb_per_s, 3)}
-    if as_json:
+    if output == "json":
         if list_tensors:
             report["shapes"] = {n: [str(t.dtype).removeprefix("torch."), list(t.shape)]
                                 for n, t in tensors.items()}
-        click.echo(json.dumps(report))
+        echo_json(report)
         return
     if list_tensors:
         for name in sorted(tensors):
@@ -146,17 +170,19 @@ def load_cmd(source: str, device: str, dtype: str | None, concurrency: int | Non
 @click.option("--evict", is_flag=True,
               help="Local files: drop them from the page cache before each run "
                    "(posix_fadvise DONTNEED) to measure cold reads.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@output_option("source, each run's GB/s, the median", json_alias=True)
+@click.option("--quiet", "-q", is_flag=True, help="No line per run on stderr.")
 def bench_cmd(source: str, device: str, dtype: str | None, concurrency: int | None,
-              chunk_mb: float, max_host_mb: float, direct: bool, cpu_mode: str,
-              only: tuple[str, ...], timeout: float, runs: int, evict: bool,
-              as_json: bool) -> None:
+              concurrency_alias: int | None, chunk_mb: float, max_host_mb: float,
+              direct: bool, cpu_mode: str, only: tuple[str, ...], timeout: float,
+              insecure: tuple[str, ...], tls_verify: bool, authfile: Path | None, runs: int,
+              evict: bool, output: str, quiet: bool) -> None:
     """Load SOURCE --runs times; report each run's GB/s and the median.
 
     Example: coldstart weights bench ./model.safetensors --runs 5 --evict
     """
     kwargs = _kwargs(device, dtype, concurrency, chunk_mb, max_host_mb, direct, only, timeout,
-                     cpu_mode)
+                     cpu_mode, concurrency_alias, insecure, tls_verify, authfile)
     if evict and "://" in source:
         raise InvalidArgument("--evict works on local files only")
     rates: list[float] = []
@@ -169,13 +195,12 @@ def bench_cmd(source: str, device: str, dtype: str | None, concurrency: int | No
         del tensors
         rates.append(stats.bytes / (time.perf_counter() - started) / 1e9)
         path = stats.path
-        if not as_json:
+        if not quiet:
             click.echo(f"run {i + 1}: {stats.bytes / 1e9:.3f} GB at {rates[-1]:.2f} GB/s",
                        err=True)
     median = statistics.median(rates)
-    if as_json:
-        click.echo(json.dumps({"source": source, "path": path, "runs": rates,
-                               "median_gb_per_s": median}))
+    if output == "json":
+        echo_json({"source": source, "path": path, "runs": rates, "median_gb_per_s": median})
     else:
         click.echo(f"median of {runs}: {median:.2f} GB/s  [{path}]")
 

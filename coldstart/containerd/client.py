@@ -15,6 +15,7 @@ import contextlib
 import os
 import queue
 import secrets
+import socket
 import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from coldstart.containerd._errors import map_rpc_error
 from coldstart.errors import (
     AlreadyExists,
     ColdstartError,
+    DeadlineExceeded,
     IntegrityError,
     InvalidArgument,
     NotFound,
@@ -109,6 +111,29 @@ def _desc_from_pb(d: Any) -> Descriptor:
                       annotations=dict(d.annotations))
 
 
+def _check_listening(path: str, timeout: float) -> None:
+    """Connect to the socket once, so that a stale socket says so at once (gRPC would retry
+    a refused connection until its deadline and then only say it did not connect)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(timeout)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        raise Unavailable(f"containerd at {path}: connection refused: nothing listens on the "
+                          "socket (containerd is not running, or died and left it behind; "
+                          "start it or see --address)") from None
+    except PermissionError:
+        raise Unavailable(f"containerd at {path}: permission denied (run as root, or as a user "
+                          "allowed on the socket)") from None
+    except TimeoutError:
+        raise DeadlineExceeded(f"containerd at {path} did not accept a connection within "
+                               f"{timeout:g} s") from None
+    except OSError as exc:
+        raise Unavailable(f"containerd at {path}: {exc.strerror or exc}") from None
+    finally:
+        probe.close()
+
+
 class Containerd:
     """A connection to one containerd (``address`` = its gRPC unix socket) in one namespace.
 
@@ -132,6 +157,7 @@ class Containerd:
             raise Unavailable(f"containerd socket {path}: {exc.strerror}") from exc
         if not stat.S_ISSOCK(mode):
             raise InvalidArgument(f"{path} is not a unix socket")
+        _check_listening(path, min(connect_timeout, timeout))
         self.address = path
         self.namespace = namespace
         self.timeout = timeout
@@ -141,11 +167,13 @@ class Containerd:
             options=[("grpc.max_receive_message_length", _MAX_MESSAGE),
                      ("grpc.max_send_message_length", _MAX_MESSAGE)])
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
+            grpc.channel_ready_future(self._channel).result(timeout=min(connect_timeout,
+                                                                        timeout))
         except grpc.FutureTimeoutError:
             self._channel.close()
-            raise Unavailable(f"containerd at {path} did not accept a connection within "
-                              f"{connect_timeout:g} s") from None
+            raise DeadlineExceeded(f"containerd at {path} did not answer within "
+                                   f"{min(connect_timeout, timeout):g} s (is it overloaded "
+                                   "or hung?)") from None
         # generated stubs are untyped; their methods are checked through _call's signature
         grpc_modules: Any = (content_pb2_grpc, images_pb2_grpc, leases_pb2_grpc, diff_pb2_grpc,
                              snapshots_pb2_grpc)

@@ -50,6 +50,7 @@ from coldstart.oci.manifest import (
 )
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient, Resolved
+from coldstart.progress import ByteProgress
 
 __all__ = ["LayerResult", "PullResult", "chain_ids", "layer_labels", "pull_image"]
 
@@ -167,10 +168,13 @@ def _short(digest: str) -> str:
 def pull_image(ctd: Containerd, registry: RegistryClient, ref: str, *,
                snapshotter: str = "coldstart", platform: Platform | None = None,
                progress: Progress | None = None, tmp_dir: Path | None = None,
-               timeout: float | None = None) -> PullResult:
+               timeout: float | None = None,
+               byte_progress: ByteProgress | None = None) -> PullResult:
     """Pull ``ref`` into containerd, lazily where ``snapshotter`` can, and unpack the rest.
 
     The image record is named ``ref`` exactly as given (what ``ctr run`` is later told).
+    ``progress`` gets a line per step; ``byte_progress`` counts the bytes of the layers that
+    are downloaded (phase ``download``).
     """
     say = progress or (lambda _msg: None)
     started = time.monotonic()
@@ -207,7 +211,8 @@ def pull_image(ctd: Containerd, registry: RegistryClient, ref: str, *,
             head = f"layer {i + 1}/{len(manifest.layers)} {_short(layer.digest)}"
             result = _unpack_layer(ctd, registry, resolved, layer, diff_ids[i], chain, parent,
                                    snapshotter=snapshotter, source=source, say=say,
-                                   tmp_dir=tmp_dir, timeout=timeout, head=head)
+                                   tmp_dir=tmp_dir, timeout=timeout, head=head,
+                                   byte_progress=byte_progress)
             results.append(result)
             parent = chain
         top = chains[-1] if chains else ""
@@ -253,7 +258,8 @@ def _index_gc_labels(resolved: Resolved) -> dict[str, str]:
 def _unpack_layer(ctd: Containerd, registry: RegistryClient, resolved: Resolved,
                   layer: Descriptor, diff_id: str, chain: str, parent: str, *,
                   snapshotter: str, source: Mapping[str, str], say: Progress,
-                  tmp_dir: Path | None, timeout: float | None, head: str) -> LayerResult:
+                  tmp_dir: Path | None, timeout: float | None, head: str,
+                  byte_progress: ByteProgress | None = None) -> LayerResult:
     if ctd.has_snapshot(snapshotter, chain):
         say(f"{head}: already present")
         return LayerResult(layer.digest, chain, layer.size, "present")
@@ -276,8 +282,16 @@ def _unpack_layer(ctd: Containerd, registry: RegistryClient, resolved: Resolved,
         fetched = 0
         if not ctd.has_content(layer.digest):
             with tempfile.TemporaryFile(dir=tmp_dir) as tmp:
+                advance = None
+                if byte_progress is not None:
+                    bp = byte_progress
+                    bp.expect(layer.size)
+
+                    def advance(n: int) -> None:
+                        bp.advance("download", n)
                 fetched = registry.download_blob(resolved.ref, layer.digest, tmp,
-                                                 size=layer.size, timeout=timeout)
+                                                 size=layer.size, timeout=timeout,
+                                                 progress=advance)
                 tmp.flush()
                 tmp.seek(0)
                 ctd.write_content(tmp, layer.digest, size=layer.size,

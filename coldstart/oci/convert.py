@@ -53,6 +53,7 @@ from coldstart.oci.registry import RegistryClient
 from coldstart.oci.store import ImageStore, open_store
 from coldstart.prefetch.profile import LayerProfile, Profile
 from coldstart.prefetch.ranges import PREFETCH_RANGES_ANNOTATION, encode_ranges, merge_gaps
+from coldstart.progress import ByteProgress
 
 __all__ = [
     "FORMATS",
@@ -192,6 +193,31 @@ class ConvertSummary:
 LayerCallback = Callable[[LayerSummary, int, int], None]
 
 
+class _CountingFile:
+    """A file whose progress through it is reported (``on_read(n)``: ``n`` more bytes read
+    past the furthest point so far; a re-read after a seek back counts once)."""
+
+    def __init__(self, inner: BinaryIO, on_read: Callable[[int], None] | None) -> None:
+        self._inner = inner
+        self._on_read = on_read
+        self._high = inner.tell()
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._inner.read(n)
+        if self._on_read is not None and data:
+            pos = self._inner.tell()
+            if pos > self._high:
+                self._on_read(pos - self._high)
+                self._high = pos
+        return data
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._inner.seek(offset, whence)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 class _HashingReader:
     """A read-only stream that hashes (and optionally copies) what passes through."""
 
@@ -249,8 +275,10 @@ class _Converter:
     def __init__(self, src: ImageStore, dst: ImageStore, *, format: str, chunk_size: int,
                  prefetch: Sequence[str] | None, level: int | None, workdir: Path,
                  workers: int, on_layer: LayerCallback | None,
-                 profile: Profile | None = None, keep_layers: bool = False) -> None:
+                 profile: Profile | None = None, keep_layers: bool = False,
+                 progress: ByteProgress | None = None) -> None:
         self.src, self.dst = src, dst
+        self.progress = progress
         self.format = format
         self.chunk_size = chunk_size
         self.prefetch = list(prefetch) if prefetch else None
@@ -278,7 +306,15 @@ class _Converter:
                 fut = self.pool.submit(self._layer, desc, diff_id, recorded)
                 self._futures[desc.digest] = fut
                 self.total += 1
+                if self.progress is not None:
+                    self.progress.expect(desc.size)
             return fut
+
+    def _advance(self, phase: str) -> Callable[[int], None] | None:
+        progress = self.progress
+        if progress is None:
+            return None
+        return lambda n: progress.advance(phase, n)
 
     def _report(self, summary: LayerSummary) -> None:
         with self._lock:
@@ -310,6 +346,10 @@ class _Converter:
                                    _toc_of(desc.annotations))
         else:
             summary = self._convert(desc, diff_id, t0, prefetch, recorded)
+        if summary.kept and self.progress is not None:
+            if desc.urls or desc.media_type == DOCKER_LAYER_FOREIGN_GZIP:
+                self.progress.advance("download", desc.size)
+            self.progress.advance("convert", desc.size)
         self._report(summary)
         return summary
 
@@ -318,7 +358,7 @@ class _Converter:
         """A seekable layer kept byte for byte, with the chunks the profile touched named in
         its prefetch-ranges annotation (the node prefetches them; no landmark needed)."""
         with tempfile.NamedTemporaryFile(dir=self.workdir, prefix="keep-") as f:
-            self.src.download_blob(desc, f)
+            self.src.download_blob(desc, f, self._advance("download"))
             f.flush()
             touched = _touched_ranges(Path(f.name), desc.annotations, recorded)
             if not self.dst.has_blob(desc.digest) and not self.dst.try_mount(desc.digest,
@@ -336,13 +376,16 @@ class _Converter:
                             _toc_of(desc.annotations),
                             prefetch_files=len(recorded.files) if touched else 0)
 
-    def _copy_blob(self, desc: Descriptor) -> None:
+    def _copy_blob(self, desc: Descriptor, *, count: bool = True) -> None:
+        """Copy a blob as it is; ``count``: a layer's, whose bytes progress counts."""
         if self.dst.has_blob(desc.digest) or self.dst.try_mount(desc.digest, self.src):
+            if self.progress is not None and count:
+                self.progress.advance("download", desc.size)
             return
         with tempfile.NamedTemporaryFile(dir=self.workdir, prefix="copy-", delete=False) as f:
             path = Path(f.name)
             try:
-                self.src.download_blob(desc, f)
+                self.src.download_blob(desc, f, self._advance("download") if count else None)
             except BaseException:
                 f.close()
                 path.unlink(missing_ok=True)
@@ -363,9 +406,10 @@ class _Converter:
         prefetch: list[str] | None = None
         missing: tuple[str, ...] = ()
         try:
-            with open(src_path, "w+b") as raw:
-                self.src.download_blob(desc, raw)
-                raw.seek(0)
+            with open(src_path, "w+b") as file:
+                self.src.download_blob(desc, file, self._advance("download"))
+                file.seek(0)
+                raw = cast(BinaryIO, _CountingFile(file, self._advance("convert")))
                 with open(out_path, "wb") as out:
                     if wanted:
                         # the image-wide list names files in many layers: give each layer the
@@ -470,7 +514,7 @@ class _Converter:
         if unchanged and manifest.media_type == OCI_MANIFEST \
                 and new_config_bytes is config_bytes:
             new_body = body
-            self._copy_blob(manifest.config)
+            self._copy_blob(manifest.config, count=False)
         else:
             config_desc = self.dst.put_blob_bytes(new_config_bytes, config_type)
             raw = dict(manifest.raw)
@@ -538,12 +582,15 @@ def convert_image(src: str, dst: str, *, format: str = "zstd:chunked",
                   insecure_hosts: Iterable[str] = (), client: RegistryClient | None = None,
                   workers: int = 2, level: int | None = None, workdir: Path | None = None,
                   on_layer: LayerCallback | None = None,
-                  profile: Profile | None = None, keep_layers: bool = False) -> ConvertSummary:
+                  profile: Profile | None = None, keep_layers: bool = False,
+                  progress: ByteProgress | None = None) -> ConvertSummary:
     """Convert image ``src`` into ``dst`` (each ``registry/repo:tag`` or ``oci:DIR[:tag]``).
 
     ``format`` is ``zstd:chunked`` or ``estargz``; ``platforms`` limits which entries of an
     index are converted (default: all); ``on_layer(summary, done, total)`` is called as each
-    layer finishes. Blobs the destination already has are not sent again; blobs in another
+    layer finishes; ``progress`` counts each layer's compressed bytes through the phases
+    ``download`` and ``convert``. Blobs the destination already has are not sent again; blobs
+    in another
     repository of the same registry are mounted rather than uploaded.
 
     ``profile`` (from ``coldstart optimize``): each layer's recorded files are placed first,
@@ -573,7 +620,7 @@ def convert_image(src: str, dst: str, *, format: str = "zstd:chunked",
             conv = _Converter(source, dest, format=fmt, chunk_size=chunk_size,
                               prefetch=prefetch, level=level, workdir=Path(tmp),
                               workers=workers, on_layer=on_layer, profile=profile,
-                              keep_layers=keep_layers)
+                              keep_layers=keep_layers, progress=progress)
             try:
                 return _run(conv, source, root, dest, fmt, wanted_platforms, t0)
             finally:

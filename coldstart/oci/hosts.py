@@ -131,16 +131,25 @@ class HostsConfig:
 
     hosts_dir: Path | None = None
     insecure_hosts: frozenset[str] = frozenset()
+    tls_verify: bool = True
 
     @classmethod
-    def create(cls, hosts_dir: Path | None = None,
-               insecure_hosts: Iterable[str] = ()) -> HostsConfig:
-        return cls(hosts_dir=hosts_dir, insecure_hosts=frozenset(insecure_hosts))
+    def create(cls, hosts_dir: Path | None = None, insecure_hosts: Iterable[str] = (), *,
+               tls_verify: bool = True) -> HostsConfig:
+        return cls(hosts_dir=hosts_dir, insecure_hosts=frozenset(insecure_hosts),
+                   tls_verify=tls_verify)
+
+    def is_insecure(self, host: str) -> bool:
+        """Whether ``host[:port]`` is named insecure: exactly, or by its host without a port."""
+        if host in self.insecure_hosts:
+            return True
+        name, sep, port = host.rpartition(":")
+        return bool(sep) and port.isdigit() and name in self.insecure_hosts
 
     def _default(self, host: str) -> Endpoint:
-        scheme = "http" if (host in self.insecure_hosts or is_loopback(host)) else "https"
+        scheme = "http" if (self.is_insecure(host) or is_loopback(host)) else "https"
         api = "registry-1.docker.io" if host == "docker.io" else host
-        return Endpoint(base=f"{scheme}://{api}/v2")
+        return Endpoint(base=f"{scheme}://{api}/v2", verify=self.tls_verify)
 
     def _file_for(self, host: str) -> Path | None:
         if self.hosts_dir is None:
@@ -170,7 +179,7 @@ class HostsConfig:
             ep = Endpoint(
                 base=_url_for(raw, bool(entry.get("override_path"))),
                 capabilities=_capabilities(entry, path),
-                verify=_verify_of(entry, path),
+                verify=_verify_of(entry, path) if self.tls_verify else False,
                 client_cert=_client_of(entry, path),
                 headers={str(k): str(v if isinstance(v, str) else v[0])
                          for k, v in (entry.get("header") or {}).items()},
@@ -187,7 +196,7 @@ class HostsConfig:
             out.append(Endpoint(
                 base=_url_for(str(server), bool(top.get("override_path"))),
                 capabilities=_capabilities(top, path),
-                verify=_verify_of(top, path),
+                verify=_verify_of(top, path) if self.tls_verify else False,
                 client_cert=_client_of(top, path),
                 headers={str(k): str(v if isinstance(v, str) else v[0])
                          for k, v in (top.get("header") or {}).items()},
@@ -200,4 +209,4 @@ class HostsConfig:
         return usable
 
     def _insecure(self, ep: Endpoint) -> bool:
-        return ep.base.startswith("https://") and ep.host in self.insecure_hosts
+        return ep.base.startswith("https://") and self.is_insecure(ep.host)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform as _platform
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -45,6 +46,7 @@ __all__ = [
     "parse_any",
     "parse_index",
     "parse_manifest",
+    "parse_platforms",
     "select_platform",
 ]
 
@@ -98,12 +100,45 @@ class Platform:
 
     @classmethod
     def parse(cls, s: str) -> Platform:
-        """``linux/amd64``, ``linux/arm64/v8``."""
-        parts = s.strip().split("/")
-        if len(parts) not in (2, 3) or not all(parts):
-            raise InvalidArgument(f"invalid platform {s!r} (want os/arch[/variant])")
-        return cls(os=parts[0], architecture=_normalise_arch(parts[1]),
-                   variant=parts[2] if len(parts) == 3 else None)
+        """A platform specifier as containerd's ``platforms.Parse`` reads it.
+
+        ``os/arch[/variant]``, case-insensitive and normalised (``Linux/x86_64`` is
+        ``linux/amd64``, ``linux/aarch64`` is ``linux/arm64``, ``linux/armhf`` and
+        ``linux/arm`` are ``linux/arm/v7``, the variant containerd's matcher gives them); one
+        word is an OS (this machine's architecture) or an architecture (``linux``). A comma
+        list is several platforms: see :func:`parse_platforms`.
+        """
+        text = s.strip()
+        if "," in text:
+            raise InvalidArgument(f"platform {s!r} names several platforms; give one "
+                                  "(os/arch[/variant])")
+        parts = text.split("/")
+        for part in parts:
+            if not _SPECIFIER_RE.match(part):
+                raise InvalidArgument(
+                    f"invalid platform {s!r}: each part of os/arch[/variant] is letters, "
+                    "digits, '_' and '-' (e.g. linux/amd64, linux/arm64/v8)")
+        if len(parts) == 1:
+            word = parts[0].lower()
+            os_name = _normalise_os(word)
+            if os_name in _KNOWN_OS:
+                host = host_platform()
+                return cls(os=os_name, architecture=host.architecture, variant=host.variant)
+            arch, variant = _normalise_arch_variant(word, "")
+            if arch in _KNOWN_ARCH:
+                return cls(os="linux", architecture=arch, variant=variant or None)
+            raise InvalidArgument(f"invalid platform {s!r}: unknown operating system or "
+                                  "architecture (e.g. linux/amd64, linux/arm64)")
+        if len(parts) == 2:
+            arch, variant = _normalise_arch_variant(parts[1], "")
+            return cls(os=_normalise_os(parts[0]), architecture=arch, variant=variant or None)
+        if len(parts) == 3:
+            arch, variant = _normalise_arch_variant(parts[1], parts[2])
+            if arch == "arm64" and not variant:
+                variant = "v8"
+            return cls(os=_normalise_os(parts[0]), architecture=arch, variant=variant or None)
+        raise InvalidArgument(f"invalid platform {s!r} (want os/arch[/variant], e.g. "
+                              "linux/amd64)")
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> Platform:
@@ -133,12 +168,63 @@ class Platform:
         return "/".join(p for p in (self.os, self.architecture, self.variant) if p)
 
 
+_SPECIFIER_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+# containerd's platforms/database.go
+_KNOWN_OS = frozenset((
+    "aix", "android", "darwin", "dragonfly", "freebsd", "hurd", "illumos", "ios", "js", "linux",
+    "nacl", "netbsd", "openbsd", "plan9", "solaris", "windows", "zos"))
+_KNOWN_ARCH = frozenset((
+    "386", "amd64", "amd64p32", "arm", "armbe", "arm64", "arm64be", "ppc64", "ppc64le",
+    "loong64", "mips", "mipsle", "mips64", "mips64le", "mips64p32", "mips64p32le", "ppc",
+    "riscv", "riscv64", "s390", "s390x", "sparc", "sparc64", "wasm"))
+
+
+def _normalise_os(os_name: str) -> str:
+    low = os_name.lower()
+    return "darwin" if low == "macos" else low
+
+
+def _normalise_arch_variant(arch: str, variant: str) -> tuple[str, str]:
+    """containerd's ``normalizeArch``: lower case, common aliases to GOARCH names."""
+    arch, variant = arch.lower(), variant.lower()
+    if arch == "i386":
+        return "386", ""
+    if arch in ("x86_64", "x86-64", "amd64"):
+        return "amd64", "" if variant == "v1" else variant
+    if arch in ("aarch64", "arm64"):
+        return "arm64", "" if variant in ("8", "v8") else variant
+    if arch == "armhf":
+        return "arm", "v7"
+    if arch == "armel":
+        return "arm", "v6"
+    if arch == "arm":
+        if variant in ("", "7"):
+            return "arm", "v7"
+        if variant in ("5", "6", "8"):
+            return "arm", f"v{variant}"
+    return arch, variant
+
+
 def _normalise_arch(arch: str) -> str:
-    return {"x86_64": "amd64", "x86-64": "amd64", "aarch64": "arm64"}.get(arch, arch)
+    return _normalise_arch_variant(arch, "")[0]
 
 
 def _normalise_variant(variant: str) -> str:
     return "v8" if variant in ("8", "v8") else variant
+
+
+def parse_platforms(specs: Iterable[str]) -> list[Platform]:
+    """Platforms from repeatable options that also take comma lists
+    (``--platform linux/amd64,linux/arm64``), duplicates dropped, order kept."""
+    out: list[Platform] = []
+    for spec in specs:
+        for part in spec.split(","):
+            if not part.strip():
+                raise InvalidArgument(f"invalid platform list {spec!r}: an empty entry")
+            p = Platform.parse(part)
+            if p not in out:
+                out.append(p)
+    return out
 
 
 def host_platform() -> Platform:

@@ -45,12 +45,15 @@ class Reference:
 
     @classmethod
     def parse(cls, s: str) -> Reference:
-        """Parse ``s``; a bare name gets ``docker.io`` (and ``library/``) and the tag ``latest``."""
+        """Parse ``s``; a bare name gets ``docker.io`` (and ``library/``) and the tag ``latest``;
+        ``docker://`` in front (skopeo's transport) is dropped."""
         text = s.strip()
         if not text or text != s or any(c.isspace() for c in text):
             raise InvalidArgument(f"invalid image reference {s!r}")
+        text = text.removeprefix("docker://")       # skopeo's transport name
         if "://" in text:
-            raise InvalidArgument(f"invalid image reference {s!r}: drop the URL scheme")
+            raise InvalidArgument(f"invalid image reference {s!r}: drop the URL scheme "
+                                  "(REGISTRY/REPO:TAG, docker://REGISTRY/REPO:TAG or oci:DIR)")
         name, digest = text, None
         if "@" in text:
             name, digest = text.split("@", 1)

@@ -136,7 +136,8 @@ _BodyFactory = Callable[[], bytes | Iterator[bytes]]
 class RegistryClient:
     """Client for OCI registries: manifests, blobs (ranges too), uploads, mounts.
 
-    ``insecure_hosts`` are spoken to over plain HTTP (loopback always is); ``hosts_dir`` is a
+    ``insecure_hosts`` are spoken to over plain HTTP (loopback always is; a host without a port
+    means every port of it); ``tls_verify=False`` trusts any certificate; ``hosts_dir`` is a
     containerd ``certs.d`` directory (mirrors, TLS); ``docker_config`` the Docker ``config.json``
     with credentials (default ``~/.docker/config.json``); ``credentials`` overrides per host.
     ``timeout`` is the default deadline of every call, ``retries`` how many times a failed
@@ -144,7 +145,8 @@ class RegistryClient:
     """
 
     def __init__(self, *, insecure_hosts: Iterable[str] = (), docker_config: Path | None = None,
-                 hosts_dir: Path | None = None, timeout: float = _REGISTRY.timeout,
+                 hosts_dir: Path | None = None, tls_verify: bool = True,
+                 timeout: float = _REGISTRY.timeout,
                  retries: int = _REGISTRY.retries,
                  backoff: float = 0.2, max_backoff: float = 5.0,
                  credentials: Mapping[str, Credentials | tuple[str, str]] | None = None,
@@ -158,7 +160,7 @@ class RegistryClient:
         self.backoff = backoff
         self.max_backoff = max_backoff
         self._backoff = Backoff(backoff, max_backoff)
-        self.hosts = HostsConfig.create(hosts_dir, insecure_hosts)
+        self.hosts = HostsConfig.create(hosts_dir, insecure_hosts, tls_verify=tls_verify)
         static = {h: c if isinstance(c, Credentials) else Credentials(*c)
                   for h, c in (credentials or {}).items()}
         self.creds = DockerConfig(docker_config or default_docker_config(), static=static)

@@ -6,6 +6,7 @@ The converter (and anything else that copies images) talks to :class:`ImageStore
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Protocol
 
@@ -35,8 +36,10 @@ class ImageStore(Protocol):
         """A small blob (a config), verified."""
         ...
 
-    def download_blob(self, desc: Descriptor, dst: IO[bytes]) -> int:
-        """Stream a blob into ``dst``, verified; return its size."""
+    def download_blob(self, desc: Descriptor, dst: IO[bytes],
+                      progress: Callable[[int], None] | None = None) -> int:
+        """Stream a blob into ``dst``, verified; return its size; ``progress(n)`` as bytes
+        arrive."""
         ...
 
     def has_blob(self, digest: str) -> bool: ...
@@ -76,8 +79,10 @@ class RegistryStore:
     def get_blob(self, digest: str) -> bytes:
         return self.client.get_blob(self.ref, digest)
 
-    def download_blob(self, desc: Descriptor, dst: IO[bytes]) -> int:
-        return self.client.download_blob(self.ref, desc.digest, dst, size=desc.size)
+    def download_blob(self, desc: Descriptor, dst: IO[bytes],
+                      progress: Callable[[int], None] | None = None) -> int:
+        return self.client.download_blob(self.ref, desc.digest, dst, size=desc.size,
+                                         progress=progress)
 
     def has_blob(self, digest: str) -> bool:
         return self.client.blob_exists(self.ref, digest)
@@ -127,8 +132,12 @@ class LayoutStore:
     def get_blob(self, digest: str) -> bytes:
         return self.layout.read_blob(digest)
 
-    def download_blob(self, desc: Descriptor, dst: IO[bytes]) -> int:
-        return self.layout.copy_blob_to(desc.digest, dst)
+    def download_blob(self, desc: Descriptor, dst: IO[bytes],
+                      progress: Callable[[int], None] | None = None) -> int:
+        n = self.layout.copy_blob_to(desc.digest, dst)
+        if progress is not None:
+            progress(n)
+        return n
 
     def has_blob(self, digest: str) -> bool:
         return self.layout.has_blob(digest)

@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import time
@@ -218,15 +219,44 @@ class TcpCheck:
         return None
 
 
+def _executable(command: str) -> str:
+    """The file ``command`` runs (a path, or found on ``$PATH`` as ``shutil.which`` does);
+    InvalidArgument if there is none: such a check could never pass."""
+    if os.sep not in command:
+        found = shutil.which(command)
+        if found is None:
+            raise InvalidArgument(
+                f"exec target: {command!r} is not an executable on PATH; give its full path "
+                "or install it"
+            )
+        return found
+    if not os.path.exists(command):
+        raise InvalidArgument(
+            f"exec target: {command} does not exist; give the path of an executable or a "
+            "command on PATH"
+        )
+    if not os.path.isfile(command) or not os.access(command, os.X_OK):
+        raise InvalidArgument(
+            f"exec target: {command} is not an executable file; make it one (chmod +x) or give "
+            "another command"
+        )
+    return command
+
+
 class ExecCheck:
     """A command exits 0 within the deadline; its last line of output becomes the detail.
 
-    >>> check = ExecCheck(["pg_isready", "-q"])
+    The command must exist and be executable when the check is made (``InvalidArgument``
+    otherwise): a check that can never pass would leave the target "not ready" until start-up
+    times out.
+
+    >>> check = ExecCheck(["test", "-e", "/run/app/ready"])
     """
 
     def __init__(self, argv: list[str]) -> None:
         if not argv:
             raise InvalidArgument("exec check needs a command")
+        _executable(argv[0])
         self.argv = argv
 
     async def run(self, timeout: float) -> CheckResult:
@@ -371,19 +401,30 @@ def parse_target(target: str, headers: dict[str, str] | None = None) -> Check:
 
     >>> type(parse_target("tcp://127.0.0.1:6379")).__name__
     'TcpCheck'
-    >>> parse_target("exec:pg_isready -q").argv
-    ['pg_isready', '-q']
+    >>> parse_target("exec:test -e /run/app/ready").argv
+    ['test', '-e', '/run/app/ready']
+
+    An unparsable target, or an exec command that does not exist, is ``InvalidArgument``.
     """
     if target.startswith("exec:"):
-        return ExecCheck(shlex.split(target[5:]))
-    parts = urllib.parse.urlsplit(target)
+        try:
+            argv = shlex.split(target[5:])
+        except ValueError as exc:  # "No closing quotation"
+            raise InvalidArgument(
+                f"bad exec target {target!r}: {exc}; quote as a shell would"
+            ) from exc
+        return ExecCheck(argv)
+    try:
+        parts = urllib.parse.urlsplit(target)
+        port = parts.port  # a bad port raises here, not in the first try
+    except ValueError as exc:
+        raise InvalidArgument(
+            f"bad target URL {target!r}: {exc}; use http://HOST:PORT/PATH, tcp://HOST:PORT, "
+            "grpc://HOST:PORT[/SERVICE] or exec:COMMAND"
+        ) from exc
     if parts.scheme == "http":
         return HttpCheck(target, headers)
     if parts.scheme in ("tcp", "grpc"):
-        try:
-            port = parts.port
-        except ValueError as exc:
-            raise InvalidArgument(f"bad port in {target!r}") from exc
         if not parts.hostname or port is None:
             raise InvalidArgument(f"{parts.scheme} target needs host:port, got {target!r}")
         if parts.scheme == "tcp":

@@ -10,6 +10,11 @@ While starting, the check runs every ``startup_interval`` (5 ms) with a per-try 
 READY it runs every ``interval``. An sd_notify datagram or a gRPC Watch message is a push and
 applies at once. On SIGTERM the state goes DRAINING and every sink is told *before* the app gets
 its SIGTERM and grace period.
+
+FAILED (not READY within the start-up timeout) is logged at ERROR and pushed to the sinks; then
+the sidecar ends with :data:`EXIT_FAILED` (as the kubelet restarts a container whose startupProbe
+fails) unless ``keep_probing`` is set, and the wrapper stops the app (SIGTERM, grace, SIGKILL) and
+ends with :data:`EXIT_FAILED`.
 """
 
 from __future__ import annotations
@@ -33,12 +38,13 @@ from coldstart.probe.notify import NotifyListener
 from coldstart.probe.sinks import Sink
 from coldstart.probe.states import CheckResult, Notice, State, StateMachine, Status, Thresholds
 
-__all__ = ["ProbeConfig", "Prober"]
+__all__ = ["EXIT_FAILED", "ProbeConfig", "Prober"]
 
 log = logging.getLogger("coldstart.probe")
 
 _T = ProbeTimingConfig()  # the defaults, written once in coldstart.config
 FORWARDED_SIGNALS = (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
+EXIT_FAILED = 1  # what run() returns when start-up timed out (FAILED)
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,9 @@ class ProbeConfig:
     grace: float = _T.grace
     flush_timeout: float = _T.flush_timeout
     thresholds: Thresholds = field(default_factory=Thresholds)
+    # sidecar: after FAILED (start-up timed out) go on probing, READY if the app comes up late,
+    # instead of ending with EXIT_FAILED
+    keep_probing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("startup_interval", "startup_try_timeout", "interval", "try_timeout",
@@ -139,7 +148,8 @@ class Prober:
         self.notify_path = notify_path
         self.listen = listen
         self.on_change = on_change
-        self._machine = StateMachine(config.thresholds, started=time.monotonic())
+        self._machine = StateMachine(config.thresholds, started=time.monotonic(),
+                                     recover=config.keep_probing)
         self._epoch = 0
         self._last_push = 0.0
         self._workers: list[_SinkWorker] = []
@@ -149,6 +159,9 @@ class Prober:
         self._signalled = False
         self._check_lock = asyncio.Lock()
         self._stop = asyncio.Event()
+        self._failed = asyncio.Event()  # set when the state turns FAILED for good
+        self._wrapping = False  # run() was given an app
+        self._app_code: int | None = None  # the wrapped app's exit status, once it exited
         self.endpoint: ReadyEndpoint | None = None
         self.history: list[Status] = []
 
@@ -174,11 +187,34 @@ class Prober:
         self._machine.status = status
         self._last_push = now
         self.history.append(status)
-        log.info("%s %s %s", self.config.target, status.state.value, status.detail)
+        self._log(status)
+        if status.state is State.FAILED and self._machine.final:
+            self._failed.set()
         for worker in self._workers:
             worker.push(status)
         if self.on_change is not None:
             self.on_change(status)
+
+    def _log(self, status: Status) -> None:
+        target, state, detail = self.config.target, status.state.value, status.detail
+        if status.state is State.FAILED:
+            if not self._machine.timed_out:  # the wrapped app exited before it was asked to
+                level = logging.WARNING if self._app_code == 0 else logging.ERROR
+                log.log(level, "%s FAILED: %s; exiting with its code; see the app's output "
+                        "above", target, detail)
+                return
+            if self._wrapping:
+                then = f"stopping the app, then exiting with {EXIT_FAILED}"
+            elif self.config.keep_probing:
+                then = "probing on (--keep-probing)"
+            else:
+                then = f"exiting with {EXIT_FAILED} once the sinks are told"
+            log.error("%s FAILED: %s; %s; check that the app starts and that the target is "
+                      "right, or give it longer (--startup-timeout)", target, detail, then)
+        elif status.state is State.DEGRADED:
+            log.warning("%s DEGRADED: %s", target, detail)
+        else:
+            log.info("%s %s %s", target, state, detail)
 
     def feed(self, result: CheckResult) -> None:
         """Apply one check result (from polling or a push such as gRPC Watch)."""
@@ -213,7 +249,7 @@ class Prober:
         next_at = time.monotonic()
         while not self._stop.is_set():
             state = self.status.state
-            if state.terminal:
+            if self._machine.final:
                 return
             starting = state.starting_up
             interval = cfg.startup_interval if starting else cfg.interval
@@ -268,9 +304,11 @@ class Prober:
     # running ---------------------------------------------------------------------------------
 
     async def run(self, app: Sequence[str] | None = None, *, signals: bool = True) -> int:
-        """Run until drained (SIGTERM) or, in wrapper mode, until the app exits.
+        """Run until drained (SIGTERM), until FAILED, or, in wrapper mode, until the app exits.
 
-        Returns the exit code: the app's in wrapper mode (128+N if a signal N killed it).
+        Returns the exit code: :data:`EXIT_FAILED` if start-up timed out (the sidecar, unless
+        ``keep_probing``; the wrapper, after stopping the app), else 0 for the sidecar and the
+        app's code in wrapper mode (128+N if a signal N killed it).
         """
         loop = asyncio.get_running_loop()
         tasks: list[asyncio.Task[None]] = []
@@ -296,6 +334,7 @@ class Prober:
             if notify_path is not None:
                 listener = NotifyListener(notify_path, self.notice)
                 await listener.start()
+            self._wrapping = app is not None
             self._apply(self._machine.status)  # publish STARTING
             if signals:
                 for sig in (signal.SIGTERM, signal.SIGINT):
@@ -351,11 +390,18 @@ class Prober:
 
     async def _sidecar(self) -> int:
         drain = asyncio.create_task(self._drain_requested.wait())
+        failed = asyncio.create_task(self._failed.wait())
         try:
-            while not drain.done():
-                await asyncio.wait([drain], timeout=1.0)
+            await asyncio.wait([drain, failed], return_when=asyncio.FIRST_COMPLETED)
         finally:
             drain.cancel()
+            failed.cancel()
+        if self._failed.is_set():
+            # tell the sinks before ending: routers stop picking the target, the pod condition
+            # goes False; the kubelet then restarts this container, as for a failed startupProbe
+            if not await self.flush(self.config.flush_timeout):
+                log.warning("not every sink took FAILED within %g s", self.config.flush_timeout)
+            return EXIT_FAILED
         await self._announce_drain("SIGTERM")
         # the app got its own SIGTERM from the kubelet; STOPPED once it no longer answers
         deadline = time.monotonic() + self.config.grace
@@ -371,11 +417,12 @@ class Prober:
     async def _supervise(self, proc: asyncio.subprocess.Process) -> int:
         exited = asyncio.create_task(proc.wait())
         drain = asyncio.create_task(self._drain_requested.wait())
+        failed = asyncio.create_task(self._failed.wait())
         timed_out = False
         try:
             while True:
                 done, _ = await asyncio.wait(
-                    [exited, drain], timeout=0.5, return_when=asyncio.FIRST_COMPLETED
+                    [exited, drain, failed], timeout=0.5, return_when=asyncio.FIRST_COMPLETED
                 )
                 if exited in done:
                     break
@@ -396,11 +443,15 @@ class Prober:
                     break
         finally:
             drain.cancel()
-        code = await exited
+            failed.cancel()
+        code = self._app_code = await exited
         self._apply(self._machine.on_exit(code, time.monotonic()))
+        if timed_out:
+            # however the app ended after our SIGTERM (143, 137, 0), the cause is the time-out
+            return EXIT_FAILED
         if code < 0:
             return 128 - code
-        return code or (1 if timed_out else 0)
+        return code
 
 
 def _forward(proc: asyncio.subprocess.Process, sig: int) -> Callable[[], None]:

@@ -5,7 +5,8 @@
   heartbeat (``FCALL coldstart_heartbeat``) that keeps the target's TTL alive.
 * :class:`WebhookSink` (``http://``, ``https://``) — POST the JSON document, retried with backoff.
 * :class:`KubernetesSink` (``k8s://``) — a pod condition for ``readinessGates``
-  (``PATCH pods/<name>/status``), patched only when the condition changes.
+  (``PATCH pods/<name>/status``), patched only when the condition changes; the service-account
+  token file is read again for each request (projected tokens rotate).
 
 :func:`make_sink` builds one from a ``--sink`` URL.
 """
@@ -184,7 +185,11 @@ class WebhookSink:
 class KubernetesSink:
     """A pod condition (``readinessGates``): status True only while READY.
 
-    ``api`` defaults to the in-cluster API server with the service account's token and CA.
+    ``api`` defaults to the in-cluster API server with the service account's token file and CA.
+    ``token_file`` is read again before every request, since a projected service-account token
+    rotates (hourly) and the old one stops working; a PATCH goes out only when the condition
+    changes, so the read costs nothing that matters. A 401 is retried once, with the file read
+    afresh. ``token`` is a fixed token instead.
 
     >>> sink = KubernetesSink("default", "llama-0", api="http://127.0.0.1:8001")
     """
@@ -192,7 +197,8 @@ class KubernetesSink:
     def __init__(
         self, namespace: str, pod: str, *, api: str | None = None,
         condition: str = "coldstart.dev/ready", token: str | None = None,
-        ca: str | None = None, timeout: float = _T.http_timeout, retries: int = _T.sink_retries,
+        token_file: str | None = None, ca: str | None = None, timeout: float = _T.http_timeout,
+        retries: int = _T.sink_retries,
     ) -> None:
         import httpx
 
@@ -209,18 +215,39 @@ class KubernetesSink:
             api = f"https://{host}:{port}"
             if ca is None and (SA_DIR / "ca.crt").exists():
                 ca = str(SA_DIR / "ca.crt")
-            if token is None and (SA_DIR / "token").exists():
-                token = (SA_DIR / "token").read_text().strip()
+            if token is None and token_file is None and (SA_DIR / "token").exists():
+                token_file = str(SA_DIR / "token")
         self.name = f"k8s {namespace}/{pod}"
         self.url = f"{api.rstrip('/')}/api/v1/namespaces/{namespace}/pods/{pod}/status"
         self.condition, self.retries = condition, retries
-        headers = {"Content-Type": "application/strategic-merge-patch+json"}
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
+        self.token_file = token_file
+        self._token = token
+        if token_file is not None:
+            try:
+                self._token = Path(token_file).read_text().strip()
+            except OSError as exc:
+                raise InvalidArgument(
+                    f"cannot read the token file {token_file}: {exc.strerror or exc}; give a "
+                    "readable file (token_file=PATH)"
+                ) from exc
         self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout), headers=headers, verify=ca if ca else True,
+            timeout=httpx.Timeout(timeout), verify=ca if ca else True,
+            headers={"Content-Type": "application/strategic-merge-patch+json"},
         )
         self._sent: tuple[str, str] | None = None
+
+    def _headers(self) -> dict[str, str]:
+        """Authorization with the token as it is now: the file is read again each time."""
+        if self.token_file is not None:
+            try:
+                fresh = Path(self.token_file).read_text().strip()
+            except OSError as exc:  # mid-rotation or gone: the last token may still work
+                log.warning("%s: cannot read the token file %s (%s); sending the last token",
+                            self.name, self.token_file, exc.strerror or exc)
+            else:
+                if fresh:
+                    self._token = fresh
+        return {"Authorization": f"Bearer {self._token}"} if self._token else {}
 
     async def start(self) -> None:
         return None
@@ -236,22 +263,35 @@ class KubernetesSink:
             "type": self.condition, "status": value, "reason": status.state.value.title(),
             "message": status.detail[:1000], "lastProbeTime": now, "lastTransitionTime": now,
         }]}}
-        last = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                await _backoff(attempt - 1)
+        last, hint = "", ""
+        attempt, reauth = 0, self.token_file is not None
+        while True:
             try:
-                response = await self.client.patch(self.url, content=json.dumps(body))
+                response = await self.client.patch(
+                    self.url, content=json.dumps(body), headers=self._headers(),
+                )
             except httpx.HTTPError as exc:
                 last = f"{type(exc).__name__}: {exc}"
-                continue
-            if response.status_code < 300:
-                self._sent = (value, status.state.value)
-                return
-            last = f"HTTP {response.status_code}: {response.text[:200]}"
-            if response.status_code < 500 and response.status_code not in (409, 429):
+            else:
+                code = response.status_code
+                if code < 300:
+                    self._sent = (value, status.state.value)
+                    return
+                last = f"HTTP {code}: {' '.join(response.text[:200].split())}"
+                if code == 401 and reauth:
+                    reauth = False  # the token rotated under us: once more, read afresh
+                    continue
+                if code < 500 and code not in (409, 429):
+                    hint = {
+                        401: "; the API server refused the service-account token",
+                        403: "; the service account may not patch pods/status (RBAC)",
+                    }.get(code, "")
+                    break  # sending the same document again will not help
+            if attempt >= self.retries:
                 break
-        raise Unavailable(f"PATCH {self.url}: {last}")
+            await _backoff(attempt)
+            attempt += 1
+        raise Unavailable(f"PATCH {self.url}: {last}{hint}")
 
     async def heartbeat(self) -> None:
         return None
@@ -282,15 +322,9 @@ def make_sink(
         if not namespace and (SA_DIR / "namespace").exists():
             namespace = (SA_DIR / "namespace").read_text().strip()
         pod = path[1] if len(path) == 2 else os.environ.get("POD_NAME", "")
-        token = None
-        if "token_file" in query:
-            try:
-                token = Path(query["token_file"]).read_text().strip()
-            except OSError as exc:
-                raise InvalidArgument(f"cannot read token file: {exc}") from exc
         return KubernetesSink(
-            namespace, pod, api=query.get("api"), token=token, ca=query.get("ca"),
-            condition=query.get("condition", "coldstart.dev/ready"),
+            namespace, pod, api=query.get("api"), token_file=query.get("token_file"),
+            ca=query.get("ca"), condition=query.get("condition", "coldstart.dev/ready"),
         )
     raise InvalidArgument(
         f"unknown sink {url!r}: use redis://, valkey://, http(s):// (webhook) or "

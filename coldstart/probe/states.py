@@ -5,6 +5,7 @@
     STARTING ─► LOADING ─► READY ⇄ DEGRADED
         │          │         │        │
         └──────────┴─► FAILED (start-up timeout, crash)
+                         └─► READY (``recover``: a start-up that timed out comes up late)
     any live state ─► DRAINING (SIGTERM, STOPPING=1) ─► STOPPED
 
 The machine takes observations (a check's result, an sd_notify message, the app's exit, a drain
@@ -145,12 +146,26 @@ class StateMachine:
     thresholds: Thresholds = field(default_factory=Thresholds)
     started: float = 0.0
     status: Status = field(default_factory=lambda: Status(State.STARTING))
+    # True: a start-up that timed out is not final; a later good try (or READY=1) is READY
+    recover: bool = False
+    # True once start-up timed out (FAILED for that reason, not because the app exited)
+    timed_out: bool = False
     _fails: int = 0
     _oks: int = 0
+    _last_error: str = ""  # the last failed try while starting: FAILED says why
 
     @property
     def state(self) -> State:
         return self.status.state
+
+    @property
+    def _recoverable(self) -> bool:
+        return self.recover and self.timed_out and self.state is State.FAILED
+
+    @property
+    def final(self) -> bool:
+        """No observation can change the state any more (STOPPED, or FAILED for good)."""
+        return self.state.terminal and not self._recoverable
 
     def _move(self, state: State, now: float, detail: str = "", **info: object) -> Status | None:
         phase = info.get("phase", self.status.phase)
@@ -182,12 +197,17 @@ class StateMachine:
     def on_check(self, result: CheckResult, now: float) -> Status | None:
         """Feed one check try. First success while starting → READY at once (no hysteresis)."""
         state = self.state
+        if self._recoverable and result.ok:
+            return self._move(State.READY, now, result.detail or "check passed",
+                              **self._report(result))
         if state.terminal or state is State.DRAINING:
             return None
         info = self._report(result)
         if state.starting_up:
             if result.ok:
                 return self._move(State.READY, now, result.detail or "check passed", **info)
+            if result.detail:
+                self._last_error = result.detail
             if info:
                 return self._move(State.LOADING, now, result.detail, **info)
             return self.on_tick(now)
@@ -213,6 +233,9 @@ class StateMachine:
     def on_notice(self, notice: Notice, now: float) -> Status | None:
         """Feed one sd_notify message. The app's own word applies at once (it is a push)."""
         state = self.state
+        if self._recoverable and notice.ready:
+            return self._move(State.READY, now, notice.status or "READY=1",
+                              **self._report(notice))
         if state.terminal:
             return None
         if notice.stopping:
@@ -231,11 +254,16 @@ class StateMachine:
         return None
 
     def on_tick(self, now: float) -> Status | None:
-        """Let time pass: start-up that lasts too long fails."""
+        """Let time pass: start-up that lasts too long fails; the detail says how long it
+        waited and what the last failed try answered."""
         if self.state.starting_up and now - self.started > self.thresholds.startup_timeout:
-            return self._move(
-                State.FAILED, now, f"not ready after {self.thresholds.startup_timeout:g} s"
-            )
+            self.timed_out = True
+            why = f"not ready after {self.thresholds.startup_timeout:g} s"
+            if self._last_error:
+                why += f" (last try: {self._last_error})"
+            elif self.state is State.LOADING and self.status.detail:
+                why += f" (still loading: {self.status.detail})"
+            return self._move(State.FAILED, now, why)
         return None
 
     def on_drain(self, now: float, why: str = "SIGTERM") -> Status | None:

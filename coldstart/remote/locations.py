@@ -1,6 +1,6 @@
 """A location string to a source: a path, ``file://``, ``http(s)://`` or ``s3://``.
 
-``oci://registry/repo@sha256:...`` needs a registry client, which lives above this layer
+``registry://registry/repo@sha256:...`` needs a registry client, which lives above this layer
 (``coldstart.oci``): ``coldstart.weights.open_source`` adds that scheme.
 """
 
@@ -49,4 +49,4 @@ def open_source(location: str | os.PathLike[str], *,
     if scheme in ("", "file"):
         return LocalFileBlob(text[len("file://"):] if scheme == "file" else text, direct=direct)
     raise InvalidArgument(f"{text}: unsupported source scheme {scheme!r} "
-                          "(use a path, s3://, http(s):// or oci://)")
+                          "(use a path, s3://, http(s):// or registry://)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -77,8 +78,10 @@ class Opener:
     """
 
     def __init__(self, *, concurrency: int = _SOURCE.concurrency,
-                 timeout: float = _SOURCE.timeout, direct: bool = False) -> None:
+                 timeout: float = _SOURCE.timeout, direct: bool = False,
+                 registry: Mapping[str, Any] | None = None) -> None:
         self.concurrency = concurrency
+        self.registry = registry
         self.timeout = timeout
         self.direct = direct
         self._s3: Any = None
@@ -114,7 +117,7 @@ class Opener:
         """Open one file (network sources share this opener's S3 client / HTTP pool)."""
         scheme = self._scheme(location)
         return open_source(location, concurrency=self.concurrency, timeout=self.timeout,
-                           direct=self.direct,
+                           direct=self.direct, registry=self.registry,
                            http_client=self.http() if scheme in ("http", "https") else None,
                            s3_client=self.s3() if scheme == "s3" else None)
 
@@ -186,7 +189,7 @@ class Opener:
         text = os.fspath(location)
         scheme = self._scheme(text)
         is_folder = text.endswith("/") or (scheme == "" and os.path.isdir(text))
-        if text.endswith((".json", ".safetensors")) or scheme == "oci" or not is_folder:
+        if text.endswith((".json", ".safetensors")) or scheme == "registry" or not is_folder:
             targets = [text]
         else:
             targets = self._folder_files(text)

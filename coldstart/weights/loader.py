@@ -24,7 +24,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Collection, Generator, Iterator
+from collections.abc import Callable, Collection, Generator, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -389,11 +389,13 @@ def iter_load(
     timeout: float = _SOURCE.timeout,
     progress: Callable[[int], None] | None = None,
     stats: LoadStats | None = None,
+    registry: Mapping[str, Any] | None = None,
 ) -> Generator[tuple[str, torch.Tensor], None, None]:
     """Yield ``(name, tensor)`` as soon as each tensor's bytes are in place.
 
     ``source``: a ``.safetensors`` file, a ``model.safetensors.index.json``, or a folder holding
-    either, as a local path, ``s3://bucket/key``, ``http(s)://...`` or ``oci://reg/repo@sha256:...``
+    either, as a local path, ``s3://bucket/key``, ``http(s)://...`` or
+    ``registry://reg/repo@sha256:...``
     (or a :class:`Source`). ``dtype`` converts floating-point tensors (on the device).
     ``select``: names to load, or a function of :class:`TensorInfo` returning False (skip), True
     (whole) or a :class:`Slice`. ``concurrency``: parallel reads (default: local files 2 threads
@@ -403,11 +405,13 @@ def iter_load(
     each completed read. ``timeout`` bounds each network request: every range attempt has a
     deadline (a server that dribbles bytes is cut off and the range retried within twice that).
 
-    Registry blobs (``oci://``) are verified against their digest before anything is handed
+    Registry blobs (``registry://``) are verified against their digest before anything is handed
     out: their tensors are yielded only after the whole load completed and the blob's bytes
     (including any a selection skipped, read once more in order) hashed to the digest; a
     mismatch raises :class:`~coldstart.errors.IntegrityError` and yields nothing. ``device``
     is ``cpu``, ``cuda`` or ``cuda:N`` (anything else is :class:`InvalidArgument`).
+    ``registry``: keyword arguments of the registry client of ``registry://`` sources
+    (``insecure_hosts``, ``tls_verify``, ``docker_config``).
 
     ``cpu_mode`` (CPU loads of local files): ``"mmap"`` maps each file copy-on-write, brings it
     into memory with parallel ``MADV_POPULATE_READ`` and returns views of the page cache (no
@@ -432,7 +436,7 @@ def iter_load(
     started = time.perf_counter()
 
     opener = Opener(concurrency=concurrency or DEFAULT_CONCURRENCY, timeout=timeout,
-                    direct=direct)
+                    direct=direct, registry=registry)
     try:
         if isinstance(source, str | os.PathLike):
             ckpt = opener.checkpoint(source)
@@ -623,6 +627,7 @@ def load(
     timeout: float = _SOURCE.timeout,
     progress: Callable[[int], None] | None = None,
     stats: LoadStats | None = None,
+    registry: Mapping[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load a safetensors checkpoint into a dict of tensors on ``device``.
 
@@ -634,5 +639,5 @@ def load(
     out = dict(iter_load(source, device, dtype, concurrency=concurrency,
                          chunk_bytes=chunk_bytes, max_host_bytes=max_host_bytes, select=select,
                          direct=direct, cpu_mode=cpu_mode, timeout=timeout,
-                         progress=progress, stats=stats))
+                         progress=progress, stats=stats, registry=registry))
     return out

@@ -13,6 +13,7 @@ version and keeps the previously active ones, so ``rollback`` is a pointer chang
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import hashlib
 import os
 import re
@@ -30,6 +31,7 @@ from coldstart.errors import (
     InvalidArgument,
     NotFound,
 )
+from coldstart.progress import ByteProgress
 from coldstart.weights.stores import Store, open_store
 
 __all__ = ["ACTIVE", "MARKER", "ModelRepository", "VersionInfo"]
@@ -137,8 +139,14 @@ class ModelRepository:
         """
         marker = self.marker(model, version)
         if marker is None:
+            known = self.versions(model)
+            if version not in known:
+                listed = ", ".join(known[-5:]) if known else "none"
+                raise NotFound(f"no such version: {model}/{version} (versions of {model}: "
+                               f"{listed}; see `coldstart models list`)")
             raise FailedPrecondition(f"{model}/{version} is not complete (no {MARKER}): "
-                                     "publish it first, or it is still uploading")
+                                     "it is still uploading, or its upload failed: publish it "
+                                     "again as a new version")
         for rel, meta in marker["files"].items():
             want = int(meta["size"]) if isinstance(meta, dict) else -1
             have = self.store.size(f"{model}/{version}/{rel}")
@@ -176,11 +184,13 @@ class ModelRepository:
         return str(max(numbers, default=0) + 1)
 
     def publish(self, folder: str | os.PathLike[str], model: str, version: str | None = None,
-                *, activate: bool = False, validate: bool = True) -> str:
+                *, activate: bool = False, validate: bool = True,
+                progress: ByteProgress | None = None) -> str:
         """Upload ``folder`` as a new version; write the completion marker last.
 
         ``validate`` checks every safetensors file (and index) before uploading anything.
-        Returns the version name.
+        ``progress`` counts the files' bytes through ``hash`` and ``upload``. Returns the
+        version name.
 
         >>> ModelRepository("/srv/models").publish("out/", "llama", "7")  # doctest: +SKIP
         '7'
@@ -202,10 +212,14 @@ class ModelRepository:
             raise AlreadyExists(f"{model}/{version} is already published (versions are "
                                 "immutable: publish a new version)")
         listing: dict[str, dict[str, Any]] = {}
+        if progress is not None:
+            progress.expect(sum(p.stat().st_size for p in files))
         for path in files:
             rel = path.relative_to(src).as_posix()
-            listing[rel] = {"size": path.stat().st_size, "sha256": _sha256(path)}
-            self.store.upload(path, f"{model}/{version}/{rel}")
+            listing[rel] = {"size": path.stat().st_size, "sha256": _sha256(path, progress)}
+            uploaded = None if progress is None else functools.partial(progress.advance,
+                                                                        "upload")
+            self.store.upload(path, f"{model}/{version}/{rel}", progress=uploaded)
         marker = {"model": model, "version": version, "published": _now(), "files": listing}
         self.store.write(f"{model}/{version}/{MARKER}",
                          yaml.safe_dump(marker, sort_keys=False).encode())
@@ -254,9 +268,11 @@ class ModelRepository:
         self.store.write(f"{model}/{ACTIVE}", yaml.safe_dump(body, sort_keys=False).encode())
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, progress: ByteProgress | None = None) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
             h.update(chunk)
+            if progress is not None:
+                progress.advance("hash", len(chunk))
     return "sha256:" + h.hexdigest()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,8 +34,9 @@ class Store(Protocol):
         """Write atomically: readers see the old bytes or the new ones."""
         ...
 
-    def upload(self, local: Path, key: str) -> None:
-        """Copy a local file to ``key``."""
+    def upload(self, local: Path, key: str,
+               progress: Callable[[int], None] | None = None) -> None:
+        """Copy a local file to ``key``; ``progress(n)`` as bytes are sent."""
         ...
 
     def size(self, key: str) -> int | None:
@@ -84,13 +86,16 @@ class LocalStore:
                 os.unlink(tmp)
             raise
 
-    def upload(self, local: Path, key: str) -> None:
-        import shutil
-
+    def upload(self, local: Path, key: str,
+               progress: Callable[[int], None] | None = None) -> None:
         dest = self._path(key)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.part")
-        shutil.copyfile(local, tmp)
+        with open(local, "rb") as src, open(tmp, "wb") as out:
+            while chunk := src.read(8 << 20):
+                out.write(chunk)
+                if progress is not None:
+                    progress(len(chunk))
         os.replace(tmp, dest)
 
     def size(self, key: str) -> int | None:
@@ -151,9 +156,11 @@ class S3Store:
         except self._errors as exc:
             raise map_s3_error(exc, f"s3://{self.bucket}/{self._key(key)}") from exc
 
-    def upload(self, local: Path, key: str) -> None:
+    def upload(self, local: Path, key: str,
+               progress: Callable[[int], None] | None = None) -> None:
         try:
-            self._client.upload_file(str(local), self.bucket, self._key(key))
+            self._client.upload_file(str(local), self.bucket, self._key(key),
+                                     Callback=progress)
         except self._errors as exc:
             raise map_s3_error(exc, f"s3://{self.bucket}/{self._key(key)}") from exc
         except Exception as exc:  # boto3.s3.transfer wraps errors in its own S3UploadFailedError

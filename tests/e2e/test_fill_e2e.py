@@ -48,7 +48,7 @@ def test_filled_image_reads_whole_with_the_registry_gone(tmp_path: Path) -> None
             assert sum(r["filled_bytes"] for r in rows) > 0
             # the CLI shows the same
             cli = coldstart_cli("snapshotter", "status", "--fuse-socket", st.fuse_socket,
-                                "--json")
+                                "-o", "json")
             assert cli.returncode == 0, cli.stderr
             assert {r["state"] for r in json.loads(cli.stdout)} == {"complete"}
             table = coldstart_cli("snapshotter", "status", "--fuse-socket", st.fuse_socket)

@@ -145,7 +145,7 @@ def test_unknown_image_names_the_built_in_ones(cache: Path) -> None:
 def test_cli_build_and_list(tiny: BenchImage, cache: Path) -> None:
     built = coldstart_cli("bench-image", "build", "tiny", "--cache-dir", str(cache), "-o", "json")
     assert built.returncode == 0, built.stderr
-    assert json.loads(built.stdout) == tiny.to_json()
+    assert json.loads(built.stdout) == [tiny.to_json()]
     listed = coldstart_cli("bench-image", "list", "--cache-dir", str(cache), "-o", "json")
     assert listed.returncode == 0, listed.stderr
     rows = {r["name"]: r for r in json.loads(listed.stdout)}

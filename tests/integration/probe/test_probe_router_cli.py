@@ -36,11 +36,14 @@ def test_pick_release_list(redis_server: str, router: Router) -> None:
     assert router.list()[0].inflight == 1
     listed = cli(redis_server, "list", s).stdout
     assert "a:1" in listed and "READY" in listed and "50%" in listed
-    rows = [json.loads(line) for line in cli(redis_server, "list", s, "--json").stdout.split("\n")
-            if line]
+    rows = json.loads(cli(redis_server, "list", s, "-o", "json").stdout)
     assert [(r["target"], r["state"], r["inflight"]) for r in rows] == [
         ("a:1", "READY", 1), ("b:1", "LOADING", 0)]
     assert cli(redis_server, "release", s, "a:1").stdout.strip() == "0"
+    assert json.loads(cli(redis_server, "pick", s, "-o", "json").stdout) == {
+        "service": s, "target": "a:1"}
+    assert json.loads(cli(redis_server, "release", s, "a:1", "-o", "json").stdout) == {
+        "service": s, "target": "a:1", "inflight": 0, "quarantine_s": None}
 
 
 def test_no_target_is_exit_3_with_one_line(redis_server: str, router: Router) -> None:

@@ -7,7 +7,7 @@ import asyncio
 import json
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from coldstart.errors import NotFound
+from coldstart.errors import NotFound, Unavailable
 from coldstart.probe.checks import HttpCheck
 from coldstart.probe.prober import ProbeConfig, Prober
 from coldstart.probe.router import Router
@@ -32,6 +32,9 @@ class Recorder:
     fail_first: int = 0
     requests: list[tuple[str, str, dict[str, str], Any, int]] = field(default_factory=list)
     app_ready: bool = False
+    # Authorization values answered 401 (an expired token); on_refused runs before the answer
+    refused: set[str] = field(default_factory=set)
+    on_refused: Callable[[], None] | None = None
 
 
 def serve(rec: Recorder) -> ThreadingHTTPServer:
@@ -58,6 +61,10 @@ def serve(rec: Recorder) -> ThreadingHTTPServer:
             if rec.fail_first > 0:
                 rec.fail_first -= 1
                 code = 503
+            elif self.headers.get("Authorization") in rec.refused:
+                code = 401
+                if rec.on_refused is not None:
+                    rec.on_refused()
             rec.requests.append((self.command, self.path, dict(self.headers), self._body(), code))
             self._answer(code, {"kind": "Status" if code != 200 else "Pod"})
 
@@ -129,9 +136,43 @@ def test_webhook_and_kubernetes_condition(recorder: tuple[Recorder, int],
     assert len(patches) + len(posts) == 10
 
 
-def test_webhook_gives_up_on_a_refusal(recorder: tuple[Recorder, int]) -> None:
-    from coldstart.errors import Unavailable
+def test_kubernetes_sink_reads_a_rotated_token(recorder: tuple[Recorder, int],
+                                               tmp_path: Path) -> None:
+    """Issue 16, bug 4: projected service-account tokens rotate (hourly) and the sink used
+    to read the token file once. The recorder (a local HTTP server written here) stands in for
+    the API server, since no Kubernetes cluster can run here: the token file is rewritten
+    between two pushes, and the second request must carry the new token. A 401 (the token
+    rotated between the read and the request) is retried once with the file read afresh."""
+    rec, port = recorder
+    token = tmp_path / "token"
+    token.write_text("first\n")
+    sink = make_sink(f"k8s://prod/llama-0?api=http://127.0.0.1:{port}&token_file={token}",
+                     "llama", "10.0.0.5:8000")
 
+    def rotate() -> None:
+        token.write_text("third\n")
+
+    async def main() -> None:
+        try:
+            await sink.publish(Status(State.STARTING, epoch=1))
+            token.write_text("second\n")  # the kubelet rotated it
+            await sink.publish(Status(State.READY, epoch=2))
+            assert rec.requests[-1][2]["Authorization"] == "Bearer second"
+            rec.refused, rec.on_refused = {"Bearer second"}, rotate  # "second" expired
+            await sink.publish(Status(State.DRAINING, epoch=3))
+            rec.refused, rec.on_refused = {"Bearer third"}, None  # refused, nothing newer
+            with pytest.raises(Unavailable, match="refused the service-account token"):
+                await sink.publish(Status(State.STOPPED, epoch=4))
+        finally:
+            await sink.close()
+
+    asyncio.run(main())
+    seen = [(r[2]["Authorization"], r[4]) for r in rec.requests if r[0] == "PATCH"]
+    assert seen == [("Bearer first", 200), ("Bearer second", 200), ("Bearer second", 401),
+                    ("Bearer third", 200), ("Bearer third", 401), ("Bearer third", 401)]
+
+
+def test_webhook_gives_up_on_a_refusal(recorder: tuple[Recorder, int]) -> None:
     rec, port = recorder
     rec.fail_first = 100
     hook = WebhookSink(f"http://127.0.0.1:{port}/hook", "s", "t", retries=2)

@@ -181,7 +181,7 @@ def test_clear_errors(ctd: ContainerdProc, registry: Registry, tmp_path_factory:
     assert proc.returncode == NotFound.exit_code, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 
-    proc = coldstart_cli("pull", "--address", ctd.address, "--platform", "linux",
+    proc = coldstart_cli("pull", "--address", ctd.address, "--platform", "linux//v7",
                          f"{registry.host}/pull-ovl/app:v1")
     assert proc.returncode == InvalidArgument.exit_code
     assert "invalid platform" in proc.stderr

@@ -163,14 +163,14 @@ def test_registry_blob(registry: Registry, files: Path) -> None:
         assert client.push_blob(ref, data, digest) == digest
     finally:
         client.close()
-    got = load(f"oci://{host}/weights/model@{digest}", chunk_bytes=8192, concurrency=4)
+    got = load(f"registry://{host}/weights/model@{digest}", chunk_bytes=8192, concurrency=4)
     assert_identical(_reference(files), got)
     # A partial load is verified too: the bytes it skipped are read once, in order, to check.
-    part = load(f"oci://{host}/weights/model@{digest}", select=["big.F32"], timeout=5.0)
+    part = load(f"registry://{host}/weights/model@{digest}", select=["big.F32"], timeout=5.0)
     assert_identical({"big.F32": _reference(files)["big.F32"]}, part)
     missing = "sha256:" + "0" * 64
     with pytest.raises(NotFound):
-        load(f"oci://{host}/weights/model@{missing}")
+        load(f"registry://{host}/weights/model@{missing}")
 
 
 def test_registry_blob_tampered_in_storage_is_refused(registry: Registry, files: Path) -> None:
@@ -197,7 +197,7 @@ def test_registry_blob_tampered_in_storage_is_refused(registry: Registry, files:
     bad = bytearray(data)
     bad[-5] ^= 0xFF  # inside the last tensor: the header still parses
     stored.write_bytes(bytes(bad))
-    url = f"oci://{host}/weights/tampered@{digest}"
+    url = f"registry://{host}/weights/tampered@{digest}"
     try:
         with pytest.raises(IntegrityError, match=f"{url}: blob content is sha256:"):
             load(url, chunk_bytes=8192, concurrency=4)

@@ -41,31 +41,35 @@ def rule(imports: str = "", libs: str = "", *, checked: bool = True) -> Rule:
 
 
 _BELOW_BENCH = ("errors config format remote oci cache prefetch lazyfs snapshotter containerd "
-                "weights probe unixsock _proto")
+                "weights probe unixsock progress _proto")
 RULES: dict[str, Rule] = {
     "__init__": rule(),
     "errors": rule(),
+    # the byte-progress protocol long operations report to (the CLI draws it)
+    "progress": rule(),
     "config": rule("errors"),
     "unixsock": rule(),
     # msgspec: the TOC's JSON decode only (pure decoding, no I/O; twice json's speed)
     "format": rule("errors", "zstandard msgspec@format.tocjson"),
     "remote": rule("errors config format", "httpx boto3 botocore"),
-    "oci": rule("errors config format remote prefetch", "httpx zstandard"),
+    "oci": rule("errors config format remote prefetch progress", "httpx zstandard"),
     "cache": rule("errors config format"),
     "prefetch": rule("errors config format"),
     "lazyfs": rule("errors config format remote oci cache prefetch unixsock",
                    "trio prometheus_client pyfuse3@lazyfs.fusefs pyfuse3@lazyfs.server"),
     "snapshotter": rule("errors config lazyfs.spec lazyfs.client lazyfs.control unixsock _proto",
                         "grpc google prometheus_client"),
-    "containerd": rule("errors config format oci remote lazyfs.spec _proto", "grpc google"),
-    "weights": rule("errors config remote oci", "torch numpy yaml"),
+    "containerd": rule("errors config format oci remote lazyfs.spec progress _proto",
+                       "grpc google"),
+    "weights": rule("errors config remote oci progress", "torch numpy yaml"),
     "probe": rule("errors config", "redis grpc httpx@probe.sinks"),
     "stack": rule(_BELOW_BENCH),
     "benchmark": rule(_BELOW_BENCH + " stack",
                       "httpx matplotlib@benchmark.results numpy@benchmark.images "
                       "torch@benchmark.server_app safetensors@benchmark.server_app"),
     "cli": rule("*", "click"),
-    "commands": rule("*", "click rich@commands.bench torch@commands.weights "
+    "commands": rule("*", "click rich@commands.bench rich@commands._progress "
+                          "torch@commands.weights "
                           "torch@commands.models"),
     "_proto": rule(checked=False),
 }

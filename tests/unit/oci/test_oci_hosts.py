@@ -87,3 +87,25 @@ def test_docker_config(tmp_path: Path) -> None:
     path.write_text("{")
     with pytest.raises(InvalidArgument):
         DockerConfig(path)
+
+
+def test_insecure_host_without_port_means_every_port() -> None:
+    # `--insecure HOST[:PORT]` means the same on pull, convert, optimize and weights
+    cfg = HostsConfig.create(None, ["reg.internal", "other:5000"])
+    assert cfg.endpoints("reg.internal:5000", "pull")[0].base == "http://reg.internal:5000/v2"
+    assert cfg.endpoints("reg.internal", "pull")[0].base == "http://reg.internal/v2"
+    assert cfg.endpoints("other:5000", "pull")[0].base == "http://other:5000/v2"
+    assert cfg.endpoints("other:6000", "pull")[0].base == "https://other:6000/v2"
+    assert cfg.endpoints("reg.internal.example:5000", "pull")[0].base.startswith("https://")
+
+
+def test_tls_verify_false_trusts_any_certificate(tmp_path: Path) -> None:
+    assert HostsConfig.create(None).endpoints("ghcr.io", "pull")[0].ssl_verify() is True
+    off = HostsConfig.create(None, tls_verify=False)
+    assert off.endpoints("ghcr.io", "pull")[0].ssl_verify() is False
+    d = tmp_path / "reg.example"
+    d.mkdir()
+    (d / "hosts.toml").write_text('server = "https://reg.example"\n'
+                                  '[host."https://mirror.example"]\n  ca = "ca.pem"\n')
+    eps = HostsConfig.create(tmp_path, tls_verify=False).endpoints("reg.example", "pull")
+    assert [e.verify for e in eps] == [False, False]

@@ -17,9 +17,11 @@ from coldstart.oci.manifest import (
     Manifest,
     Platform,
     digest_of,
+    host_platform,
     parse_any,
     parse_index,
     parse_manifest,
+    parse_platforms,
     select_platform,
 )
 
@@ -101,9 +103,56 @@ def test_index_and_platform_selection() -> None:
 
 def test_platform_parse() -> None:
     assert str(Platform.parse("linux/x86_64")) == "linux/amd64"
-    for bad in ("linux", "linux//v7", "a/b/c/d"):
+    for bad in ("linux//v7", "a/b/c/d", "nosuchos", "linux/amd64,linux/arm64", "",
+                "linux/amd 64"):
         with pytest.raises(InvalidArgument):
             Platform.parse(bad)
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    # as containerd's platforms.Parse normalises them
+    ("Linux/AMD64", ("linux", "amd64", None)),
+    ("linux/aarch64", ("linux", "arm64", None)),
+    ("linux/arm64/v8", ("linux", "arm64", "v8")),
+    ("linux/arm64/8", ("linux", "arm64", "v8")),
+    ("linux/armhf", ("linux", "arm", "v7")),
+    ("linux/arm", ("linux", "arm", "v7")),
+    ("linux/x86_64/v3", ("linux", "amd64", "v3")),
+    ("linux/amd64/v1", ("linux", "amd64", None)),
+    ("linux/armel", ("linux", "arm", "v6")),
+    ("linux/arm/7", ("linux", "arm", "v7")),
+    ("linux/i386", ("linux", "386", None)),
+    ("macos/x86_64", ("darwin", "amd64", None)),
+    ("arm64", ("linux", "arm64", None)),
+])
+def test_platform_parse_normalises_like_containerd(text: str,
+                                                   want: tuple[str, str, str | None]) -> None:
+    p = Platform.parse(text)
+    assert (p.os, p.architecture, p.variant) == want
+
+
+def test_platform_parse_one_word_os_takes_this_machines_arch() -> None:
+    p = Platform.parse("linux")
+    assert p.os == "linux" and p.architecture == host_platform().architecture
+
+
+def test_arm_without_a_variant_is_v7_when_matching() -> None:
+    # an index with arm/v5, v6, v7 (as busybox's): `--platform linux/arm` is v7, not "any"
+    images = [Platform("linux", "arm", v) for v in ("v5", "v6", "v7")]
+    for text in ("linux/arm", "linux/armhf", "armhf"):
+        want = Platform.parse(text)
+        assert [str(p) for p in images if p.matches(want)] == ["linux/arm/v7"], text
+
+
+def test_platform_comma_lists() -> None:
+    # the new-user review's bug: "linux/amd64,linux/arm64" became arch "amd64,linux", variant
+    # "arm64"; a comma list is several platforms where several make sense, refused where not
+    assert [str(p) for p in parse_platforms(["linux/amd64,linux/arm64", "Linux/AMD64"])] == [
+        "linux/amd64", "linux/arm64"]
+    with pytest.raises(InvalidArgument, match="several platforms"):
+        Platform.parse("linux/amd64,linux/arm64")
+    with pytest.raises(InvalidArgument, match="empty entry"):
+        parse_platforms(["linux/amd64,"])
 
 
 def test_config_diff_id_rewrite_keeps_everything_else() -> None:

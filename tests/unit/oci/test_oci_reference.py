@@ -52,3 +52,11 @@ def test_rejects(bad: str) -> None:
 def test_with_digest_validates() -> None:
     with pytest.raises(InvalidArgument):
         Reference.parse("a").with_digest("md5:abc")
+
+
+def test_docker_transport_prefix_is_skopeos_spelling() -> None:
+    assert Reference.parse("docker://127.0.0.1:5000/a/b:v1") == \
+        Reference.parse("127.0.0.1:5000/a/b:v1")
+    assert Reference.parse("docker://ubuntu").name == "docker.io/library/ubuntu"
+    with pytest.raises(InvalidArgument, match="drop the URL scheme"):
+        Reference.parse("oci://127.0.0.1:5000/a")

@@ -9,6 +9,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -164,15 +165,20 @@ def test_tcp_check() -> None:
     assert asyncio.run(main()) == (True, False)
 
 
-def test_exec_check() -> None:
+def test_exec_check(tmp_path: Path) -> None:
     py = sys.executable
+    gone = tmp_path / "gone.sh"  # exists when the check is made, removed before it runs
+    gone.write_text("#!/bin/sh\nexit 0\n")
+    gone.chmod(0o755)
+    vanished = ExecCheck([str(gone)])
+    gone.unlink()
 
     async def main() -> list[Any]:
         return [
             await ExecCheck([py, "-c", "print('{\"phase\": \"x\", \"progress\": 0.5}')"]).run(5),
             await ExecCheck([py, "-c", "raise SystemExit(3)"]).run(5),
             await ExecCheck([py, "-c", "import time; time.sleep(5)"]).run(0.3),
-            await ExecCheck(["/nonexistent/probe"]).run(1),
+            await vanished.run(1),
         ]
 
     ok, bad, slow, missing = asyncio.run(main())
@@ -205,3 +211,29 @@ def test_parse_target() -> None:
 def test_parse_target_refuses_bad_input(bad: str) -> None:
     with pytest.raises(InvalidArgument):
         parse_target(bad)
+
+
+def test_an_exec_target_that_can_never_pass_is_refused_at_start(tmp_path: Path) -> None:
+    """Issue 16, bug 3: ``exec:/nonexistent`` used to be "not ready" until start-up timed out.
+    A command that is missing, not executable, or not on PATH is refused when the check is
+    made, in one line naming it; so is a target that cannot be parsed at all."""
+    data = tmp_path / "data.txt"
+    data.write_text("not a program\n")
+    cases = {
+        "exec:/nonexistent": "/nonexistent does not exist",
+        "exec:/nonexistent --flag": "/nonexistent does not exist",
+        f"exec:{data}": f"{data} is not an executable file",
+        f"exec:{tmp_path}": "is not an executable file",
+        "exec:no-such-command-cs": "'no-such-command-cs' is not an executable on PATH",
+        'exec:"unclosed': "No closing quotation",
+        "http://127.0.0.1:abc/health": "bad target URL",
+        "http://[::1/health": "bad target URL",
+        "tcp://[x": "bad target URL",
+    }
+    for target, message in cases.items():
+        with pytest.raises(InvalidArgument) as caught:
+            parse_target(target)
+        text = str(caught.value)
+        assert message in text and "\n" not in text, (target, text)
+    assert isinstance(parse_target("exec:true"), ExecCheck)  # found on PATH, like shutil.which
+    assert isinstance(parse_target(f"exec:{sys.executable} -c pass"), ExecCheck)

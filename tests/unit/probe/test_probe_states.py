@@ -74,6 +74,23 @@ def test_startup_timeout_fails_and_failed_is_final() -> None:
     assert m.state is State.FAILED
 
 
+def test_failed_says_why_and_recover_lets_a_late_start_be_ready() -> None:
+    m = machine(startup_timeout=5.0)
+    m.on_check(BAD, 1.0)
+    s = m.on_check(CheckResult(False, detail="ConnectionRefusedError: nope"), 5.1)
+    assert s is not None and s.state is State.FAILED and m.timed_out and m.final
+    assert s.detail == "not ready after 5 s (last try: ConnectionRefusedError: nope)"
+    late = StateMachine(Thresholds(startup_timeout=5.0), started=0.0, recover=True)
+    failed = late.on_tick(5.1)
+    assert failed is not None and failed.state is State.FAILED and not late.final
+    assert late.on_check(BAD, 6.0) is None and late.on_notice(Notice(status="x"), 6.0) is None
+    ready = late.on_check(OK, 7.0)
+    assert ready is not None and ready.state is State.READY
+    crashed = StateMachine(Thresholds(), started=0.0, recover=True)
+    crashed.on_exit(3, 1.0)  # an app that exited is FAILED for good, recover or not
+    assert crashed.final and crashed.on_check(OK, 2.0) is None
+
+
 def test_ready_never_times_out() -> None:
     m = machine(startup_timeout=1.0)
     m.on_check(OK, 0.5)

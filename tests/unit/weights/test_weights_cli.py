@@ -21,7 +21,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 def test_weights_load_and_bench(tmp_path: Path) -> None:
     path = tmp_path / "m.safetensors"
     save_file({"a": torch.ones(100, 100), "b": torch.zeros(3, dtype=torch.int8)}, str(path))
-    out = run("weights", "load", str(path), "--json", "--list", "--dtype", "bf16")
+    out = run("weights", "load", str(path), "-o", "json", "--list", "--dtype", "bf16")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["tensors"] == 2 and report["bytes"] == 40003
@@ -29,9 +29,30 @@ def test_weights_load_and_bench(tmp_path: Path) -> None:
     assert report["path"].startswith("cpu")
     text = run("weights", "load", str(path))
     assert "GB/s" in text.stdout and text.returncode == 0
-    bench = run("weights", "bench", str(path), "--runs", "2", "--evict", "--json")
+    bench = run("weights", "bench", str(path), "--runs", "2", "--evict", "-o", "json")
     assert bench.returncode == 0, bench.stderr
     assert len(json.loads(bench.stdout)["runs"]) == 2
+
+
+def test_weights_dtype_takes_torchs_names(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.ones(4, 4)}, str(path))
+    for name, want in (("bfloat16", "bfloat16"), ("float16", "float16"), ("half", "float16"),
+                       ("FP32", "float32"), ("float64", "float64")):
+        out = run("weights", "load", str(path), "-o", "json", "--list", "--dtype", name)
+        assert out.returncode == 0, (name, out.stderr)
+        assert json.loads(out.stdout)["shapes"]["a"][0] == want
+    bad = run("weights", "load", str(path), "--dtype", "int4")
+    assert bad.returncode == 2 and "'int4' is not one of" in bad.stderr
+
+
+def test_weights_oci_means_a_layout_registry_blobs_are_registry_urls(tmp_path: Path) -> None:
+    for source in ("oci://127.0.0.1:5000/w/m@sha256:" + "0" * 64, f"oci:{tmp_path}"):
+        out = run("weights", "load", source, "-q")
+        assert out.returncode == 2, (source, out.stderr)
+        assert "registry://REGISTRY/REPO@sha256:" in out.stderr and "OCI image layout" in \
+            out.stderr
+        assert out.stderr.strip().count("\n") == 0
 
 
 def test_weights_errors_are_one_line(tmp_path: Path) -> None:
@@ -57,21 +78,39 @@ def test_help_explains_commands() -> None:
 def test_models_publish_activate_rollback_list_watch(tmp_path: Path) -> None:
     root = str(tmp_path / "repo")
     v1 = run("models", "publish", str(make_version(tmp_path / "a", 1.0)), "--root", root,
-             "--model", "m", "--activate")
+             "--model", "m")
     assert v1.returncode == 0 and "m/1" in v1.stdout, v1.stderr
+    first = run("models", "activate", "--root", root, "--model", "m", "1")
+    # the new-user review's bug: a first activation said "(was None)"
+    assert first.returncode == 0 and "None" not in first.stdout, first.stdout
+    assert "first active version" in first.stdout
     v2 = run("models", "publish", str(make_version(tmp_path / "b", 2.0)), "--root", root,
              "--model", "m")
     assert v2.returncode == 0, v2.stderr
     listing = run("models", "list", "--root", root)
     assert "* m/1" in listing.stdout and "  m/2" in listing.stdout
+    rows = json.loads(run("models", "list", "--root", root, "-o", "json").stdout)
+    assert [(r["version"], r["active"], r["complete"]) for r in rows] == [
+        ("1", True, True), ("2", False, True)]
     assert run("models", "activate", "--root", root, "--model", "m", "2").returncode == 0
     watch = run("models", "watch", "--root", root, "--model", "m", "--once")
     assert "serving version 2" in watch.stdout, watch.stderr
     back = run("models", "rollback", "--root", root, "--model", "m")
     assert "version 1" in back.stdout
-    refused = run("models", "activate", "--root", root, "--model", "m", "9")
+    # the new-user review's bug: a version that does not exist said "not complete … still
+    # uploading"
+    missing = run("models", "activate", "--root", root, "--model", "m", "9")
+    assert missing.returncode == 3, missing.stderr  # NotFound
+    assert "no such version: m/9" in missing.stderr and "1, 2" in missing.stderr
+    assert "Traceback" not in missing.stderr and "uploading" not in missing.stderr
+    half = Path(root) / "m" / "3"
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"partial")
+    refused = run("models", "activate", "--root", root, "--model", "m", "3")
     assert refused.returncode == 5 and "not complete" in refused.stderr  # FailedPrecondition
     assert "Traceback" not in refused.stderr
+    again = run("models", "activate", "--root", root, "--model", "m", "1", "-o", "json")
+    assert json.loads(again.stdout) == {"model": "m", "version": "1", "previous": "1"}
 
 
 def test_weights_load_bad_device_is_one_line(tmp_path: Path) -> None:

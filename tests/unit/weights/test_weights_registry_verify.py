@@ -1,4 +1,4 @@
-"""Registry blobs (``oci://reg/repo@sha256:...``) are checked against their digest before any
+"""Registry blobs (``registry://reg/repo@sha256:...``) are checked against their digest before any
 tensor is handed out, whatever the read order, selection or hold bound."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def blob(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes, str]:
 
 
 def _source(digest: str, client: FakeRegistry, **kwargs: Any) -> RegistrySource:
-    return RegistrySource(f"oci://127.0.0.1:5000/w/model@{digest}", client=client, **kwargs)
+    return RegistrySource(f"registry://127.0.0.1:5000/w/model@{digest}", client=client, **kwargs)
 
 
 def _flip(data: bytes, at: int) -> bytes:
@@ -77,7 +77,7 @@ def test_intact_blob_loads(blob: tuple[Path, bytes, str]) -> None:
 def test_tampered_blob_hands_out_nothing(blob: tuple[Path, bytes, str]) -> None:
     _, data, digest = blob
     bad = _flip(data, len(data) - 3)  # inside the last tensor: the header still parses
-    with pytest.raises(IntegrityError, match=r"oci://127\.0\.0\.1:5000/w/model@sha256:.*"
+    with pytest.raises(IntegrityError, match=r"registry://127\.0\.0\.1:5000/w/model@sha256:.*"
                        r"not sha256:[0-9a-f]{64}"):
         load(_source(digest, FakeRegistry(bad)), chunk_bytes=8192, concurrency=4)
     got: list[str] = []
@@ -157,7 +157,7 @@ def test_ordered_digest_any_order_overlap_and_gaps(data: bytes, hold: int,
 
 
 def test_opener_passes_the_callers_timeout_to_the_registry_client() -> None:
-    url = "oci://127.0.0.1:5000/w/model@sha256:" + "0" * 64
+    url = "registry://127.0.0.1:5000/w/model@sha256:" + "0" * 64
     with Opener(timeout=7.5) as opener:
         src = opener.open(url)
         try:
