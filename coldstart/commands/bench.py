@@ -125,6 +125,13 @@ def bench(ref: str, modes: str, runs: int, ready: str | None, command: str | Non
 
     # every argument is checked before anything starts
     mode_list = parse_modes(modes)
+    if ref.startswith("builtin:"):
+        from coldstart.benchmark.images import BUILTIN
+
+        if ref.removeprefix("builtin:") not in BUILTIN:
+            raise InvalidArgument(f"unknown bench image {ref.removeprefix('builtin:')!r} "
+                                  f"(built-in: {', '.join(BUILTIN)}; see `coldstart "
+                                  "bench-image list`)")
     try:
         argv = shlex.split(command) if command else []
     except ValueError as exc:

@@ -79,7 +79,15 @@ def status(config_path: str | None, fuse_socket: str | None, output: str) -> Non
 
     parent = click.get_current_context().parent
     cfg = configmod.load(config_path or (parent.obj if parent is not None else None))
-    rows = FuseServerClient(fuse_socket or cfg.fuse.socket, timeout=10.0).status()
+    from coldstart.lazyfs.client import FuseServerUnreachable
+
+    where = fuse_socket or cfg.fuse.socket
+    try:
+        rows = FuseServerClient(where, timeout=10.0).status()
+    except FuseServerUnreachable as exc:
+        raise FuseServerUnreachable(
+            f"{exc} (is the snapshotter running with this config? its FUSE server listens on "
+            "fuse.socket: give --config or --fuse-socket)") from None
     if output == "json":
         echo_json(rows)
         return

@@ -142,6 +142,9 @@ def load_cmd(source: str, device: str, dtype: str | None, concurrency: int | Non
 
     Example: coldstart weights load s3://models/llama/3/ --device cuda
     """
+    from coldstart.weights.sources import check_not_layout
+
+    check_not_layout(source)          # before torch is imported: a typo answers at once
     kwargs = _kwargs(device, dtype, concurrency, chunk_mb, max_host_mb, direct, only, timeout,
                      cpu_mode, concurrency_alias, insecure, tls_verify, authfile)
     tensors, stats = _load_once(source, kwargs, show_progress=not quiet)
@@ -181,6 +184,9 @@ def bench_cmd(source: str, device: str, dtype: str | None, concurrency: int | No
 
     Example: coldstart weights bench ./model.safetensors --runs 5 --evict
     """
+    from coldstart.weights.sources import check_not_layout
+
+    check_not_layout(source)
     kwargs = _kwargs(device, dtype, concurrency, chunk_mb, max_host_mb, direct, only, timeout,
                      cpu_mode, concurrency_alias, insecure, tls_verify, authfile)
     if evict and "://" in source:

@@ -276,9 +276,10 @@ class Router:
     >>> # target = r.pick(); ...; r.release(target)
     """
 
-    def __init__(self, client: Any, service: str) -> None:
+    def __init__(self, client: Any, service: str, url: str | None = None) -> None:
         self.client = client
         self.service = service
+        self.url = url                  # for error messages
         self.keys = keys(service)
 
     @classmethod
@@ -295,7 +296,7 @@ class Router:
             )
         except ValueError as exc:
             raise InvalidArgument(f"bad Redis URL {url!r}: {exc}") from exc
-        return cls(client, service)
+        return cls(client, service, url)
 
     def _call(self, function: str, *args: object) -> Any:
         import redis
@@ -310,6 +311,10 @@ class Router:
                 raise Unavailable(f"{function} failed: {exc}") from exc
             except redis.TimeoutError as exc:
                 raise Unavailable(f"{function}: Redis did not answer in time: {exc}") from exc
+            except redis.ConnectionError as exc:
+                where = self.url or "Redis"
+                raise Unavailable(f"{function}: cannot reach {where}: {exc} (is Valkey/Redis "
+                                  "running there? see --redis or $COLDSTART_REDIS)") from exc
             except redis.RedisError as exc:
                 raise Unavailable(f"{function}: {exc}") from exc
         raise AssertionError("unreachable")

@@ -237,3 +237,17 @@ def test_authfile_from_the_environment_may_not_exist_yet(stale_socket: Path,
     assert "coldstart: warning: $REGISTRY_AUTH_FILE" in r.stderr
     r = cli_run("pull", "--address", str(stale_socket), "127.0.0.1:5/a:b", "--authfile", missing)
     assert r.returncode == 2 and "--authfile" in r.stderr
+
+
+def test_errors_say_what_to_do() -> None:
+    # a few of the new-user review's inputs: each one line, its cause and what to do
+    r = cli_run("router", "pick", "llama", "--redis", "redis://127.0.0.1:1/0", "--timeout", "1")
+    assert r.returncode == 6 and "Connection refused" in r.stderr, r.stderr
+    assert "is Valkey/Redis running there? see --redis" in r.stderr
+    r = cli_run("bench", "builtin:nope", "--embedded", "--runs", "1", timeout=20)
+    assert r.returncode == 2, r.stderr                 # before anything is built or started
+    assert r.stderr.strip().splitlines() == [
+        "coldstart: error: unknown bench image 'nope' (built-in: tiny, torch, server, "
+        "cuda-like; see `coldstart bench-image list`)"]
+    r = cli_run("weights", "load", "oci:./model", timeout=20)
+    assert r.returncode == 2 and "registry://REGISTRY/REPO@sha256:" in r.stderr
