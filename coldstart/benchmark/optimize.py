@@ -35,6 +35,7 @@ from coldstart.oci.registry import RegistryClient
 from coldstart.oci.store import open_store
 from coldstart.prefetch.profile import LayerProfile, Profile
 from coldstart.prefetch.recorder import FileAccess
+from coldstart.progress import ByteProgress
 from coldstart.stack.registry import start_registry
 
 __all__ = ["OptimizeOptions", "OptimizeResult", "optimize_image", "record_profile"]
@@ -74,7 +75,8 @@ def _quiet(_text: str) -> None:
 
 
 def record_profile(src: str, opts: OptimizeOptions, *, progress: Progress = _quiet,
-                   warnings: list[str] | None = None) -> Profile:
+                   warnings: list[str] | None = None,
+                   byte_progress: ByteProgress | None = None) -> Profile:
     """Run ``src`` once under recording and return its start-up profile (see the module
     docstring). InvalidArgument/FailedPrecondition/Unavailable/DeadlineExceeded on failure,
     one line each; nothing is left running or mounted."""
@@ -91,7 +93,8 @@ def record_profile(src: str, opts: OptimizeOptions, *, progress: Progress = _qui
                                                     docker_config=opts.authfile))
         run_ref = f"{reg.host}/optimize/run:zstd"
         progress(f"making a lazily pullable copy of {src} to record with")
-        convert_image(src, run_ref, format="zstd:chunked", client=client, workdir=work)
+        convert_image(src, run_ref, format="zstd:chunked", client=client, workdir=work,
+                      progress=byte_progress)
         run_image = client.resolve(Reference.parse(run_ref))
         src_diff_ids = _diff_ids(client, src)
         layers = run_image.manifest.layers
@@ -145,22 +148,24 @@ def record_profile(src: str, opts: OptimizeOptions, *, progress: Progress = _qui
 
 def optimize_image(src: str, dst: str, opts: OptimizeOptions, *,
                    progress: Progress = _quiet,
-                   on_profile: Callable[[Profile], None] | None = None) -> OptimizeResult:
+                   on_profile: Callable[[Profile], None] | None = None,
+                   byte_progress: ByteProgress | None = None) -> OptimizeResult:
     """Record ``src``'s start-up and write ``dst`` with each layer's files in that order;
     ``on_profile`` gets the profile as soon as it is recorded (to keep it before ``dst`` is
-    written)."""
+    written); ``byte_progress`` counts the bytes of both conversions."""
     fmt = normalise_format(opts.format)
     if src == dst:
         raise InvalidArgument("SRC and DST must differ")
     warnings: list[str] = []
-    profile = record_profile(src, opts, progress=progress, warnings=warnings)
+    profile = record_profile(src, opts, progress=progress, warnings=warnings,
+                             byte_progress=byte_progress)
     if on_profile is not None:
         on_profile(profile)
     progress(f"writing {dst} with {profile.files} start-up file(s) first")
     with RegistryClient(insecure_hosts=list(opts.insecure), tls_verify=opts.tls_verify,
                         docker_config=opts.authfile) as client:
         summary = convert_image(src, dst, format=fmt, client=client, profile=profile,
-                                workdir=opts.workdir)
+                                workdir=opts.workdir, progress=byte_progress)
     for img in summary.images:
         for layer in img.layers:
             if layer.prefetch_missing:

@@ -106,9 +106,12 @@ def optimize(src: str, dst: str, argv: tuple[str, ...], ready: str, timeout: flo
                            timeout=timeout, format=fmt, insecure=split_commas(insecure),
                            workdir=workdir, tls_verify=tls_verify, authfile=authfile)
 
+    from coldstart.commands._progress import Progress
+
+    bar = Progress(["download", "convert"], quiet=quiet)
+
     def progress(text: str) -> None:
-        if not quiet:
-            click.echo(f"coldstart optimize: {text}", err=True)
+        bar.say(f"coldstart optimize: {text}")
 
     def keep(profile: Profile) -> None:      # before DST is written: a failure keeps it
         tmp = out_path.with_name(out_path.name + ".tmp")
@@ -119,8 +122,9 @@ def optimize(src: str, dst: str, argv: tuple[str, ...], ready: str, timeout: flo
             raise InvalidArgument(f"--profile-out {out_path}: {exc.strerror or exc}") from None
         progress(f"profile kept in {out_path}")
 
-    with signals_unwind():
-        result = optimize_image(src, dst, opts, progress=progress, on_profile=keep)
+    with signals_unwind(), bar:
+        result = optimize_image(src, dst, opts, progress=progress, on_profile=keep,
+                                byte_progress=bar)
     for w in result.warnings:
         click.echo(f"coldstart optimize: warning: {w}", err=True)
     summary = result.summary
