@@ -1,9 +1,12 @@
 """One typed configuration tree (CONVENTIONS §9).
 
-Every key is written once, here, with its default. ``load(path)`` reads TOML; unknown keys and
-wrong types are an :class:`~coldstart.errors.InvalidArgument` naming the key. Durations are float
-seconds, sizes are integer bytes. ``dump(config)`` writes the whole tree back as TOML (used by
-``coldstart snapshotter --print-config``). CLI flags override with :func:`dataclasses.replace`.
+Every key is written once, here, with its default and, in the comment above it, its meaning.
+``load(path)`` reads TOML; unknown keys and wrong types are an
+:class:`~coldstart.errors.InvalidArgument` naming the key. Durations are float seconds; sizes
+(keys ending in ``_bytes``, and ``fetch.background_rate`` in bytes/second) are integer bytes or a
+string with a binary suffix (``"20G"``, ``"512MiB"``, ``"4k"``). ``dump(config)`` writes the
+whole tree back as TOML with each key's comment (``coldstart snapshotter --print-config``). CLI
+flags override with :func:`dataclasses.replace`.
 
 Example::
 
@@ -14,6 +17,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 import tomllib
 import types
 import typing
@@ -25,6 +30,7 @@ from coldstart.errors import InvalidArgument
 
 __all__ = [
     "CACHE_VERIFY_MODES",
+    "LOG_FORMATS",
     "CacheConfig",
     "Config",
     "FetchConfig",
@@ -36,6 +42,7 @@ __all__ = [
     "dump",
     "from_dict",
     "load",
+    "parse_size",
 ]
 
 GiB = 1 << 30
@@ -48,6 +55,8 @@ _MAY_BE_ZERO = frozenset({"retries", "background_rate", "neighbor_bytes", "shutd
                           "drain_delay",
                           "grace", "progress_every", "sink_retries"})
 _LOG_LEVELS = ("debug", "info", "warning", "error")
+#: values of ``log_format``
+LOG_FORMATS = ("text", "json")
 
 
 class _Checked:
@@ -134,6 +143,9 @@ class FuseConfig(_Checked):
     attr_timeout: float = 86400.0
     # read-ahead set on each FUSE mount's backing device, KiB
     read_ahead_kb: int = 1024
+    # host:port for the FUSE server's Prometheus metrics (fetches, cache, page cache, errors
+    # per layer); "" disables; must differ from the top-level metrics_address
+    metrics_address: str = ""
     # the snapshotter starts `coldstart fuse-server` (detached) when nothing answers on `socket`
     spawn: bool = True
     # seconds the snapshotter waits for a spawned FUSE server to answer on `socket`
@@ -218,9 +230,13 @@ class Config(_Checked):
     socket: str = "/run/coldstart/snapshotter.sock"
     # mount layers whose TOC digest is not annotated (unverified); off: they are pulled normally
     allow_unverified: bool = False
-    # host:port for Prometheus metrics; "" disables
+    # host:port for the snapshotter's (gRPC process) Prometheus metrics; "" disables
     metrics_address: str = ""
+    # debug, info, warning or error (--log-level overrides)
     log_level: str = "info"
+    # "text" (timestamped lines) or "json" (one object per line, UTC timestamps: journald,
+    # Kubernetes log pipelines); --log-format overrides
+    log_format: str = "text"
     # worker threads serving the snapshotter's gRPC requests
     grpc_workers: int = 8
     # seconds in-flight RPCs may finish in after SIGTERM before the server stops
@@ -238,6 +254,12 @@ class Config(_Checked):
         if self.log_level not in _LOG_LEVELS:
             raise InvalidArgument(f"config: log_level must be one of {', '.join(_LOG_LEVELS)}, "
                                   f"not {self.log_level!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise InvalidArgument(f"config: log_format must be one of {', '.join(LOG_FORMATS)}, "
+                                  f"not {self.log_format!r}")
+        if self.metrics_address and self.metrics_address == self.fuse.metrics_address:
+            raise InvalidArgument("config: metrics_address and fuse.metrics_address must differ "
+                                  "(two processes cannot listen on one port)")
 
     @property
     def cache_dir(self) -> str:
@@ -267,6 +289,8 @@ def _check(value: Any, typ: Any, where: str) -> Any:
         raise InvalidArgument(f"config: {where} has the wrong type ({type(value).__name__})")
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if typ is int and isinstance(value, str) and _is_size(where):
+        return parse_size(value, where)
     if typ is int and isinstance(value, bool):
         raise InvalidArgument(f"config: {where} must be an integer")
     if not isinstance(value, typ):
@@ -304,6 +328,52 @@ def load(path: str | Path | None) -> Config:
     return from_dict(Config, data)
 
 
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1 << 40}
+
+
+def _is_size(where: str) -> bool:
+    name = where.rsplit(".", 1)[-1]
+    return name.endswith("_bytes") or name == "background_rate"
+
+
+def parse_size(text: str, where: str = "size") -> int:
+    """``"20G"``, ``"512MiB"``, ``"4k"``, ``"1.5G"``, ``"4096"`` → bytes (binary units)."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise InvalidArgument(f"config: {where} must be bytes or a size like \"20G\" or "
+                              f"\"512MiB\", not {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _size_text(n: int) -> str:
+    for unit, mult in (("T", 1 << 40), ("G", GiB), ("M", MiB), ("K", KiB)):
+        if n >= mult and n % mult == 0:
+            return f"{n // mult}{unit}"
+    return str(n)
+
+
+def _comments(cls: type) -> dict[str, list[str]]:
+    """The comment lines above each field of ``cls``, read from its source (one home: the
+    meaning is written once, next to the default)."""
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):
+        return {}
+    out: dict[str, list[str]] = {}
+    pending: list[str] = []
+    for line in lines[1:]:
+        text = line.strip()
+        if text.startswith("#"):
+            pending.append(text.lstrip("#").strip())
+            continue
+        m = re.match(r"^(\w+)\s*:", text)
+        if m and pending:
+            out[m.group(1)] = pending
+        pending = []
+    return out
+
+
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -317,13 +387,23 @@ def _toml_value(v: Any) -> str:
 
 
 def dump(config: Any, _prefix: str = "") -> str:
-    """The whole tree as TOML, scalars first, then one table per section."""
+    """The whole tree as TOML, scalars first, then one table per section; each key with its
+    meaning as a comment above it, sizes with a unit (``"20G"``)."""
+    notes = _comments(type(config))
     scalars, tables = [], []
     for f in dataclasses.fields(config):
         v = getattr(config, f.name)
         if dataclasses.is_dataclass(v):
             name = f"{_prefix}{f.name}"
-            tables.append(f"\n[{name}]\n" + dump(v, name + "."))
+            doc = type(v).__doc__ or ""
+            if doc.startswith(f"{type(v).__name__}("):      # dataclass's generated one
+                doc = ""
+            doc = inspect.cleandoc(doc)
+            head = "".join(f"# {line}\n" for line in (doc or "").splitlines() if line)
+            tables.append(f"\n{head}[{name}]\n" + dump(v, name + "."))
         else:
-            scalars.append(f"{f.name} = {_toml_value(v)}\n")
+            text = (f'"{_size_text(v)}"' if isinstance(v, int) and not isinstance(v, bool)
+                    and _is_size(f.name) and _size_text(v) != str(v) else _toml_value(v))
+            comment = "".join(f"# {line}\n" for line in notes.get(f.name, []))
+            scalars.append(f"{comment}{f.name} = {text}\n")
     return "".join(scalars) + "".join(tables)

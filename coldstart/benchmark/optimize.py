@@ -58,6 +58,7 @@ class OptimizeOptions:
     workdir: Path | None = None
     tls_verify: bool = True              # of SRC's and DST's registries
     authfile: Path | None = None         # their credentials (Docker config.json)
+    hosts_dir: Path | None = None        # their mirrors and TLS (containerd certs.d)
 
 
 @dataclass
@@ -90,7 +91,8 @@ def record_profile(src: str, opts: OptimizeOptions, *, progress: Progress = _qui
                                                  access_log=False))
         client = stack.enter_context(RegistryClient(insecure_hosts=[reg.host, *opts.insecure],
                                                     tls_verify=opts.tls_verify,
-                                                    docker_config=opts.authfile))
+                                                    docker_config=opts.authfile,
+                                                    hosts_dir=opts.hosts_dir))
         run_ref = f"{reg.host}/optimize/run:zstd"
         progress(f"making a lazily pullable copy of {src} to record with")
         convert_image(src, run_ref, format="zstd:chunked", client=client, workdir=work,
@@ -163,7 +165,7 @@ def optimize_image(src: str, dst: str, opts: OptimizeOptions, *,
         on_profile(profile)
     progress(f"writing {dst} with {profile.files} start-up file(s) first")
     with RegistryClient(insecure_hosts=list(opts.insecure), tls_verify=opts.tls_verify,
-                        docker_config=opts.authfile) as client:
+                        docker_config=opts.authfile, hosts_dir=opts.hosts_dir) as client:
         summary = convert_image(src, dst, format=fmt, client=client, profile=profile,
                                 workdir=opts.workdir, progress=byte_progress)
     for img in summary.images:

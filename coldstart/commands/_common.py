@@ -9,6 +9,7 @@ registry is spoken to (skopeo's spellings).
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import logging
@@ -29,6 +30,7 @@ __all__ = [
     "check_authfile",
     "configure_logging",
     "echo_json",
+    "explicit_log_format",
     "explicit_log_level",
     "output_option",
     "registry_client",
@@ -41,7 +43,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_LEVEL_ENV = "COLDSTART_LOG_LEVEL"
+LOG_FORMAT_ENV = "COLDSTART_LOG_FORMAT"
 _LEVEL_KEY = "coldstart.log_level"
+_FORMAT_KEY = "coldstart.log_format"
 _DAEMON_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _DONE = "_coldstart_common"
 
@@ -69,16 +73,33 @@ class _CommandFormatter(logging.Formatter):
         return text
 
 
-def configure_logging(level: str, *, daemon: bool = False) -> None:
+class _JsonFormatter(logging.Formatter):
+    """One JSON object per line with a UTC timestamp (journald, Kubernetes log pipelines)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        when = datetime.datetime.fromtimestamp(record.created, datetime.UTC)
+        doc: dict[str, Any] = {
+            "time": when.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "level": record.levelname.lower(), "logger": record.name,
+            "msg": record.getMessage(), "pid": record.process, "thread": record.threadName}
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str)
+
+
+def configure_logging(level: str, *, daemon: bool = False, fmt: str | None = None) -> None:
     """Log ``level`` and above to stderr (one handler, added once; pytest's stay as they are):
-    one-line ``coldstart: warning: …`` for commands, timestamped lines for daemons."""
+    one-line ``coldstart: warning: …`` for commands, timestamped lines for daemons, or JSON
+    lines (``fmt="json"``, or ``--log-format json`` given to the command)."""
     root = logging.getLogger()
     handler = next((h for h in root.handlers if getattr(h, _DONE, False)), None)
     if handler is None:
         handler = _StderrHandler()
         setattr(handler, _DONE, True)
         root.addHandler(handler)
-    handler.setFormatter(logging.Formatter(_DAEMON_FORMAT) if daemon else _CommandFormatter())
+    fmt = explicit_log_format() or fmt or "text"
+    handler.setFormatter(_JsonFormatter() if fmt == "json" else
+                         logging.Formatter(_DAEMON_FORMAT) if daemon else _CommandFormatter())
     root.setLevel(level.upper())
     # a line per HTTP request drowns everything else unless debugging
     logging.getLogger("httpx").setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
@@ -96,6 +117,12 @@ def explicit_log_level(ctx: click.Context | None = None) -> str | None:
     return None
 
 
+def explicit_log_format(ctx: click.Context | None = None) -> str | None:
+    """``--log-format``/``$COLDSTART_LOG_FORMAT`` when given (daemons else use their config)."""
+    c = ctx or click.get_current_context(silent=True)
+    return None if c is None else c.meta.get(_FORMAT_KEY)
+
+
 def _common_params() -> list[click.Option]:
     return [
         click.Option(["--log-level"],
@@ -106,6 +133,10 @@ def _common_params() -> list[click.Option]:
                           "log_level]."),
         click.Option(["--debug"], is_flag=True, default=False, expose_value=True,
                      help="Same as --log-level debug."),
+        click.Option(["--log-format"], type=click.Choice(["text", "json"]), default=None,
+                     envvar=LOG_FORMAT_ENV, show_envvar=True,
+                     help="Log lines as text, or as JSON objects with UTC timestamps "
+                          "[default: text; daemons: the config's log_format]."),
     ]
 
 
@@ -129,11 +160,14 @@ def add_common_options(command: click.Command) -> click.Command:
 
 
 def _with_logging(callback: Callable[..., Any] | None) -> Callable[..., Any]:
-    def run(*args: Any, log_level: str | None = None, debug: bool = False, **kwargs: Any) -> Any:
+    def run(*args: Any, log_level: str | None = None, debug: bool = False,
+            log_format: str | None = None, **kwargs: Any) -> Any:
         ctx = click.get_current_context()
         level = "debug" if debug else (log_level.lower() if log_level else None)
         if level:
             ctx.meta[_LEVEL_KEY] = level
+        if log_format:
+            ctx.meta[_FORMAT_KEY] = log_format
         configure_logging(explicit_log_level(ctx) or "warning")
         return callback(*args, **kwargs) if callback is not None else None
 
@@ -212,7 +246,12 @@ def split_commas(values: Iterable[str]) -> list[str]:
 
 
 def registry_options(f: F) -> F:
-    """``--insecure HOST[:PORT]``, ``--tls-verify`` and ``--authfile``, the same everywhere."""
+    """``--insecure HOST[:PORT]``, ``--tls-verify``, ``--authfile`` and ``--hosts-dir``, the
+    same everywhere."""
+    f = click.option("--hosts-dir", type=click.Path(file_okay=False, path_type=Path),
+                     default=None, envvar="COLDSTART_HOSTS_DIR",
+                     help="containerd certs.d directory with <host>/hosts.toml (mirrors, TLS, "
+                          "as containerd reads it; e.g. /etc/containerd/certs.d).")(f)
     f = click.option("--authfile", type=click.Path(dir_okay=False, path_type=Path), default=None,
                      envvar="REGISTRY_AUTH_FILE",
                      help="Registry credentials in Docker's config.json format (auths, "
@@ -247,12 +286,13 @@ def check_authfile(authfile: Path | None) -> Path | None:
 
 
 def registry_client(insecure: Iterable[str], tls_verify: bool, authfile: Path | None,
-                    **kwargs: Any) -> Any:
+                    hosts_dir: Path | None, **kwargs: Any) -> Any:
     """A :class:`~coldstart.oci.registry.RegistryClient` from :func:`registry_options`."""
     from coldstart.oci.registry import RegistryClient
 
     return RegistryClient(insecure_hosts=split_commas(insecure), tls_verify=tls_verify,
-                          docker_config=check_authfile(authfile), **kwargs)
+                          docker_config=check_authfile(authfile), hosts_dir=hosts_dir,
+                          **kwargs)
 
 
 def skopeo_bool_flags(argv: list[str]) -> list[str]:

@@ -71,9 +71,6 @@ def _parse_chunk_size(text: str) -> int:
 @click.option("--all-platforms", is_flag=True,
               help="Convert every platform (the default; ctr's spelling, excludes --platform).")
 @registry_options
-@click.option("--hosts-dir", type=click.Path(file_okay=False, path_type=Path),
-              envvar="COLDSTART_HOSTS_DIR",
-              help="containerd certs.d directory with <host>/hosts.toml (mirrors, TLS).")
 @click.option("--jobs", "-j", default=2, show_default=True, type=click.IntRange(1, 64),
               help="Layers converted at the same time.")
 @click.option("--level", type=click.IntRange(1, 22), default=None,
@@ -84,8 +81,8 @@ def _parse_chunk_size(text: str) -> int:
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
 def convert(src: str, dst: str, fmt: str, chunk_size: str, prefetch_list: Path | None,
             profile_path: Path | None, keep_layers: bool, platforms: tuple[str, ...],
-            all_platforms: bool, insecure: tuple[str, ...], tls_verify: bool,
-            authfile: Path | None, hosts_dir: Path | None, jobs: int, level: int | None,
+            all_platforms: bool, hosts_dir: Path | None, insecure: tuple[str, ...],
+            tls_verify: bool, authfile: Path | None, jobs: int, level: int | None,
             json_out: Path | None, output: str, quiet: bool) -> None:
     """Convert image SRC into DST with seekable (lazily pullable) layers.
 
@@ -130,7 +127,7 @@ def convert(src: str, dst: str, fmt: str, chunk_size: str, prefetch_list: Path |
             progress.say(f"[{done}/{total}] {layer.source.digest[:19]}  {what}  "
                          f"({layer.seconds:.1f} s)")
 
-        with registry_client(insecure, tls_verify, authfile, hosts_dir=hosts_dir) as client:
+        with registry_client(insecure, tls_verify, authfile, hosts_dir) as client:
             summary = convert_image(src, dst, format=fmt, chunk_size=size, prefetch=prefetch,
                                     platforms=wanted or None, client=client, workers=jobs,
                                     level=level, on_layer=on_layer, profile=profile,

@@ -33,8 +33,9 @@ def _host_port(ctx: click.Context, param: click.Parameter, value: str | None) ->
 @click.option("--socket", "socket_path", default=None,
               help="Control socket (overrides config `fuse.socket`).")
 @click.option("--metrics-address", default=None, callback=_host_port,
-              help="host:port for Prometheus metrics of this process (default: none; use a "
-                   "port other than the snapshotter's).")
+              help="host:port for Prometheus metrics of this process (default: the config's "
+                   "fuse.metrics_address, none by default; use a port other than the "
+                   "snapshotter's).")
 def fuse_server(config_path: str | None, root: str | None, socket_path: str | None,
                 metrics_address: str | None) -> None:
     """Serve lazily pulled layers over FUSE; restore persisted mounts at start.
@@ -48,10 +49,10 @@ def fuse_server(config_path: str | None, root: str | None, socket_path: str | No
         cfg = dataclasses.replace(cfg, root=root)
     level = explicit_log_level() or (
         "debug" if os.environ.get("COLDSTART_FUSE_DEBUG") == "1" else cfg.log_level)
-    configure_logging(level, daemon=True)
+    configure_logging(level, daemon=True, fmt=cfg.log_format)
     # one line per range request would drown the data path's own log lines
     logging.getLogger("httpx").setLevel(logging.WARNING)
     from coldstart.lazyfs.server import FuseServer
 
     FuseServer(cfg, root=root, socket_path=socket_path,
-               metrics_address=metrics_address if metrics_address is not None else "").run()
+               metrics_address=metrics_address).run()

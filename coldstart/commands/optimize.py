@@ -80,8 +80,8 @@ def _default_profile_path(dst: str) -> Path:
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
 def optimize(src: str, dst: str, argv: tuple[str, ...], ready: str, timeout: float,
              env: tuple[str, ...], mounts: tuple[str, ...], profile_out: Path | None, fmt: str,
-             insecure: tuple[str, ...], tls_verify: bool, authfile: Path | None,
-             workdir: Path | None, output: str, quiet: bool) -> None:
+             hosts_dir: Path | None, insecure: tuple[str, ...], tls_verify: bool,
+             authfile: Path | None, workdir: Path | None, output: str, quiet: bool) -> None:
     """Record what image SRC reads as it starts, and write DST with that set first.
 
     SRC and DST are registry references (registry/repo:tag) or OCI layouts (oci:DIR[:tag]).
@@ -104,7 +104,8 @@ def optimize(src: str, dst: str, argv: tuple[str, ...], ready: str, timeout: flo
     authfile = check_authfile(authfile)
     opts = OptimizeOptions(command=list(argv), env=list(env), mounts=binds, ready=ready,
                            timeout=timeout, format=fmt, insecure=split_commas(insecure),
-                           workdir=workdir, tls_verify=tls_verify, authfile=authfile)
+                           workdir=workdir, tls_verify=tls_verify, authfile=authfile,
+                           hosts_dir=hosts_dir)
 
     from coldstart.commands._progress import Progress
 

@@ -36,9 +36,9 @@ __all__ = ["pull"]
                    "containerd included).")
 @output_option("the image name, digest and each layer: lazy, downloaded or present")
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
-def pull(ref: str, address: str, namespace: str, snapshotter: str, insecure: tuple[str, ...],
-         tls_verify: bool, authfile: Path | None, platform: str | None, timeout: float,
-         output: str, quiet: bool) -> None:
+def pull(ref: str, address: str, namespace: str, snapshotter: str, hosts_dir: Path | None,
+         insecure: tuple[str, ...], tls_verify: bool, authfile: Path | None,
+         platform: str | None, timeout: float, output: str, quiet: bool) -> None:
     """Pull image REF into containerd (lazily where the snapshotter can).
 
     REF is registry/repo:tag[@digest], or docker://registry/repo:tag as skopeo writes it. The
@@ -60,7 +60,8 @@ def pull(ref: str, address: str, namespace: str, snapshotter: str, insecure: tup
     want = Platform.parse(platform) if platform else None
 
     with Progress(["download"], quiet=quiet) as progress, \
-            registry_client(insecure, tls_verify, authfile, timeout=timeout) as registry, \
+            registry_client(insecure, tls_verify, authfile, hosts_dir,
+                            timeout=timeout) as registry, \
             Containerd(address, namespace, timeout=timeout, connect_timeout=timeout) as ctd:
         result = pull_image(ctd, registry, name, snapshotter=snapshotter, platform=want,
                             progress=progress.say, byte_progress=progress)

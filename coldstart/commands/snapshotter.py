@@ -54,9 +54,12 @@ def snapshotter(ctx: click.Context, config_path: str | None, root: str | None,
     if level is not None:
         cfg = dataclasses.replace(cfg, log_level=level)
     if print_config:
+        click.echo("# coldstart snapshotter config (TOML): every key with its default and "
+                   "meaning.\n# Durations are seconds; sizes are bytes or \"20G\", "
+                   "\"512MiB\", \"4K\" (binary units).\n")
         click.echo(configmod.dump(cfg), nl=False)
         return
-    configure_logging(cfg.log_level, daemon=True)
+    configure_logging(cfg.log_level, daemon=True, fmt=cfg.log_format)
     from coldstart.snapshotter.daemon import run
 
     run(cfg)

@@ -78,7 +78,7 @@ def _kwargs(device: str, dtype: str | None, concurrency: int | None, chunk_mb: f
             max_host_mb: float, direct: bool, only: tuple[str, ...], timeout: float,
             cpu_mode: str, concurrency_alias: int | None = None,
             insecure: tuple[str, ...] = (), tls_verify: bool = True,
-            authfile: Path | None = None) -> dict[str, Any]:
+            authfile: Path | None = None, hosts_dir: Path | None = None) -> dict[str, Any]:
     import torch
 
     authfile = check_authfile(authfile)
@@ -95,7 +95,7 @@ def _kwargs(device: str, dtype: str | None, concurrency: int | None, chunk_mb: f
         "select": list(only) or None,
         "timeout": timeout,
         "registry": {"insecure_hosts": split_commas(insecure), "tls_verify": tls_verify,
-                     "docker_config": authfile},
+                     "docker_config": authfile, "hosts_dir": hosts_dir},
     }
 
 
@@ -135,9 +135,9 @@ def weights() -> None:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def load_cmd(source: str, device: str, dtype: str | None, concurrency: int | None,
              concurrency_alias: int | None, chunk_mb: float, max_host_mb: float, direct: bool,
-             cpu_mode: str, only: tuple[str, ...], timeout: float, insecure: tuple[str, ...],
-             tls_verify: bool, authfile: Path | None, output: str, list_tensors: bool,
-             quiet: bool) -> None:
+             cpu_mode: str, only: tuple[str, ...], timeout: float, hosts_dir: Path | None,
+             insecure: tuple[str, ...], tls_verify: bool, authfile: Path | None, output: str,
+             list_tensors: bool, quiet: bool) -> None:
     """Load SOURCE once and report tensors, bytes, time and GB/s.
 
     Example: coldstart weights load s3://models/llama/3/ --device cuda
@@ -146,7 +146,7 @@ def load_cmd(source: str, device: str, dtype: str | None, concurrency: int | Non
 
     check_not_layout(source)          # before torch is imported: a typo answers at once
     kwargs = _kwargs(device, dtype, concurrency, chunk_mb, max_host_mb, direct, only, timeout,
-                     cpu_mode, concurrency_alias, insecure, tls_verify, authfile)
+                     cpu_mode, concurrency_alias, insecure, tls_verify, authfile, hosts_dir)
     tensors, stats = _load_once(source, kwargs, show_progress=not quiet)
     report = {"source": source, "path": stats.path, "files": stats.files,
               "tensors": stats.tensors, "bytes": stats.bytes, "seconds": round(stats.seconds, 4),
@@ -178,7 +178,8 @@ def load_cmd(source: str, device: str, dtype: str | None, concurrency: int | Non
 def bench_cmd(source: str, device: str, dtype: str | None, concurrency: int | None,
               concurrency_alias: int | None, chunk_mb: float, max_host_mb: float,
               direct: bool, cpu_mode: str, only: tuple[str, ...], timeout: float,
-              insecure: tuple[str, ...], tls_verify: bool, authfile: Path | None, runs: int,
+              hosts_dir: Path | None, insecure: tuple[str, ...], tls_verify: bool,
+              authfile: Path | None, runs: int,
               evict: bool, output: str, quiet: bool) -> None:
     """Load SOURCE --runs times; report each run's GB/s and the median.
 
@@ -188,7 +189,7 @@ def bench_cmd(source: str, device: str, dtype: str | None, concurrency: int | No
 
     check_not_layout(source)
     kwargs = _kwargs(device, dtype, concurrency, chunk_mb, max_host_mb, direct, only, timeout,
-                     cpu_mode, concurrency_alias, insecure, tls_verify, authfile)
+                     cpu_mode, concurrency_alias, insecure, tls_verify, authfile, hosts_dir)
     if evict and "://" in source:
         raise InvalidArgument("--evict works on local files only")
     rates: list[float] = []

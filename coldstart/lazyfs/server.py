@@ -86,7 +86,7 @@ class FuseServer:
         self.root = Path(root or config.root)
         self.fuse_dir = self.root / "fuse"
         self.socket_path = socket_path or config.fuse.socket
-        self.metrics_address = (config.metrics_address if metrics_address is None
+        self.metrics_address = (config.fuse.metrics_address if metrics_address is None
                                 else metrics_address)
         if self.metrics_address:
             parse_metrics_address(self.metrics_address)

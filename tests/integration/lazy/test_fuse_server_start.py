@@ -111,7 +111,13 @@ def test_a_bad_metrics_address_is_one_line_and_leaves_no_mount(tmp: Path) -> Non
         busy.listen()
         address = f"127.0.0.1:{busy.getsockname()[1]}"
         taken = run_fuse_server("--config", str(config), "--metrics-address", address)
+        # the same from the config file (fuse.metrics_address; [fuse] is its last table)
+        with config.open("a") as f:
+            f.write(f'metrics_address = "{address}"\n')
+        from_config = run_fuse_server("--config", str(config))
+        config.write_text(config.read_text().replace(f'metrics_address = "{address}"\n', ""))
     assert_one_line_error(taken, 5, "coldstart: error:", address, "in use")
+    assert_one_line_error(from_config, 5, "coldstart: error:", address, "in use")
     nothing_left()
 
     # and the root is free again: a good start works

@@ -92,7 +92,7 @@ def test_parallelism_is_jobs_everywhere() -> None:
 def test_registry_flags_mean_the_same_everywhere() -> None:
     for path in ("pull", "convert", "optimize", "weights load", "weights bench"):
         opts = _options(ALL[path])
-        for flag in ("--insecure", "--tls-verify", "--authfile"):
+        for flag in ("--insecure", "--tls-verify", "--authfile", "--hosts-dir"):
             assert flag in opts, (path, flag)
         assert opts["--insecure"].metavar == "HOST[:PORT]" and opts["--insecure"].multiple
         assert opts["--authfile"].envvar == "REGISTRY_AUTH_FILE"
@@ -251,3 +251,13 @@ def test_errors_say_what_to_do() -> None:
         "cuda-like; see `coldstart bench-image list`)"]
     r = cli_run("weights", "load", "oci:./model", timeout=20)
     assert r.returncode == 2 and "registry://REGISTRY/REPO@sha256:" in r.stderr
+
+
+def test_log_format_json_is_one_object_per_line_in_utc(tmp_path: Path) -> None:
+    r = cli_run("convert", f"oci:{tmp_path}/none", f"oci:{tmp_path}/out", "--log-format", "json",
+                env={"REGISTRY_AUTH_FILE": str(tmp_path / "auth.json")})
+    assert r.returncode == 3, r.stderr
+    first = json.loads(r.stderr.splitlines()[0])
+    assert first["level"] == "warning" and "REGISTRY_AUTH_FILE" in first["msg"]
+    assert first["time"].endswith("Z") and "T" in first["time"]
+    assert r.stderr.splitlines()[-1].startswith("coldstart: error: ")

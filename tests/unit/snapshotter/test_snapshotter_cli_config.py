@@ -72,3 +72,41 @@ def test_status_without_a_fuse_server_is_one_line(tmp_path: Path) -> None:
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "not reachable" in lines[0], r.stderr
     assert "nothing.sock" in lines[0]
+
+
+def test_print_config_explains_every_key_and_sizes_take_units(tmp_path: Path) -> None:
+    text = cli("snapshotter", "--print-config").stdout
+    lines = text.splitlines()
+    keys = [i for i, line in enumerate(lines) if " = " in line and not line.startswith("#")]
+    assert len(keys) > 40
+    for i in keys:                       # each key has its meaning right above it (or shares
+        j = i                            # the comment of the group it belongs to)
+        while j > 0 and " = " in lines[j - 1] and not lines[j - 1].startswith("#"):
+            j -= 1
+        assert lines[j - 1].startswith("#"), lines[i]
+    assert 'max_bytes = "20G"' in text and "# size limit" in text
+    conf = tmp_path / "c.toml"
+    conf.write_text('[cache]\nmax_bytes = "512MiB"\n[fetch]\nbackground_rate = "1.5G"\n'
+                    'neighbor_bytes = 4096\n')
+    cfg = load(conf)
+    assert cfg.cache.max_bytes == 512 << 20 and cfg.fetch.background_rate == int(1.5 * (1 << 30))
+    assert cfg.fetch.neighbor_bytes == 4096
+    conf.write_text('[cache]\nmax_bytes = "lots"\n')
+    r = cli("snapshotter", "--config", str(conf), "--print-config")
+    assert r.returncode == 2 and "cache.max_bytes must be bytes or a size like" in r.stderr
+    conf.write_text('[fuse]\nrequest_timeout = "5s"\n')    # a size suffix is for sizes only
+    assert cli("snapshotter", "--config", str(conf), "--print-config").returncode == 2
+
+
+def test_fuse_server_metrics_and_log_format_are_in_the_config(tmp_path: Path) -> None:
+    conf = tmp_path / "c.toml"
+    conf.write_text('log_format = "json"\n[fuse]\nmetrics_address = "127.0.0.1:9102"\n')
+    cfg = load(conf)
+    assert cfg.log_format == "json" and cfg.fuse.metrics_address == "127.0.0.1:9102"
+    conf.write_text('metrics_address = "127.0.0.1:9102"\n'
+                    '[fuse]\nmetrics_address = "127.0.0.1:9102"\n')
+    r = cli("snapshotter", "--config", str(conf), "--print-config")
+    assert r.returncode == 2 and "must differ" in r.stderr
+    conf.write_text('log_format = "xml"\n')
+    r = cli("snapshotter", "--config", str(conf), "--print-config")
+    assert r.returncode == 2 and "log_format must be one of text, json" in r.stderr
