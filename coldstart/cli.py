@@ -32,6 +32,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("coldstart.commands.models", "models"),
     "probe": ("coldstart.commands.probe", "probe"),
     "router": ("coldstart.commands.router", "router"),
+    "node": ("coldstart.commands.node", "node"),
 }
 
 

@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import click
 
@@ -69,15 +70,45 @@ def _mb(n: object) -> str:
     return f"{n / 1e6:.1f}" if isinstance(n, int) else "-"
 
 
+def _not_lazy_rows(root: str) -> list[dict[str, object]]:
+    """Layers offered for lazy pulling but pulled normally (labelled so by the daemon), from
+    its metadata, read-only; a one-line warning on stderr when it cannot be read."""
+    from coldstart.errors import ColdstartError
+    from coldstart.snapshotter.daemon import METADATA_DB
+    from coldstart.snapshotter.snapshotter import (
+        IMAGE_LABEL,
+        LAYER_LABEL,
+        LAZY_LABEL,
+        REASON_LABEL,
+    )
+    from coldstart.snapshotter.store import read_infos
+
+    try:
+        infos = read_infos(os.path.join(root, METADATA_DB))
+    except ColdstartError as exc:
+        click.echo(f"coldstart: warning: {exc}", err=True)
+        return []
+    return [{"digest": i.labels.get(LAYER_LABEL, ""), "state": "not-lazy",
+             "reason": i.labels.get(REASON_LABEL, "other"), "snapshot": i.name,
+             "kind": i.kind.word, "image": i.labels.get(IMAGE_LABEL, "")}
+            for i in infos if i.labels.get(LAZY_LABEL) == "false"]
+
+
 @snapshotter.command()
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               envvar="COLDSTART_CONFIG", help=_CONFIG_HELP)
 @click.option("--fuse-socket", default=None, metavar="PATH",
               help="The FUSE server's control socket (config: fuse.socket).")
-@output_option("a list with one object per layer", json_alias=True)
-def status(config_path: str | None, fuse_socket: str | None, output: str) -> None:
+@click.option("--root", default=None, metavar="DIR",
+              help="The snapshotter's root, whose metadata names the layers not mounted "
+                   "lazily (config: root).")
+@output_option("a list with one object per layer; layers pulled normally have state "
+               "\"not-lazy\" and a reason", json_alias=True)
+def status(config_path: str | None, fuse_socket: str | None, root: str | None,
+           output: str) -> None:
     """Per lazily mounted layer: state (prefetching, filling, complete, on-demand), bytes
-    prefetched, filled and fetched on demand, requests, errors."""
+    prefetched, filled and fetched on demand, requests, errors. Then the layers offered for
+    lazy pulling that containerd pulled normally, with the reason (state not-lazy)."""
     from coldstart.lazyfs.client import FuseServerClient
 
     parent = click.get_current_context().parent
@@ -91,14 +122,15 @@ def status(config_path: str | None, fuse_socket: str | None, output: str) -> Non
         raise FuseServerUnreachable(
             f"{exc} (is the snapshotter running with this config? its FUSE server listens on "
             "fuse.socket: give --config or --fuse-socket)") from None
+    not_lazy = _not_lazy_rows(root or cfg.root)
     if output == "json":
-        echo_json(rows)
+        echo_json([*rows, *not_lazy])
         return
     if not rows:
         click.echo("no lazily mounted layers")
-        return
-    click.echo(f"{'LAYER':<19}  {'STATE':<11} {'PREFETCH MB':>11} {'FILL MB':>8} "
-               f"{'DEMAND MB':>9} {'LOCAL':>6} {'REQS':>5} {'ERRS':>4}  MOUNTPOINT")
+    else:
+        click.echo(f"{'LAYER':<19}  {'STATE':<11} {'PREFETCH MB':>11} {'FILL MB':>8} "
+                   f"{'DEMAND MB':>9} {'LOCAL':>6} {'REQS':>5} {'ERRS':>4}  MOUNTPOINT")
     for r in rows:
         total, local = r.get("total_bytes") or 0, r.get("local_bytes") or 0
         share = f"{100 * local / total:.0f}%" if total else "-"
@@ -106,3 +138,9 @@ def status(config_path: str | None, fuse_socket: str | None, output: str) -> Non
                    f"{_mb(r.get('prefetched_bytes')):>11} {_mb(r.get('filled_bytes')):>8} "
                    f"{_mb(r.get('on_demand_bytes')):>9} {share:>6} {r.get('requests', 0):>5} "
                    f"{r.get('errors', 0):>4}  {r['mountpoint']}")
+    if not_lazy:
+        click.echo("\nnot mounted lazily (containerd pulled them):")
+        click.echo(f"{'LAYER':<19}  {'REASON':<14} {'KIND':<9}  {'SNAPSHOT':<19}  IMAGE")
+        for n in not_lazy:
+            click.echo(f"{str(n['digest'])[:19]:<19}  {n['reason']!s:<14} {n['kind']!s:<9}  "
+                       f"{str(n['snapshot'])[:19]:<19}  {n['image']}")

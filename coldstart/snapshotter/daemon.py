@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import logging
 import os
@@ -43,8 +44,10 @@ from coldstart.snapshotter.service import SnapshotService
 from coldstart.snapshotter.service_metrics import ServiceMetrics, serve_metrics
 from coldstart.snapshotter.snapshotter import Snapshotter
 from coldstart.snapshotter.store import Store
+from coldstart.unixsock import sd_notify
 
 __all__ = [
+    "FuseServerFailed",
     "RespawningMounter",
     "ensure_fuse_server",
     "make_mounter",
@@ -80,12 +83,42 @@ def root_lock(root: str) -> Iterator[IO[str]]:
         f.close()
 
 
+def _absolute_paths(cfg: Config) -> Config:
+    """``cfg`` with its paths made absolute from our working directory: the FUSE server runs
+    in ``/`` (it must not pin ours), where a relative ``root`` would name another place."""
+    def a(path: str) -> str:
+        return os.path.abspath(path) if path else path
+
+    return dataclasses.replace(
+        cfg, root=a(cfg.root),
+        fuse=dataclasses.replace(cfg.fuse, socket=a(cfg.fuse.socket)),
+        cache=dataclasses.replace(cfg.cache, dir=a(cfg.cache.dir)),
+        registry=dataclasses.replace(cfg.registry, hosts_dir=a(cfg.registry.hosts_dir),
+                                     docker_config=a(cfg.registry.docker_config)))
+
+
+def _last_error(path: Path) -> str:
+    """The last non-empty line of the FUSE server's log (its one-line error, when it failed)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            lines = [x.strip() for x in f.read().decode(errors="replace").splitlines()]
+    except OSError as exc:
+        return f"(cannot read it: {exc})"
+    return next((x for x in reversed(lines) if x), "(nothing logged)")
+
+
+class FuseServerFailed(FuseServerUnreachable):
+    """The FUSE server we started exited at start with an error: no lazy pulls until fixed."""
+
+
 def spawn_fuse_server(cfg: Config) -> subprocess.Popen[bytes]:
     """Start ``coldstart fuse-server`` detached from us (its own session)."""
     root = Path(cfg.root)
     conf = root / FUSE_CONFIG
     tmp = conf.with_suffix(".tmp")
-    tmp.write_text(dump(cfg))
+    tmp.write_text(dump(_absolute_paths(cfg)))
     os.replace(tmp, conf)
     with open(root / FUSE_LOG, "ab") as out:
         proc = subprocess.Popen(
@@ -103,7 +136,9 @@ def ensure_fuse_server(cfg: Config, answers: Callable[[], bool] | None = None) -
     ``answers`` asks the server (default: something accepts connections on the socket). A
     spawned server that finds another one holding the root (``<root>/fuse-server.lock``: it is
     still starting, or was started by someone else) refuses to start; we then wait for that one
-    to answer, within the same ``fuse.start_timeout``."""
+    to answer, within the same ``fuse.start_timeout``. A spawned server that exits with another
+    error raises :class:`FuseServerFailed` (its log's last line): at start-up the daemon then
+    fails instead of serving with no lazy pulls."""
     answers = answers or (lambda: socket_answers(cfg.fuse.socket))
     if answers():
         log.info("fuse-server answers on %s", cfg.fuse.socket)
@@ -129,9 +164,11 @@ def ensure_fuse_server(cfg: Config, answers: Callable[[], bool] | None = None) -
         if proc is not None and proc.poll() is not None:
             _restore_pidfile(pidfile, proc.pid, previous)
             if proc.returncode != FailedPrecondition.exit_code:
-                log.warning("fuse-server exited with status %s (see %s): layers are pulled "
-                            "normally", proc.returncode, Path(cfg.root) / FUSE_LOG)
-                return False
+                # an error, not a warning: serving with no lazy pulls hides it (issue 13)
+                flog = Path(os.path.abspath(cfg.root)) / FUSE_LOG
+                raise FuseServerFailed(
+                    f"the FUSE server exited with status {proc.returncode} at start (log "
+                    f"{flog}): {_last_error(flog)}")
             log.info("another fuse-server holds %s (see %s): waiting for it to answer",
                      cfg.root, Path(cfg.root) / FUSE_LOG)
             proc = None
@@ -237,9 +274,12 @@ def _serve(cfg: Config, root: str, store: Store, ready: threading.Event | None,
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
     log.info("serving containerd snapshots on unix:%s (root %s)", cfg.socket, root)
+    if sd_notify(f"READY=1\nSTATUS=serving on {cfg.socket}"):  # systemd's Type=notify unit
+        log.info("told systemd we are ready")
     if ready is not None:
         ready.set()
     while not stop.wait(0.5):  # a timed wait lets the signal handler run promptly
         pass
     log.info("stopping: in-flight requests get %.0f s", cfg.shutdown_grace)
+    sd_notify("STOPPING=1")
     server.stop(cfg.shutdown_grace).wait()

@@ -23,8 +23,10 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from coldstart.errors import ColdstartError, InvalidArgument
+from coldstart.snapshotter.snapshotter import FALLBACK_REASONS
 
 __all__ = [
+    "LAZY_FALLBACKS",
     "REMOTE_LAYERS",
     "RPC_ERRORS",
     "RPC_SECONDS",
@@ -37,6 +39,7 @@ RPC_SECONDS = "coldstart_snapshotter_rpc_duration_seconds"
 RPC_ERRORS = "coldstart_snapshotter_rpc_errors_total"
 SNAPSHOTS = "coldstart_snapshotter_snapshots"
 REMOTE_LAYERS = "coldstart_snapshotter_remote_layers_total"
+LAZY_FALLBACKS = "coldstart_snapshotter_lazy_fallbacks_total"
 
 
 class _SnapshotCounts(Collector):
@@ -62,6 +65,13 @@ class ServiceMetrics:
         self.remote_layers = Counter(REMOTE_LAYERS,
                                      "Layers offered for lazy pulling, by result "
                                      "(mounted, fallback)", ["result"], registry=self.registry)
+        # the fallbacks of remote_layers again, by why (a separate family keeps the one above
+        # unchanged for whoever reads it already)
+        self.lazy_fallbacks = Counter(LAZY_FALLBACKS,
+                                      "Layers offered for lazy pulling but pulled normally, by "
+                                      "reason", ["reason"], registry=self.registry)
+        for reason in FALLBACK_REASONS:       # every reason shows, at 0 until it happens
+            self.lazy_fallbacks.labels(reason)
         if snapshot_counts is not None:
             self.registry.register(_SnapshotCounts(snapshot_counts))
 
@@ -79,8 +89,11 @@ class ServiceMetrics:
         finally:
             self.rpc_seconds.labels(method).observe(time.perf_counter() - start)
 
-    def remote_layer(self, result: str) -> None:
+    def remote_layer(self, result: str, reason: str = "") -> None:
+        """Count a layer offered for lazy pulling: ``mounted``, or ``fallback`` and why."""
         self.remote_layers.labels(result).inc()
+        if result == "fallback":
+            self.lazy_fallbacks.labels(reason or "other").inc()
 
 
 def serve_metrics(address: str, metrics: ServiceMetrics) -> None:

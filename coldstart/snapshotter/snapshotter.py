@@ -13,6 +13,13 @@ snapshot's ``fs``, committed under the ref's value and the Prepare answers
 :class:`~coldstart.errors.AlreadyExists`. Any mounter failure falls back to a plain ACTIVE
 snapshot (containerd then downloads and unpacks the layer).
 
+No silent fallback: a layer offered for lazy pulling but not mounted says why, where an operator
+looks: one WARNING log line (layer, image, reason), the ``on_remote`` hook (a metric by reason),
+and the labels ``coldstart.io/lazy=false``, ``coldstart.io/reason=<reason>`` (plus the layer and
+image) on the ACTIVE snapshot, which :meth:`Snapshotter.commit` carries over to the committed
+one (``ctr snapshots info`` shows them; ``coldstart snapshotter status`` lists them). The reasons
+are :data:`FALLBACK_REASONS`, from :func:`fallback_reason`.
+
 Example::
 
     snap = Snapshotter("/var/lib/coldstart", Store(".../metadata.db"), mounter=None)
@@ -31,8 +38,23 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from coldstart.errors import AlreadyExists, ColdstartError
+from coldstart.errors import (
+    AlreadyExists,
+    ColdstartError,
+    FailedPrecondition,
+    FormatError,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
+from coldstart.lazyfs.client import FuseServerUnreachable
 from coldstart.lazyfs.spec import (
+    CRI_IMAGE_REF,
+    CRI_LAYER_DIGEST,
+    LABEL_LIMIT,
+    REMOTE_DIGEST,
+    REMOTE_REFERENCE,
     REMOTE_SNAPSHOT,
     REMOTE_SNAPSHOT_VALUE,
     TARGET_SNAPSHOT_REF,
@@ -49,9 +71,75 @@ from coldstart.snapshotter.mounts import (
 )
 from coldstart.snapshotter.store import Info, Kind, Store, Tx, Usage
 
-__all__ = ["Snapshotter", "disk_usage", "is_mountpoint"]
+__all__ = [
+    "FALLBACK_REASONS",
+    "IMAGE_LABEL",
+    "LAYER_LABEL",
+    "LAZY_LABEL",
+    "OUR_LABEL_PREFIX",
+    "REASON_LABEL",
+    "Snapshotter",
+    "disk_usage",
+    "fallback_reason",
+    "is_mountpoint",
+]
 
 log = logging.getLogger("coldstart.snapshotter")
+
+# labels we set on a snapshot whose layer was offered for lazy pulling but pulled normally;
+# Commit carries every ``coldstart.io/`` label of the active snapshot over to the committed one
+OUR_LABEL_PREFIX = "coldstart.io/"
+LAZY_LABEL = OUR_LABEL_PREFIX + "lazy"          # "false"
+REASON_LABEL = OUR_LABEL_PREFIX + "reason"      # one of FALLBACK_REASONS
+LAYER_LABEL = OUR_LABEL_PREFIX + "layer"        # the layer (blob) digest
+IMAGE_LABEL = OUR_LABEL_PREFIX + "image"        # the image reference, as the labels named it
+
+# why a layer offered for lazy pulling was pulled normally (metric label values, snapshot labels)
+FALLBACK_REASONS = (
+    "not-seekable",    # the blob is no eStargz/zstd:chunked layer (no footer, corrupt TOC)
+    "no-toc-digest",   # no TOC digest annotation (a plain gzip layer, or one that lost it) and
+                       # allow_unverified is off
+    "integrity",       # the TOC does not match its annotated digest
+    "unavailable",     # the registry or the FUSE server failed or timed out
+    "not-found",       # the registry has no such blob or manifest
+    "no-fuse-server",  # no FUSE server: none configured, or it cannot be reached
+    "bad-labels",      # the lazy-pull labels are malformed
+    "commit-failed",   # mounted, but recording the committed snapshot failed
+    "other",
+)
+
+
+def fallback_reason(exc: BaseException) -> str:
+    """The :data:`FALLBACK_REASONS` word for a failure of the mount path.
+
+    The mounter forwards the kind the FUSE server raised (see :mod:`coldstart.lazyfs.client`):
+    ``open_layer`` raises FailedPrecondition for a layer without a TOC digest annotation,
+    FormatError for a blob without footer, IntegrityError for a TOC that does not match.
+
+    >>> fallback_reason(IntegrityError("TOC digest sha256:1 does not match"))
+    'integrity'
+    """
+    if isinstance(exc, FuseServerUnreachable):
+        return "no-fuse-server"
+    if isinstance(exc, IntegrityError):
+        return "integrity"
+    if isinstance(exc, Unavailable):            # DeadlineExceeded too
+        return "unavailable"
+    if isinstance(exc, FailedPrecondition) and "TOC digest annotation" in str(exc):
+        return "no-toc-digest"
+    if isinstance(exc, FormatError):
+        return "not-seekable"
+    if isinstance(exc, NotFound):
+        return "not-found"
+    if isinstance(exc, InvalidArgument):
+        return "bad-labels"
+    return "other"
+
+
+def _fit(key: str, value: str) -> str:
+    """``value`` cut so that the label fits containerd's limit (see store.validate_labels)."""
+    room = LABEL_LIMIT - len(key.encode())
+    return value.encode()[:room].decode(errors="ignore")
 
 
 def disk_usage(path: str) -> Usage:
@@ -101,13 +189,14 @@ class Snapshotter:
 
     def __init__(self, root: str | Path, store: Store, mounter: LayerMounter | None = None,
                  *, index_off: bool | None = None,
-                 on_remote: Callable[[str], None] | None = None) -> None:
+                 on_remote: Callable[[str, str], None] | None = None) -> None:
         self.root = str(Path(root).resolve())
         self.store = store
         self.mounter = mounter
         self.index_off = index_supported() if index_off is None else index_off
-        # telemetry hook (stargz style): "mounted" or "fallback" per lazily offered layer
-        self._on_remote = on_remote or (lambda _result: None)
+        # telemetry hook (stargz style), per lazily offered layer: ("mounted", "") or
+        # ("fallback", one of FALLBACK_REASONS)
+        self._on_remote = on_remote or (lambda _result, _reason: None)
         self.snapshots_dir = os.path.join(self.root, "snapshots")
         os.makedirs(self.snapshots_dir, exist_ok=True)
 
@@ -116,11 +205,21 @@ class Snapshotter:
     def prepare(self, key: str, parent: str, labels: Mapping[str, str]) -> list[Mount]:
         """An ACTIVE snapshot; or, for a layer served lazily, AlreadyExists (see module doc)."""
         target = labels.get(TARGET_SNAPSHOT_REF, "")
-        spec = self._remote_spec(labels) if target and self.mounter is not None else None
+        spec: LayerSpec | None = None
+        bad_labels: ColdstartError | None = None
+        if target:
+            try:
+                spec = layer_spec_from_labels(labels)
+            except ColdstartError as exc:
+                bad_labels = exc
         if spec is not None and self._target_exists(target, parent):
             raise AlreadyExists(f"target snapshot {target!r}: already exists")
         mounts = self._create(Kind.ACTIVE, key, parent, labels)
-        if spec is not None and self._mount_remote(key, parent, target, labels, spec):
+        if bad_labels is not None:
+            self._fall_back(key, labels, None, "bad-labels", f"lazy-pull labels: {bad_labels}")
+        elif spec is not None and self.mounter is None:
+            self._fall_back(key, labels, spec, "no-fuse-server", "no layer mounter configured")
+        elif spec is not None and self._mount_remote(key, parent, target, labels, spec):
             raise AlreadyExists(f"target snapshot {target!r}: already exists")
         return mounts
 
@@ -137,7 +236,10 @@ class Snapshotter:
             sid, info, _ = tx.get_info(key)
             usage = disk_usage(upper_path(self.root, sid)) if info.kind == Kind.ACTIVE \
                 else Usage()
-            tx.commit_active(key, name, usage, labels)
+            # containerd commits with its own labels, which replace the active's: keep ours
+            # (why a layer was not mounted lazily) unless the caller sets them itself
+            ours = {k: v for k, v in info.labels.items() if k.startswith(OUR_LABEL_PREFIX)}
+            tx.commit_active(key, name, usage, {**ours, **labels})
 
     def remove(self, key: str) -> None:
         with self.store.transaction(writable=True) as tx:
@@ -225,12 +327,24 @@ class Snapshotter:
 
     # --- remote snapshots ---------------------------------------------------------------
 
-    def _remote_spec(self, labels: Mapping[str, str]) -> LayerSpec | None:
+    def _fall_back(self, key: str, labels: Mapping[str, str], spec: LayerSpec | None,
+                   reason: str, detail: str, exc: BaseException | None = None) -> None:
+        """Say why the layer of ACTIVE ``key`` is pulled normally: log, hook, labels."""
+        digest = spec.digest if spec is not None else \
+            labels.get(REMOTE_DIGEST) or labels.get(CRI_LAYER_DIGEST) or "?"
+        image = labels.get(REMOTE_REFERENCE) or labels.get(CRI_IMAGE_REF) or \
+            (spec.reference if spec is not None else "") or "?"
+        log.warning("layer %s of %s not mounted lazily (reason %s), containerd pulls it: %s",
+                    digest, image, reason, detail, exc_info=exc)
+        self._on_remote("fallback", reason)
+        ours = {LAZY_LABEL: "false", REASON_LABEL: reason, LAYER_LABEL: digest,
+                IMAGE_LABEL: image}
+        ours = {k: _fit(k, v) for k, v in ours.items()}
         try:
-            return layer_spec_from_labels(labels)
-        except ColdstartError as exc:
-            log.warning("ignoring lazy-pull labels: %s", exc)
-            return None
+            with self.store.transaction(writable=True) as tx:
+                tx.update_info(key, ours, [f"labels.{k}" for k in ours])
+        except ColdstartError as exc2:
+            log.warning("snapshot %s: cannot label the fallback: %s", key, exc2)
 
     def _target_exists(self, target: str, parent: str) -> bool:
         with self.store.transaction() as tx:
@@ -251,10 +365,11 @@ class Snapshotter:
         try:
             self.mounter.mount(fs, spec)
         except Exception as exc:
-            level = logging.WARNING if isinstance(exc, ColdstartError) else logging.ERROR
-            log.log(level, "layer %s: lazy mount failed, containerd will pull it: %s",
-                    spec.digest, exc, exc_info=not isinstance(exc, ColdstartError))
-            self._on_remote("fallback")
+            expected = isinstance(exc, ColdstartError)
+            self._fall_back(key, labels, spec, fallback_reason(exc),
+                            f"lazy mount failed: {exc}" if expected
+                            else f"lazy mount failed: {type(exc).__name__}: {exc}",
+                            None if expected else exc)
             return False
         committed = {**labels, REMOTE_SNAPSHOT: REMOTE_SNAPSHOT_VALUE}
         try:
@@ -268,10 +383,9 @@ class Snapshotter:
                 self.remove(key)
                 log.info("layer %s: %s was committed concurrently", spec.digest, target)
                 return True
-            log.warning("layer %s: commit as %s failed, pulling it instead: %s",
-                        spec.digest, target, exc)
-            self._on_remote("fallback")
+            self._fall_back(key, labels, spec, "commit-failed",
+                            f"mounted, but its commit as {target} failed: {exc}")
             return False
         log.info("layer %s mounted lazily as snapshot %s", spec.digest, target)
-        self._on_remote("mounted")
+        self._on_remote("mounted", "")
         return True

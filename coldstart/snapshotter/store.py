@@ -31,10 +31,11 @@ from coldstart.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    Unavailable,
 )
 from coldstart.lazyfs.spec import LABEL_LIMIT
 
-__all__ = ["Info", "Kind", "Snapshot", "Store", "Tx", "Usage", "validate_labels"]
+__all__ = ["Info", "Kind", "Snapshot", "Store", "Tx", "Usage", "read_infos", "validate_labels"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS snapshots (
@@ -273,6 +274,27 @@ class Tx:
     def counts(self) -> dict[Kind, int]:
         return {Kind(r[0]): r[1] for r in self._conn.execute(
             "SELECT kind, COUNT(*) FROM snapshots GROUP BY kind")}
+
+
+def read_infos(path: str | Path) -> list[Info]:
+    """Every snapshot's info in the metadata file ``path``, opened read-only (another process,
+    e.g. ``coldstart snapshotter status``, beside the running daemon); [] if there is none.
+
+    Raises :class:`~coldstart.errors.Unavailable` when the file cannot be read."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    try:
+        conn = sqlite3.connect(f"{p.resolve().as_uri()}?mode=ro", uri=True, timeout=10.0,
+                               isolation_level=None)
+        try:
+            conn.row_factory = sqlite3.Row
+            conn.execute("BEGIN")
+            return Tx(conn, writable=False).walk()
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise Unavailable(f"cannot read the snapshotter's metadata {p}: {exc}") from exc
 
 
 class Store:

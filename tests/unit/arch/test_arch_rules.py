@@ -63,6 +63,8 @@ RULES: dict[str, Rule] = {
                        "grpc google"),
     "weights": rule("errors config remote oci progress", "torch numpy yaml"),
     "probe": rule("errors config", "redis grpc httpx@probe.sinks"),
+    # `coldstart node`: containerd's config.toml (tomlkit), the unit, the FUSE server's health
+    "node": rule("errors config lazyfs.client", "tomlkit"),
     "stack": rule(_BELOW_BENCH),
     "benchmark": rule(_BELOW_BENCH + " stack",
                       "httpx matplotlib@benchmark.results numpy@benchmark.images "
