@@ -23,6 +23,7 @@ import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -328,7 +329,7 @@ def load(path: str | Path | None) -> Config:
     return from_dict(Config, data)
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(?:i?b)?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1 << 40}
 
 
@@ -340,10 +341,11 @@ def _is_size(where: str) -> bool:
 def parse_size(text: str, where: str = "size") -> int:
     """``"20G"``, ``"512MiB"``, ``"4k"``, ``"1.5G"``, ``"4096"`` → bytes (binary units)."""
     m = _SIZE_RE.match(text)
-    if not m:
+    value = Fraction(m.group(1)) * _UNITS[(m.group(2) or "").lower()] if m else None
+    if value is None or value.denominator != 1:
         raise InvalidArgument(f"config: {where} must be bytes or a size like \"20G\" or "
-                              f"\"512MiB\", not {text!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+                              f"\"512MiB\" (a whole number of bytes), not {text!r}")
+    return int(value)
 
 
 def _size_text(n: int) -> str:

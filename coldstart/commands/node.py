@@ -58,7 +58,7 @@ _RESTART_HELP = ("Then run systemctl: daemon-reload, start the unit, restart con
 Examples:
   coldstart node install --dry-run              # the diff of every file, nothing written
   coldstart node install --restart-containerd   # edit, start the unit, restart containerd
-  coldstart node install --runtime-handler coldstart   # only pods of that RuntimeClass
+  coldstart node install --runtime-handler coldstart   # only that RuntimeClass (containerd >= 1.7)
   coldstart node status -o json
   coldstart node uninstall --restart-containerd
 """)
@@ -80,7 +80,10 @@ Examples:
               "config [default: /run/coldstart/snapshotter.sock].")
 @click.option("--runtime-handler", default=None, metavar="NAME",
               help="Use coldstart only for pods of this runtime handler (RuntimeClass "
-                   "handler), not as containerd's default snapshotter.")
+                   "handler), not as containerd's default snapshotter. containerd applies a "
+                   "runtime's snapshotter to pulls from 1.7 on, for pods annotated "
+                   "io.containerd.cri.runtime-handler=NAME (1.7 to 2.1) or with kubelet's "
+                   "RuntimeClassInImageCriApi gate; other pods of it pull normally.")
 @click.option("--coldstart-bin", default=None, metavar="PATH",
               help="The coldstart executable the unit runs [default: the one running now].")
 @click.option("--dry-run", is_flag=True, help="Print the diff of every file; write nothing.")
@@ -139,7 +142,7 @@ def uninstall(containerd_config: Path, coldstart_config: Path, state_dir: Path,
         for note in plan.notes:
             click.echo(f"note: {note}")
         return
-    if restart_containerd and _systemd_ready():
+    if restart_containerd and _systemd_ready() and paths.unit.exists():
         from coldstart.node.systemd import deactivate
 
         for line in deactivate():

@@ -20,6 +20,7 @@ from coldstart import config as configmod
 from coldstart.commands._common import (
     configure_logging,
     echo_json,
+    explicit_log_format,
     explicit_log_level,
     output_option,
 )
@@ -51,9 +52,11 @@ def snapshotter(ctx: click.Context, config_path: str | None, root: str | None,
         cfg = dataclasses.replace(cfg, root=root)
     if socket is not None:
         cfg = dataclasses.replace(cfg, socket=socket)
-    level = explicit_log_level()
+    level, fmt = explicit_log_level(), explicit_log_format()
     if level is not None:
         cfg = dataclasses.replace(cfg, log_level=level)
+    if fmt is not None:         # the spawned FUSE server reads the config: it logs alike
+        cfg = dataclasses.replace(cfg, log_format=fmt)
     if print_config:
         click.echo("# coldstart snapshotter config (TOML): every key with its default and "
                    "meaning.\n# Durations are seconds; sizes are bytes or \"20G\", "
@@ -112,17 +115,23 @@ def status(config_path: str | None, fuse_socket: str | None, root: str | None,
     from coldstart.lazyfs.client import FuseServerClient
 
     parent = click.get_current_context().parent
-    cfg = configmod.load(config_path or (parent.obj if parent is not None else None))
+    given = config_path or (parent.obj if parent is not None else None)
+    cfg = configmod.load(given)
     from coldstart.lazyfs.client import FuseServerUnreachable
 
+    # the metadata is read only for a snapshotter named by --root or a config, or when the
+    # FUSE server is named by neither (the defaults): --fuse-socket alone names another one
+    metadata_root = root or (cfg.root if given or not fuse_socket else None)
+    not_lazy = _not_lazy_rows(metadata_root) if metadata_root else []
     where = fuse_socket or cfg.fuse.socket
     try:
         rows = FuseServerClient(where, timeout=10.0).status()
     except FuseServerUnreachable as exc:
+        for n in not_lazy:       # the layers that fell back are what to look at now
+            click.echo(f"not lazy: {n['digest']} ({n['reason']}) {n['image']}", err=True)
         raise FuseServerUnreachable(
             f"{exc} (is the snapshotter running with this config? its FUSE server listens on "
             "fuse.socket: give --config or --fuse-socket)") from None
-    not_lazy = _not_lazy_rows(root or cfg.root)
     if output == "json":
         echo_json([*rows, *not_lazy])
         return

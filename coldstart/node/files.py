@@ -39,7 +39,10 @@ def read_optional(path: Path) -> bytes | None:
 
 def atomic_write(path: Path, data: bytes, *, mode: int = 0o644) -> None:
     """Replace ``path`` with ``data`` (temp file + rename in the same directory). An existing
-    file's mode and owner are kept; a new file gets ``mode``; missing directories are made."""
+    file's mode and owner are kept; a new file gets ``mode``; missing directories are made. A
+    symlink stays a symlink: its target is replaced (config management, NixOS)."""
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         try:

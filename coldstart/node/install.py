@@ -171,6 +171,14 @@ def plan_install(paths: NodePaths, *, root: str | None = None, socket: str | Non
             "`coldstart node uninstall`, then install again")
     change = apply(_decode(original, ctd), target, str(ctd))
     installed = change.text.encode()
+    if state is None and not change.edits and not change.created:
+        # our keys are there but our state is not (its directory was wiped): a backup taken
+        # now would hold our keys, and uninstall would "restore" containerd to point at a
+        # snapshotter that is gone
+        raise FailedPrecondition(
+            f"{ctd} already has coldstart's keys but {paths.state_file} does not exist (was "
+            f"{paths.state_dir} removed?): take coldstart's keys out of {ctd} (or restore your "
+            "own backup), then run install again")
 
     unit_after = unit_text(list(exec_start or default_exec()),
                            paths.coldstart_config.absolute()).encode()
@@ -190,7 +198,11 @@ def plan_install(paths: NodePaths, *, root: str | None = None, socket: str | Non
     new_state = InstallState(
         containerd_config=str(ctd), schema=change.schema, target=target,
         original_sha256=state.original_sha256 if state else sha256(original),
-        installed_sha256=sha256(installed),
+        # someone edited the file since the last install: the backup predates their edits, so
+        # uninstall must take our keys out rather than restore it ("" never matches)
+        installed_sha256=("" if state is not None and (not state.installed_sha256 or
+                                                        sha256(original) != state.installed_sha256)
+                          else sha256(installed)),
         edits=_merge_edits(state.edits if state else (), change.edits),
         created_tables=_merge_tables(state.created_tables if state else (), change.created),
         unit_path=str(paths.unit), unit_sha256=sha256(unit_after),

@@ -41,7 +41,10 @@ def default_exec() -> list[str]:
 
 
 def _systemd_quote(arg: str) -> str:
-    return shlex.quote(arg).replace("%", "%%")
+    """An ExecStart word: systemd expands ``%`` specifiers and ``$VAR`` (doubled to stay
+    literal) and reads backslashes as escapes (doubled); quotes as a shell's."""
+    text = arg.replace("\\", "\\\\").replace("%", "%%").replace("$", "$$")
+    return shlex.quote(text)
 
 
 def unit_text(exec_start: Sequence[str], config_path: Path) -> str:

@@ -163,7 +163,9 @@ def ensure_fuse_server(cfg: Config, answers: Callable[[], bool] | None = None) -
             return True
         if proc is not None and proc.poll() is not None:
             _restore_pidfile(pidfile, proc.pid, previous)
-            if proc.returncode != FailedPrecondition.exit_code:
+            if proc.returncode != FailedPrecondition.exit_code or not _root_locked(cfg.root):
+                # exit 5 is also a busy metrics port or an unusable socket path: only a lock
+                # another server holds means "another fuse-server serves this root"
                 # an error, not a warning: serving with no lazy pulls hides it (issue 13)
                 flog = Path(os.path.abspath(cfg.root)) / FUSE_LOG
                 raise FuseServerFailed(
@@ -177,6 +179,20 @@ def ensure_fuse_server(cfg: Config, answers: Callable[[], bool] | None = None) -
                 "normally until it does", cfg.fuse.socket, cfg.fuse.start_timeout,
                 Path(cfg.root) / FUSE_LOG)
     return False
+
+
+def _root_locked(root: str) -> bool:
+    """Whether a FUSE server holds ``<root>/fuse-server.lock`` (lazyfs.server's LOCK_FILE)."""
+    try:
+        with open(Path(root) / "fuse-server.lock", "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return False
+    except OSError:
+        return False
 
 
 def _restore_pidfile(pidfile: Path, pid: int, previous: str | None) -> None:

@@ -177,3 +177,45 @@ def cli_paths(paths: NodePaths) -> list[str]:
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "coldstart.cli", *args], capture_output=True,
                           text=True, timeout=60)
+
+
+def test_an_edit_before_a_reinstall_is_kept_by_uninstall(tmp_path: Path) -> None:
+    # the GPU operator adds a runtime after install; a later install (a new coldstart path in
+    # the unit) must not make uninstall restore the pre-edit backup, losing that runtime
+    paths = node_paths(tmp_path, CONFIGS / "containerd-1.6.toml")
+    install(paths)
+    edited = paths.containerd_config.read_text() + \
+        '\n[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.kata]\n' \
+        'runtime_type = "io.containerd.kata.v2"\n'
+    paths.containerd_config.write_text(edited)
+    install(paths, exec_start=["/opt/coldstart-2/bin/coldstart"])
+    plan_uninstall(paths).apply()
+    doc = tomllib.loads(paths.containerd_config.read_text())
+    runtimes = doc["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
+    assert runtimes["kata"]["runtime_type"] == "io.containerd.kata.v2"
+    assert "coldstart" not in doc.get("proxy_plugins", {})
+
+
+def test_our_keys_without_our_state_are_refused(tmp_path: Path) -> None:
+    # the state directory was wiped: a new backup would hold our keys, and uninstall would
+    # leave containerd pointing at a snapshotter that is gone
+    paths = node_paths(tmp_path, CONFIGS / "containerd-1.6.toml")
+    install(paths)
+    for f in paths.state_dir.iterdir():
+        f.unlink()
+    with pytest.raises(FailedPrecondition, match="already has coldstart's keys"):
+        install(paths)
+
+
+def test_a_symlinked_config_stays_a_symlink(tmp_path: Path) -> None:
+    paths = node_paths(tmp_path, CONFIGS / "containerd-2.x.toml")
+    real = tmp_path / "managed" / "containerd.toml"
+    real.parent.mkdir()
+    real.write_bytes(paths.containerd_config.read_bytes())
+    paths.containerd_config.unlink()
+    paths.containerd_config.symlink_to(real)
+    install(paths)
+    assert paths.containerd_config.is_symlink() and "proxy_plugins" in real.read_text()
+    plan_uninstall(paths).apply()
+    assert paths.containerd_config.is_symlink()
+    assert real.read_bytes() == (CONFIGS / "containerd-2.x.toml").read_bytes()

@@ -4,8 +4,10 @@ followed by a daemon with no lazy pulls (issue 13); with fuse.spawn off it stays
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -51,6 +53,29 @@ def test_the_daemon_does_not_start_when_its_fuse_server_cannot(tmp_path: Path) -
     assert str(tmp_path / "root" / "fuse-server.log") in last and "/dev/null/cache" in last
     assert "Traceback" not in r.stderr
     assert not Path(tmp_path / "s.sock").exists()
+
+
+def test_exit_5_is_another_server_only_when_the_root_is_locked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # exit 5 is also a busy metrics port: with the root's lock free, it is an error at once
+    # (it used to wait start_timeout, then serve with no lazy pulls)
+    cfg = load(_config(tmp_path))
+    log = tmp_path / "root" / "fuse-server.log"
+
+    def spawn(_cfg: object) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(["sh", "-c", f"echo 'coldstart: error: 127.0.0.1:9: address "
+                                 f"in use' >> {log}; exit 5"])
+
+    monkeypatch.setattr(daemon, "spawn_fuse_server", spawn)
+    t0 = time.monotonic()
+    with pytest.raises(FuseServerFailed, match=r"status 5 .*address in use"):
+        ensure_fuse_server(cfg)
+    assert time.monotonic() - t0 < 10
+    # with the lock held by another server, exit 5 means "it serves this root": wait for it
+    with open(tmp_path / "root" / "fuse-server.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        cfg = dataclasses.replace(cfg, fuse=dataclasses.replace(cfg.fuse, start_timeout=1.0))
+        assert ensure_fuse_server(cfg) is False
 
 
 def test_without_spawn_a_missing_server_stays_a_warning(tmp_path: Path) -> None:
