@@ -163,11 +163,9 @@ def ensure_fuse_server(cfg: Config, answers: Callable[[], bool] | None = None) -
             return True
         if proc is not None and proc.poll() is not None:
             _restore_pidfile(pidfile, proc.pid, previous)
-            if proc.returncode != FailedPrecondition.exit_code or not _root_locked(cfg.root):
-                # exit 5 is also a busy metrics port or an unusable socket path: only a lock
-                # another server holds means "another fuse-server serves this root"
+            flog = Path(os.path.abspath(cfg.root)) / FUSE_LOG
+            if not _another_serves(proc.returncode, cfg.root, flog):
                 # an error, not a warning: serving with no lazy pulls hides it (issue 13)
-                flog = Path(os.path.abspath(cfg.root)) / FUSE_LOG
                 raise FuseServerFailed(
                     f"the FUSE server exited with status {proc.returncode} at start (log "
                     f"{flog}): {_last_error(flog)}")
@@ -179,6 +177,17 @@ def ensure_fuse_server(cfg: Config, answers: Callable[[], bool] | None = None) -
                 "normally until it does", cfg.fuse.socket, cfg.fuse.start_timeout,
                 Path(cfg.root) / FUSE_LOG)
     return False
+
+
+def _another_serves(returncode: int | None, root: str, flog: Path) -> bool:
+    """Whether the spawned server's exit means another FUSE server has this root: exit 5 is
+    also a busy metrics port or a lock file it cannot open, so the lock must be held now or
+    the server must have said so (the other one may have let go of it since)."""
+    if returncode != FailedPrecondition.exit_code:
+        return False
+    said = _last_error(flog)
+    return _root_locked(root) or "fuse-server serves root" in said or \
+        "already answers on" in said
 
 
 def _root_locked(root: str) -> bool:
