@@ -33,6 +33,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "probe": ("coldstart.commands.probe", "probe"),
     "router": ("coldstart.commands.router", "router"),
     "node": ("coldstart.commands.node", "node"),
+    "cri-proxy": ("coldstart.commands.cri_proxy", "cri_proxy"),
 }
 
 

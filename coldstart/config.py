@@ -85,6 +85,11 @@ class RegistryConfig(_Checked):
     timeout: float = 30.0
     # attempts after the first on 5xx / connection errors (exponential backoff with jitter)
     retries: int = 3
+    # directory (root-only) where the CRI proxy keeps the registry credentials kubelet passes in
+    # PullImage, by image repository; the FUSE server looks there before docker_config and
+    # re-reads it on every lookup, so rotated credentials apply on the next PullImage;
+    # "" means <root>/cri-credentials
+    cri_keychain: str = ""
 
 
 @dataclass(frozen=True)
@@ -265,6 +270,11 @@ class Config(_Checked):
     @property
     def cache_dir(self) -> str:
         return self.cache.dir or str(Path(self.root) / "cache")
+
+    @property
+    def cri_keychain_dir(self) -> str:
+        """Where the CRI proxy writes, and the FUSE server reads, kubelet's credentials."""
+        return self.registry.cri_keychain or str(Path(self.root) / "cri-credentials")
 
 
 T = TypeVar("T")

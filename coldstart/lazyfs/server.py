@@ -50,6 +50,7 @@ from coldstart.lazyfs.mountstate import MountRecord, MountState
 from coldstart.lazyfs.mountsys import lazy_unmount
 from coldstart.lazyfs.resolver import LayerResolver
 from coldstart.lazyfs.spec import LayerSpec
+from coldstart.oci.keychain import Keychain
 from coldstart.oci.registry import RegistryClient
 from coldstart.unixsock import socket_answers
 
@@ -115,7 +116,8 @@ class FuseServer:
             insecure_hosts=r.insecure_hosts,
             docker_config=Path(r.docker_config) if r.docker_config else None,
             hosts_dir=Path(r.hosts_dir) if r.hosts_dir else None,
-            timeout=r.timeout, retries=r.retries)
+            timeout=r.timeout, retries=r.retries,
+            keychain=Keychain(r.cri_keychain or self.root / "cri-credentials"))
         self.resolver = LayerResolver(self.client, self.fetcher,
                                       request_timeout=f.request_timeout,
                                       read_deadline=f.read_deadline,

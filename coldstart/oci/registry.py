@@ -49,6 +49,7 @@ from coldstart.errors import (
 )
 from coldstart.oci.credentials import Credentials, DockerConfig, default_docker_config
 from coldstart.oci.hosts import Endpoint, HostsConfig
+from coldstart.oci.keychain import Keychain
 from coldstart.oci.manifest import (
     ALL_MANIFEST_TYPES,
     Descriptor,
@@ -73,6 +74,8 @@ _MAX_SMALL_BODY = 16 << 20   # manifests, tokens, error documents: never a blob
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _CHUNK = 1 << 20
 _USER_AGENT = "coldstart/0.1"
+# the repository an auth scope names: "repository:NAME:pull,push" (the first, for a mount)
+_SCOPE_REPO = re.compile(r"(?:^| )repository:([^: ]+):")
 _REGISTRY = RegistryConfig()  # the defaults, written once in coldstart.config
 
 
@@ -104,6 +107,11 @@ class _Token:
 
 
 _CHALLENGE_RE = re.compile(r'(\w+)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^\s,]+))')
+
+
+def _scope_repository(scope: str) -> str | None:
+    m = _SCOPE_REPO.search(scope)
+    return m.group(1) if m else None
 
 
 def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
@@ -140,6 +148,9 @@ class RegistryClient:
     means every port of it); ``tls_verify=False`` trusts any certificate; ``hosts_dir`` is a
     containerd ``certs.d`` directory (mirrors, TLS); ``docker_config`` the Docker ``config.json``
     with credentials (default ``~/.docker/config.json``); ``credentials`` overrides per host.
+    ``keychain``: credentials kubelet handed over in CRI ``PullImage``, by repository, looked up
+    before the docker config and read again on every lookup (a rotated token is used as soon as
+    the CRI proxy wrote it).
     ``timeout`` is the default deadline of every call, ``retries`` how many times a failed
     attempt is retried inside it.
     """
@@ -151,7 +162,7 @@ class RegistryClient:
                  backoff: float = 0.2, max_backoff: float = 5.0,
                  credentials: Mapping[str, Credentials | tuple[str, str]] | None = None,
                  max_connections: int = 64, blob_timeout: float = 3600.0,
-                 user_agent: str = _USER_AGENT) -> None:
+                 user_agent: str = _USER_AGENT, keychain: Keychain | None = None) -> None:
         if timeout <= 0 or retries < 0:
             raise InvalidArgument("timeout must be > 0 and retries >= 0")
         self.timeout = timeout
@@ -164,12 +175,15 @@ class RegistryClient:
         static = {h: c if isinstance(c, Credentials) else Credentials(*c)
                   for h, c in (credentials or {}).items()}
         self.creds = DockerConfig(docker_config or default_docker_config(), static=static)
+        self.keychain = keychain
         self._limits = httpx.Limits(max_connections=max_connections,
                                     max_keepalive_connections=max_connections)
         self._user_agent = user_agent
         self._lock = threading.Lock()
         self._clients: dict[tuple[Any, ...], httpx.Client] = {}
         self._tokens: dict[tuple[str, str], _Token] = {}
+        # (host, repository) -> (first choice when it was refused, the candidate used instead)
+        self._chosen: dict[tuple[str, str | None], tuple[Credentials, Credentials]] = {}
         self._schemes: dict[str, tuple[str, dict[str, str]]] = {}
         self._endpoint_cache: dict[tuple[str, str], list[Endpoint]] = {}
         self._closed = False
@@ -230,22 +244,81 @@ class RegistryClient:
                     return f"Bearer {tok.value}"
                 return None
         if scheme[0] == "basic":
-            creds = self._creds_for(ep)
+            # built per request from a fresh lookup: rotated keychain credentials apply at once
+            creds = self._creds_for(ep, scope)
             if creds is not None:
                 raw = f"{creds.username}:{creds.secret}".encode()
                 return "Basic " + base64.b64encode(raw).decode()
         return None
 
-    def _creds_for(self, ep: Endpoint) -> Credentials | None:
-        return self.creds.lookup(ep.host) or (
-            self.creds.lookup(ep.mirror_of) if ep.mirror_of else None)
+    def _creds_for(self, ep: Endpoint, scope: str = "") -> Credentials | None:
+        """Credentials for ``ep``: per host (the endpoint's own, then for a mirror the host it
+        mirrors), the CRI keychain's for the scope's repository first, then the docker config's;
+        or the candidate that worked after the registry refused the first one.
+        The keychain is read each time; kubelet may have handed over new ones since."""
+        repository = _scope_repository(scope)
+        with self._lock:
+            chosen = self._chosen.get((ep.host, repository))
+        if chosen is not None:
+            cands = self._candidates(ep, repository)
+            # still valid while the first choice is what it was (a new PullImage resets it)
+            if cands and cands[0] == chosen[0] and chosen[1] in cands:
+                return chosen[1]
+            with self._lock:
+                self._chosen.pop((ep.host, repository), None)
+            return cands[0] if cands else None
+        for host in (ep.host, ep.mirror_of) if ep.mirror_of else (ep.host,):
+            if self.keychain is not None:
+                found = self.keychain.get(host, repository)
+                if found is not None:
+                    return found
+            found = self.creds.lookup(host)
+            if found is not None:
+                return found
+        return None
+
+    def _candidates(self, ep: Endpoint, repository: str | None) -> list[Credentials]:
+        """Every credential that may do for ``ep``, in :meth:`_creds_for`'s order."""
+        out: list[Credentials] = []
+        for host in (ep.host, ep.mirror_of) if ep.mirror_of else (ep.host,):
+            if self.keychain is not None:
+                out.extend(self.keychain.candidates(host, repository))
+            found = self.creds.lookup(host)
+            if found is not None:
+                out.append(found)
+        return list(dict.fromkeys(out))
+
+    def _next_creds(self, ep: Endpoint, scope: str, refused: list[Credentials]) -> bool:
+        """The registry refused what :meth:`_creds_for` gives: switch to the next candidate
+        not yet refused in this request; False if none is left."""
+        current = self._creds_for(ep, scope)
+        if current is None or len(refused) >= 8:
+            return False
+        refused.append(current)
+        repository = _scope_repository(scope)
+        cands = self._candidates(ep, repository)
+        with self._lock:
+            self._tokens.pop((ep.host, scope), None)
+            for c in cands:
+                if c not in refused:
+                    self._chosen[(ep.host, repository)] = (cands[0], c)
+                    return True
+            # all refused: start from the first choice again (and name it in the error)
+            self._chosen.pop((ep.host, repository), None)
+        return False
+
+    def _where_creds(self) -> str:
+        """Where credentials were looked for, for an error message."""
+        where = f"docker config {self.creds.path}"
+        return where + (f" or CRI keychain {self.keychain.directory}"
+                        if self.keychain is not None else "")
 
     def _authenticate(self, ep: Endpoint, challenge: str, scope: str,
                       deadline: Deadline) -> bool:
         """Answer a 401 challenge; return whether a retry with new credentials makes sense."""
         scheme, params = _parse_challenge(challenge)
         host = ep.host
-        creds = self._creds_for(ep)
+        creds = self._creds_for(ep, scope)
         if scheme == "basic":
             with self._lock:
                 known = self._schemes.get(host)
@@ -253,6 +326,10 @@ class RegistryClient:
             return creds is not None and known is None
         if scheme != "bearer" or "realm" not in params:
             raise AuthError(f"{host}: unsupported authentication challenge {challenge!r}")
+        with self._lock:
+            # the token was refused (expired early, or its credentials were revoked): never
+            # send it again, whatever the token server answers now
+            self._tokens.pop((host, scope), None)
         token = self._fetch_token(ep, params, scope, creds, deadline)
         with self._lock:
             self._schemes[host] = ("bearer", params)
@@ -322,6 +399,7 @@ class RegistryClient:
         """One attempt, with authentication and redirects; the caller handles statuses."""
         client = self._client(ep)
         authed_once = False
+        refused: list[Credentials] = []   # candidates the registry refused in this request
         while True:
             hdrs = {**ep.headers, **headers}
             auth = self._auth_header(ep, scope)
@@ -337,13 +415,34 @@ class RegistryClient:
                 if not challenge:
                     raise AuthError(f"{ep.host}: 401 Unauthorized without a challenge")
                 authed_once = True
-                if self._authenticate(ep, challenge, scope, deadline):
+                try:
+                    if self._authenticate(ep, challenge, scope, deadline):
+                        continue
+                except AuthError:
+                    # the token server refused these credentials; others may do
+                    if self._next_creds(ep, scope, refused):
+                        authed_once = False
+                        continue
+                    raise
+                # Basic auth already known: retry if the credentials changed since this
+                # request was built (the CRI proxy wrote rotated ones meanwhile), or with the
+                # next candidate
+                if auth is not None and self._auth_header(ep, scope) not in (None, auth):
                     continue
-                creds = self._creds_for(ep)
+                if auth is not None and self._next_creds(ep, scope, refused):
+                    continue
+                creds = self._creds_for(ep, scope)
                 if creds is not None:
                     raise AuthError(f"{ep.host}: credentials for {creds.username!r} refused")
                 raise AuthError(f"{ep.host}: authentication required and no credentials "
-                                f"found (docker config {self.creds.path})")
+                                f"found ({self._where_creds()})")
+            if resp.status_code == 401 and auth is not None and \
+                    self._next_creds(ep, scope, refused):
+                # refused after authenticating: e.g. a password changed on the registry that
+                # kubelet has handed over so far only with another image of this registry
+                resp.close()
+                authed_once = False
+                continue
             break
         hops = 0
         while resp.status_code in _REDIRECTS and method in ("GET", "HEAD"):
@@ -460,7 +559,7 @@ class RegistryClient:
                 raise Again(Unavailable(f"{what}: {ep.host} answered {resp.status_code}"),
                             retry_after=min(float(retry_after), self.max_backoff)
                             if retry_after.isdigit() else 0.0)
-            self._raise_for(resp, what, ep)
+            self._raise_for(resp, what, ep, scope)
 
         return retry_call(once, what=what, deadline=deadline, retries=self.retries,
                      backoff=self._backoff, classify=only_again)
@@ -473,7 +572,8 @@ class RegistryClient:
         err.__cause__ = cause
         return err
 
-    def _raise_for(self, resp: httpx.Response, what: str, ep: Endpoint) -> NoReturn:
+    def _raise_for(self, resp: httpx.Response, what: str, ep: Endpoint,
+                   scope: str = "") -> NoReturn:
         with contextlib.suppress(httpx.HTTPError):
             resp.read()
         resp.close()
@@ -483,9 +583,9 @@ class RegistryClient:
         if code == 404:
             raise NotFound(detail)
         if code in (401, 403):
-            creds = self._creds_for(ep)
+            creds = self._creds_for(ep, scope)
             who = (f"as {creds.username!r}" if creds is not None
-                   else f"anonymously (no credentials for {ep.host} in {self.creds.path})")
+                   else f"anonymously (no credentials for {ep.host} in {self._where_creds()})")
             verb = "refused" if code == 401 else "denied access"
             raise AuthError(f"{detail}: {verb} {who}")
         if code == 416:

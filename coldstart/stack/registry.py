@@ -3,10 +3,11 @@
 :func:`start_registry` runs one in a directory (``storage/``, ``config.yml``, ``registry.log``);
 with ``htpasswd`` it demands Basic auth, with ``tls`` it serves HTTPS only.
 :func:`start_auth_registry` and :func:`start_tls_registry` make the password file or the test CA
-and certificate themselves. :class:`AccessLog` reads what the registry served (its access log
-has one line per request with the bytes sent): the benchmarks and pull tests count registry
-bytes with it. :func:`push_layer` pushes a one-layer image for a lazy-mount run,
-:func:`push_layout` an OCI layout's image.
+and certificate themselves; :func:`write_htpasswd` (re)writes a password file (bcrypt), which a
+running registry re-reads on its next request. :class:`AccessLog` reads what the registry
+served (its access log has one line per request with the bytes sent): the benchmarks and pull
+tests count registry bytes with it. :func:`push_layer` pushes a one-layer image for a
+lazy-mount run, :func:`push_layout` an OCI layout's image.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,15 +113,36 @@ def start_registry(tmp: Path, *, htpasswd: Path | None = None,
 
 
 def bcrypt_htpasswd_line(username: str, password: str) -> str:
-    """One htpasswd line (bcrypt, libxcrypt's; the cheapest cost keeps every request fast)."""
-    import warnings
+    """One htpasswd line, bcrypt (docker-registry 2.8 accepts no other hash) at the cheapest
+    cost (4): the registry checks the password on every request."""
+    try:
+        import bcrypt
+    except ImportError as exc:
+        raise FailedPrecondition("the bcrypt package is needed for htpasswd files "
+                                 "(pip install 'coldstart[test]')") from exc
+    if ":" in username or "\n" in username + password:
+        raise FailedPrecondition(f"htpasswd: bad username {username!r}")
+    hashed = bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=4)).decode()
+    return f"{username}:{hashed}\n"
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        import crypt
 
-        salt = crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=16)
-        return f"{username}:{crypt.crypt(password, salt)}\n"
+def write_htpasswd(path: Path, users: Mapping[str, str]) -> Path:
+    """Write (replace atomically) an htpasswd file for ``{username: password}``.
+
+    A running docker-registry (2.8.2) notices the change by itself: it checks the file's
+    modification time on each request and re-reads it, so a password change needs no restart
+    (measured: the new password works, the old one gets 401, on the very next request).
+
+    Example::
+
+        write_htpasswd(tmp / "htpasswd", {"alice": "pw1"})
+        with start_registry(tmp, htpasswd=tmp / "htpasswd") as reg: ...
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(bcrypt_htpasswd_line(u, p) for u, p in users.items()))
+    os.replace(tmp, path)
+    return path
 
 
 @contextlib.contextmanager
@@ -128,8 +150,7 @@ def start_auth_registry(tmp: Path, username: str = "coldstart",
                         password: str = "s3cret-pw") -> Iterator[AuthRegistry]:
     """A registry with Basic auth for ``username`` / ``password``."""
     tmp.mkdir(parents=True, exist_ok=True)
-    htpasswd = tmp / "htpasswd"
-    htpasswd.write_text(bcrypt_htpasswd_line(username, password))
+    htpasswd = write_htpasswd(tmp / "htpasswd", {username: password})
     with start_registry(tmp, htpasswd=htpasswd) as reg:
         yield AuthRegistry(host=reg.host, root=reg.root, access_log=reg.access_log,
                            username=username, password=password)

@@ -64,8 +64,11 @@ RULES: dict[str, Rule] = {
     "weights": rule("errors config remote oci progress", "torch numpy yaml"),
     "probe": rule("errors config", "redis grpc httpx@probe.sinks"),
     # `coldstart node`: containerd's config.toml (tomlkit), the unit, the FUSE server's health
+    # the CRI proxy in front of containerd: keeps kubelet's pull credentials (oci.keychain)
+    "cri": rule("errors config oci _proto unixsock", "grpc google"),
     "node": rule("errors config lazyfs.client", "tomlkit"),
-    "stack": rule(_BELOW_BENCH),
+    # bcrypt: htpasswd files for the password-protected test registry
+    "stack": rule(_BELOW_BENCH, "bcrypt@stack.registry"),
     "benchmark": rule(_BELOW_BENCH + " stack",
                       "httpx matplotlib@benchmark.results numpy@benchmark.images "
                       "torch@benchmark.server_app safetensors@benchmark.server_app"),
