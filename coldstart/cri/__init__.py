@@ -8,7 +8,7 @@ registry credentials kubelet sends with ``PullImage`` to the FUSE server (throug
 ...     ...                                                           # doctest: +SKIP
 """
 
-from coldstart.cri.client import ImageServiceClient
+from coldstart.cri.client import ImageServiceClient, RuntimeServiceClient
 from coldstart.cri.proxy import CriProxy, credentials_from_auth
 
-__all__ = ["CriProxy", "ImageServiceClient", "credentials_from_auth"]
+__all__ = ["CriProxy", "ImageServiceClient", "RuntimeServiceClient", "credentials_from_auth"]
