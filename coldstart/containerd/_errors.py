@@ -1,4 +1,5 @@
-"""The one place where containerd's gRPC status codes become :mod:`coldstart.errors`."""
+"""The one place where gRPC status codes become :mod:`coldstart.errors`: containerd's, and the
+CRI's (containerd's CRI plugin, through ``coldstart cri-proxy``)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ _BY_CODE: dict[grpc.StatusCode, type[ColdstartError]] = {
 }
 
 
-def map_rpc_error(exc: grpc.RpcError, what: str) -> ColdstartError:
-    """The most specific :class:`ColdstartError` for a failed containerd call.
+def map_rpc_error(exc: grpc.RpcError, what: str, peer: str = "containerd") -> ColdstartError:
+    """The most specific :class:`ColdstartError` for a failed call to ``peer``.
 
     >>> err = map_rpc_error(some_rpc_error, "stat snapshot sha256:…")   # doctest: +SKIP
     >>> raise err from some_rpc_error                                    # doctest: +SKIP
@@ -40,4 +41,4 @@ def map_rpc_error(exc: grpc.RpcError, what: str) -> ColdstartError:
     details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
     kind = _BY_CODE.get(code, ColdstartError) if code is not None else Unavailable
     name = code.name if code is not None else "error"
-    return kind(f"containerd: {what}: {details or name} ({name})")
+    return kind(f"{peer}: {what}: {details or name} ({name})")

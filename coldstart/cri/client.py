@@ -24,30 +24,14 @@ import grpc
 
 from coldstart._proto.cri.runtime.v1 import api_pb2 as cri
 from coldstart._proto.cri.runtime.v1 import api_pb2_grpc as cri_grpc
-from coldstart.errors import (
-    ColdstartError,
-    DeadlineExceeded,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    Unavailable,
-)
+from coldstart.containerd._errors import map_rpc_error
+from coldstart.errors import ColdstartError, DeadlineExceeded
 
 __all__ = ["ImageServiceClient", "RuntimeServiceClient"]
 
-_MAP: dict[grpc.StatusCode, type[ColdstartError]] = {
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
-    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
-    grpc.StatusCode.UNAVAILABLE: Unavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-}
-
 
 def _mapped(exc: grpc.RpcError, what: str) -> ColdstartError:
-    code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
-    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-    return _MAP.get(code, ColdstartError)(f"{what}: {code.name}: {details}")
+    return map_rpc_error(exc, what, peer="CRI")
 
 
 class ImageServiceClient:

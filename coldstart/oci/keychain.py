@@ -24,11 +24,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 
 from coldstart.errors import FailedPrecondition
+from coldstart.files import atomic_write
 from coldstart.oci.credentials import Credentials
 from coldstart.oci.reference import DOCKER_HUB, DOCKER_HUB_API, Reference
 
@@ -47,6 +47,9 @@ class Keychain:
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
+        # path -> ((inode, mtime, size), parsed entry): files are replaced by rename on update
+        self._cache: dict[Path, tuple[tuple[int, int, int], dict[str, object] | None]] = {}
+        self._listing: tuple[tuple[int, int], list[str]] | None = None
 
     @staticmethod
     def _host_prefix(host: str) -> str:
@@ -66,17 +69,15 @@ class Keychain:
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(self.directory, 0o700)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".cred-")
-            try:
-                with os.fdopen(fd, "w") as f:       # mkstemp: mode 0600 already
-                    json.dump(doc, f)
-                os.replace(tmp, self._file(ref.registry, ref.repository))
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
         except OSError as exc:
             raise FailedPrecondition(f"cannot keep registry credentials in {self.directory}: "
                                      f"{exc.strerror or exc}") from exc
+        try:
+            atomic_write(self._file(ref.registry, ref.repository), json.dumps(doc).encode(),
+                         mode=0o600)
+        except FailedPrecondition as exc:
+            raise FailedPrecondition(f"cannot keep registry credentials in {self.directory}: "
+                                     f"{exc}") from exc
 
     def get(self, host: str, repository: str | None = None) -> Credentials | None:
         """The credentials for ``host/repository``, else the newest for ``host``, else None."""
@@ -104,13 +105,18 @@ class Keychain:
         return list(dict.fromkeys(out))
 
     def _of_host(self, host: str) -> list[Credentials]:
-        """The host's entries, newest first."""
+        """The host's entries, newest first (the listing is read again only when the
+        directory changed: an entry is written by rename)."""
         prefix = self._host_prefix(host) + "-"
         try:
-            files = [self.directory / name for name in os.listdir(self.directory)
-                     if name.startswith(prefix) and name.endswith(".json")]
+            st = os.stat(self.directory)
+            stamp = (st.st_ino, st.st_mtime_ns)
+            if self._listing is None or self._listing[0] != stamp:
+                self._listing = (stamp, os.listdir(self.directory))
         except OSError:
             return []
+        files = [self.directory / name for name in self._listing[1]
+                 if name.startswith(prefix) and name.endswith(".json")]
         docs: list[tuple[float, Credentials]] = []
         for path in files:
             doc = self._read(path)
@@ -121,14 +127,24 @@ class Keychain:
         docs.sort(key=lambda d: d[0], reverse=True)
         return [c for _, c in docs]
 
-    @staticmethod
-    def _read(path: Path) -> dict[str, object] | None:
+    def _read(self, path: Path) -> dict[str, object] | None:
+        """The entry in ``path``; parsed again only when the file changed (the registry client
+        asks on every Basic-auth request: a range fetch then costs one ``stat``)."""
         try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
+            st = os.stat(path)
+        except OSError:
             return None
-        if not isinstance(doc, dict) or not all(
-                isinstance(doc.get(k), str) for k in ("host", "username", "secret")) or \
-                not isinstance(doc.get("updated", 0), (int, float)):
-            return None     # half-written by hand, or not ours: as if absent
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        cached = self._cache.get(path)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError):
+            raw = None
+        doc: dict[str, object] | None = raw if isinstance(raw, dict) and all(
+            isinstance(raw.get(k), str) for k in ("host", "username", "secret")) and \
+            isinstance(raw.get("updated", 0), (int, float)) else None
+        # (None: half-written by hand, or not ours: as if absent)
+        self._cache[path] = (stamp, doc)
         return doc

@@ -47,12 +47,14 @@ RULES: dict[str, Rule] = {
     "errors": rule(),
     # the byte-progress protocol long operations report to (the CLI draws it)
     "progress": rule(),
+    # atomic file writes (a config, a credential): never half a file
+    "files": rule("errors"),
     "config": rule("errors"),
     "unixsock": rule(),
     # msgspec: the TOC's JSON decode only (pure decoding, no I/O; twice json's speed)
     "format": rule("errors", "zstandard msgspec@format.tocjson"),
     "remote": rule("errors config format", "httpx boto3 botocore"),
-    "oci": rule("errors config format remote prefetch progress", "httpx zstandard"),
+    "oci": rule("errors config format remote prefetch progress files", "httpx zstandard"),
     "cache": rule("errors config format"),
     "prefetch": rule("errors config format"),
     "lazyfs": rule("errors config format remote oci cache prefetch unixsock",
@@ -65,8 +67,9 @@ RULES: dict[str, Rule] = {
     "probe": rule("errors config", "redis grpc httpx@probe.sinks"),
     # `coldstart node`: containerd's config.toml (tomlkit), the unit, the FUSE server's health
     # the CRI proxy in front of containerd: keeps kubelet's pull credentials (oci.keychain)
-    "cri": rule("errors config oci _proto unixsock", "grpc google"),
-    "node": rule("errors config lazyfs.client", "tomlkit"),
+    # containerd._errors: the one gRPC status -> ColdstartError mapping
+    "cri": rule("errors config oci containerd._errors _proto unixsock", "grpc google"),
+    "node": rule("errors config files lazyfs.client", "tomlkit"),
     # bcrypt: htpasswd files for the password-protected test registry
     "stack": rule(_BELOW_BENCH, "bcrypt@stack.registry"),
     "benchmark": rule(_BELOW_BENCH + " stack",

@@ -25,7 +25,8 @@ from packaging.utils import canonicalize_name
 ROOT = Path(__file__).resolve().parents[3]
 INSTALL_SH = ROOT / "scripts" / "install.sh"
 BASH = shutil.which("bash")
-needs_bash = pytest.mark.skipif(BASH is None, reason="needs bash")
+needs_bash = pytest.mark.skipif(BASH is None,
+                                reason="bash is not installed: install.sh cannot be run")
 
 
 def _pyproject() -> dict:

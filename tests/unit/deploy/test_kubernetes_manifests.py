@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 import yaml
 
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
+kubernetes_validate = pytest.importorskip(
+    "kubernetes_validate",
+    reason="kubernetes-validate (the test extra) is not installed: the schemas cannot be checked")
 
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy" / "kubernetes"
