@@ -4,11 +4,19 @@ A chunk is written two-phase: a temporary file in ``wip/``, then ``rename(2)`` i
 reader sees the whole chunk or nothing; its name is its digest, so two processes that store one
 chunk write the same bytes. Temp files older than ``WIP_MAX_AGE`` are leftovers of a crashed
 writer and go at start-up.
+
+A big chunk is written with ``O_DIRECT`` from an aligned buffer, past the page cache: the
+container that caused the fetch reads it from the FUSE file's own page cache, so a buffered
+write would hold every byte of a cold read twice in memory and pay for the second copy (measured
+here: 1.9 s of CPU per 512 MiB of fresh page cache against 0.06 s direct, at 1.1 GB/s). A file
+system without ``O_DIRECT`` (tmpfs) gets buffered writes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import mmap
 import os
 import re
 import threading
@@ -22,6 +30,11 @@ __all__ = ["FileStore"]
 _HEX_RE = re.compile(r"^[0-9a-f]{64}$")
 # temp files older than this are leftovers of a crashed writer
 WIP_MAX_AGE = 3600.0
+#: chunks of at least this many bytes (and at most ``DIRECT_MAX``) are written with O_DIRECT
+DIRECT_MIN = 256 << 10
+DIRECT_MAX = 64 << 20
+#: O_DIRECT alignment of buffer addresses and lengths (a page: what every block size divides)
+_ALIGN = 4096
 
 
 class FileStore:
@@ -34,6 +47,8 @@ class FileStore:
         for d in (objects, wip):
             d.mkdir(parents=True, exist_ok=True)
         self._shards: set[str] = set()              # sha256/<xx> directories known to exist
+        self.direct = hasattr(os, "O_DIRECT")        # until the file system refuses it
+        self._buffers = threading.local()            # per writing thread: an aligned buffer
 
     def path(self, hexd: str) -> Path:
         return self.objects / hexd[:2] / hexd
@@ -83,6 +98,15 @@ class FileStore:
             path.parent.mkdir(exist_ok=True)
             self._shards.add(hexd[:2])
         tmp = self.wip / f"{hexd}.{os.getpid()}.{threading.get_ident()}"
+        if self.direct and DIRECT_MIN <= len(data) <= DIRECT_MAX and \
+                self._write_direct(tmp, data):
+            try:
+                os.rename(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            return
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
             view = memoryview(data)
@@ -103,6 +127,61 @@ class FileStore:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+
+    def _write_direct(self, tmp: Path, data: bytes | bytearray | memoryview) -> bool:
+        """Write ``tmp`` with O_DIRECT (padded to the alignment, then truncated to size);
+        False, with nothing left behind, if the file system does not take O_DIRECT (the
+        store then writes buffered from now on). Other errors (a full disk) raise."""
+        n = len(data)
+        padded = -(-n // _ALIGN) * _ALIGN
+        buf: mmap.mmap | None = getattr(self._buffers, "buf", None)
+        if buf is None or len(buf) < padded:
+            if buf is not None:
+                buf.close()
+            # anonymous mappings are page-aligned; reused for every chunk this thread writes
+            buf = self._buffers.buf = mmap.mmap(-1, max(padded, 4 << 20))
+        view = memoryview(buf)
+        try:
+            view[:n] = memoryview(data).cast("B")
+            if padded > n:
+                view[n:padded] = bytes(padded - n)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+                             | os.O_DIRECT, 0o644)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.direct = False
+                return False
+            try:
+                done = 0
+                while done < padded:
+                    done += os.write(fd, view[done:padded])
+                os.ftruncate(fd, n)
+                if self.durable:
+                    os.fsync(fd)
+            except OSError as exc:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.direct = False
+                return False
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            try:
+                os.close(fd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            return True
+        finally:
+            view.release()
 
     def unlink(self, hexd: str) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -265,8 +266,10 @@ def test_range_reads_reuse_one_connection() -> None:
         for i in range(6):
             assert client.read_blob_range(ref, DIGEST, i * 1000, 100) == \
                 BLOB[i * 1000:i * 1000 + 100]
-        # every 206 body is read to its end, so the pooled connection is reused
-        assert len({s.peer for s in srv.seen}) == 1
+        # every 206 body is read to its end, so the pooled connection is reused: the general
+        # client's for the first read, then the direct path's (coldstart.remote.rangeconn)
+        peers = [s.peer for s in srv.seen]
+        assert len(peers) == 6 and len(set(peers)) == 2 and len(set(peers[1:])) == 1
 
 
 def test_identity_token_uses_oauth2_refresh_flow(tmp_path: Path) -> None:
@@ -291,3 +294,44 @@ def test_identity_token_uses_oauth2_refresh_flow(tmp_path: Path) -> None:
     assert forms == [{"grant_type": ["refresh_token"], "refresh_token": ["refresh-xyz"],
                       "service": ["reg"], "scope": ["repository:app:pull"],
                       "client_id": ["coldstart"]}]
+
+
+def test_direct_range_reads_stop_at_a_stall_and_fall_back_on_refusal() -> None:
+    """After the first read, ranges go over the direct path (coldstart.remote.rangeconn): a
+    body that stalls ends at the deadline (retried), a 500 is retried through the general
+    client, and each read still returns the right bytes."""
+    state = {"n": 0}
+
+    def handler(h: BaseHTTPRequestHandler) -> None:
+        state["n"] += 1
+        rng = h.headers["Range"].removeprefix("bytes=").split("-")
+        start, end = int(rng[0]), int(rng[1])
+        if state["n"] == 2:         # the first direct read: 500
+            reply(h, 500, b"oops")
+            return
+        body = BLOB[start:end + 1]
+        h.send_response(206)
+        h.send_header("Content-Range", f"bytes {start}-{end}/{len(BLOB)}")
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        if state["n"] == 4:         # a direct read whose body stalls after 10 bytes
+            h.wfile.write(body[:10])
+            h.wfile.flush()
+            time.sleep(3)
+            h.close_connection = True
+            return
+        h.wfile.write(body)
+
+    with scripted_server(handler) as srv, \
+            RegistryClient(timeout=1.0, retries=2, backoff=0.01) as client:
+        ref = Reference.parse(f"{srv.host}/app:v1")
+        for i in range(2):
+            assert client.read_blob_range(ref, DIGEST, i * 100, 100) == \
+                BLOB[i * 100:i * 100 + 100]
+        assert state["n"] == 3      # the 500 went to the general client, which got the bytes
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceeded, match="stalled|deadline"):
+            client.read_blob_range(ref, DIGEST, 200, 100)
+        assert time.monotonic() - t0 < 2.5
+        assert client.read_blob_range(ref, DIGEST, 300, 100) == BLOB[300:400]
+        assert state["n"] == 5      # one request each, direct again
