@@ -347,8 +347,9 @@ def keep_freed_memory() -> None:
     The data path allocates and frees a few MiB per chunk (compressed bytes, decoded bytes).
     By default glibc maps blocks this large with ``mmap`` and gives freed heap tops back to the
     kernel, so every chunk lands in fresh pages that fault in one by one (and, on a VM with free
-    page reporting, are backed by the host again). Kept: blocks up to 64 MiB come from the
-    heap, and up to 256 MiB of freed heap stays with the process. ``COLDSTART_MALLOC_TUNE=0``
+    page reporting, are backed by the host again). Kept: blocks up to 32 MiB come from the
+    heap (glibc's limit for the threshold is 32 MiB), and up to 256 MiB of freed heap stays with
+    the process. ``COLDSTART_MALLOC_TUNE=0``
     leaves glibc's defaults. Not glibc (musl): nothing to do.
     """
     if os.environ.get("COLDSTART_MALLOC_TUNE", "1") == "0":
@@ -358,7 +359,8 @@ def keep_freed_memory() -> None:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return
-    for param, value in ((_M_MMAP_THRESHOLD, 64 << 20), (_M_TRIM_THRESHOLD, 256 << 20),
+    for param, value in ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 256 << 20),
                          (_M_TOP_PAD, 16 << 20)):
         if not mallopt(ctypes.c_int(param), ctypes.c_int(value)):
-            log.debug("mallopt(%d, %d) refused", param, value)
+            log.warning("glibc refused mallopt(%d, %d): chunk buffers may be mapped afresh "
+                        "each time", param, value)

@@ -77,6 +77,8 @@ MAX_MANIFEST_BYTES = 4 << 20
 _MAX_SMALL_BODY = 16 << 20   # manifests, tokens, error documents: never a blob
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _CHUNK = 1 << 20
+#: seconds an endpoint whose direct range read got no answer goes through the general client
+_DIRECT_BACKOFF = 60.0
 _USER_AGENT = "coldstart/0.1"
 # the repository an auth scope names: "repository:NAME:pull,push" (the first, for a mount)
 _SCOPE_REPO = re.compile(r"(?:^| )repository:([^: ]+):")
@@ -197,6 +199,7 @@ class RegistryClient:
         # with: set once the general client read a range there with no credentials or a
         # bearer token (Basic credentials, which the CRI keychain rotates, stay with it)
         self._direct_ok: dict[tuple[str, str], str] = {}
+        self._direct_off: dict[str, float] = {}     # endpoint -> monotonic time to retry
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -822,7 +825,8 @@ class RegistryClient:
         key = (ep.base, ref.repository)
         auth = self._auth_header(ep, f"repository:{ref.repository}:pull") or ""
         with self._lock:
-            if self._direct_ok.get(key) != auth:
+            if self._closed or self._direct_ok.get(key) != auth or \
+                    time.monotonic() < self._direct_off.get(ep.base, 0.0):
                 return None
         url = f"{ep.base}/{ref.repository}/blobs/{digest}"
         if ep.mirror_of:
@@ -836,11 +840,15 @@ class RegistryClient:
         if isinstance(got, Declined):
             log.debug("%s: direct range read declined (%s); through the general client",
                       what, got.reason)
-            if got.status in (200, 401, 403):
-                # the registry ignores Range, or wants other credentials: the general client
-                # serves the repository until one of its range reads succeeds again
-                with self._lock:
+            with self._lock:
+                if got.status in (200, 401, 403):
+                    # the registry ignores Range, or wants other credentials: the general
+                    # client serves the repository until one of its range reads succeeds
                     self._direct_ok.pop(key, None)
+                elif got.status == 0:
+                    # no answer at all (connect or TLS failure) where the general client gets
+                    # one: the endpoint goes through it for a while
+                    self._direct_off[ep.base] = time.monotonic() + _DIRECT_BACKOFF
             return None
         return got
 

@@ -15,8 +15,10 @@ general client, which authenticates, maps errors and retries. A failure inside t
 :class:`~coldstart.errors.Unavailable` (or :class:`~coldstart.errors.DeadlineExceeded`), like
 the general path; the connection is then dropped, never reused.
 
-Every socket operation waits at most until the call's deadline, and the deadline is checked
-between reads of at most ``READ_STEP`` bytes, so a server that dribbles is cut off.
+No wait outlasts the call's deadline: each socket operation times out by then, and at the
+deadline a watchdog shuts the socket down under a read that a dribbling server keeps alive.
+Connections idle for more than ``IDLE_SECONDS`` are closed, not reused; a redirect to another
+origin carries the range and nothing else (no credentials, no endpoint headers).
 """
 
 from __future__ import annotations
@@ -33,12 +35,16 @@ from urllib.parse import urljoin, urlsplit
 
 from coldstart.errors import DeadlineExceeded, Unavailable
 
-__all__ = ["Declined", "RangeConnections", "content_range_start"]
+__all__ = ["Declined", "RangeConnections"]
 
 #: bytes asked of the socket per ``readinto`` (the deadline is checked between two)
 READ_STEP = 1 << 20
 #: redirects followed before declining
 MAX_REDIRECTS = 5
+#: a kept-alive connection idle longer than this is closed, not reused (as httpx does)
+IDLE_SECONDS = 5.0
+#: longest wait for a new connection's TCP (and TLS) handshake
+CONNECT_TIMEOUT = 10.0
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
 
@@ -50,22 +56,8 @@ class Declined:
     status: int = 0
 
 
-def content_range_start(value: str | None) -> int | None:
-    """The first byte of a ``Content-Range: bytes FIRST-LAST/TOTAL`` header, or None.
-
-    >>> content_range_start("bytes 100-199/1000"), content_range_start("bytes */1000")
-    (100, None)
-    """
-    if not value:
-        return None
-    unit, _, rest = value.strip().partition(" ")
-    first = rest.partition("-")[0]
-    if unit.lower() != "bytes" or not first.isdigit():
-        return None
-    return int(first)
-
-
 _Key = tuple[str, str, int, object]
+_Idle = tuple[http.client.HTTPConnection, float]
 
 
 class RangeConnections:
@@ -79,14 +71,14 @@ class RangeConnections:
     def __init__(self, *, max_idle: int = 16, user_agent: str = "coldstart") -> None:
         self.max_idle = max(0, max_idle)
         self.user_agent = user_agent
-        self._idle: dict[_Key, list[http.client.HTTPConnection]] = {}
+        self._idle: dict[_Key, list[_Idle]] = {}
         self._lock = threading.Lock()
         self._closed = False
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            conns = [c for cs in self._idle.values() for c in cs]
+            conns = [c for cs in self._idle.values() for c, _ in cs]
             self._idle.clear()
         for c in conns:
             c.close()
@@ -99,21 +91,24 @@ class RangeConnections:
         """Bytes ``[offset, offset+length)`` of ``url`` (fewer only if the resource ends
         first), by monotonic ``deadline``, or :class:`Declined`.
 
-        ``headers`` go with the request to ``url`` (an ``Authorization`` header only to its
-        own host: a redirect elsewhere drops it). ``tls(url)``: the TLS context for an
-        ``https`` URL, None for the default verification.
+        ``headers`` go with the request to ``url`` only: a redirect to another origin (scheme,
+        host or port) sends nothing but the range (no credentials, no endpoint headers).
+        ``tls(url)``: the TLS context for an ``https`` URL, None for the default verification.
         """
-        hdrs = {"User-Agent": self.user_agent, "Accept-Encoding": "identity", **headers,
-                "Range": f"bytes={offset}-{offset + length - 1}"}
-        origin = urlsplit(url).netloc
-        for _hop in range(MAX_REDIRECTS + 1):
-            answer = self._one(url, hdrs, offset, length, deadline, what, tls)
-            if not isinstance(answer, str):
-                return answer
-            target = urljoin(url, answer)
-            if urlsplit(target).netloc != origin:
-                hdrs = {k: v for k, v in hdrs.items() if k.lower() != "authorization"}
-            url = target
+        rng = {"User-Agent": self.user_agent, "Accept-Encoding": "identity",
+               "Range": f"bytes={offset}-{offset + length - 1}"}
+        hdrs = {**headers, **rng}
+        try:
+            origin = _origin(url)
+            for _hop in range(MAX_REDIRECTS + 1):
+                answer = self._one(url, hdrs, offset, length, deadline, what, tls)
+                if not isinstance(answer, str):
+                    return answer
+                url = urljoin(url, answer)
+                if _origin(url) != origin:
+                    hdrs = dict(rng)
+        except ValueError as exc:       # a malformed URL or Location (bad port, bad host)
+            return Declined(f"bad URL: {exc}")
         return Declined(f"more than {MAX_REDIRECTS} redirects")
 
     def _one(self, url: str, headers: Mapping[str, str], offset: int, length: int,
@@ -131,81 +126,89 @@ class RangeConnections:
         key: _Key = (parts.scheme, parts.hostname, port, id(ctx) if ctx is not None else None)
         conn, reused = self._take(key, parts.scheme, parts.hostname, port, ctx)
         keep = False
+        # the deadline holds for every wait, however the server dribbles: at the deadline the
+        # socket is shut down under the blocked read
+        watchdog = _Watchdog(conn, deadline)
         try:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise DeadlineExceeded(f"{what}: no time left")
             try:
-                conn.timeout = left
-                if conn.sock is not None:
-                    conn.sock.settimeout(left)
-                conn.request("GET", target, headers=dict(headers))
-                resp = conn.getresponse()
-            except TimeoutError as exc:
-                raise DeadlineExceeded(f"{what}: no answer within the deadline") from exc
+                resp = self._send(conn, target, headers, deadline, what)
             except (OSError, http.client.HTTPException) as exc:
-                if reused:
-                    # a kept-alive connection the server closed meanwhile: once more, fresh
-                    conn.close()
-                    conn, reused = self._take(key, parts.scheme, parts.hostname, port, ctx,
-                                              fresh=True)
-                    try:
-                        conn.timeout = max(deadline - time.monotonic(), 0.001)
-                        conn.request("GET", target, headers=dict(headers))
-                        resp = conn.getresponse()
-                    except TimeoutError as exc2:
+                if watchdog.fired:
+                    raise DeadlineExceeded(f"{what}: no answer within the deadline") from exc
+                if not reused:
+                    return Declined(f"{type(exc).__name__}: {exc}")
+                # a kept-alive connection the server closed meanwhile: once more, fresh
+                watchdog.cancel()
+                conn.close()
+                conn, reused = self._take(key, parts.scheme, parts.hostname, port, ctx,
+                                          fresh=True)
+                watchdog = _Watchdog(conn, deadline)
+                try:
+                    resp = self._send(conn, target, headers, deadline, what)
+                except (OSError, http.client.HTTPException) as exc2:
+                    if watchdog.fired:
                         raise DeadlineExceeded(f"{what}: no answer within the deadline") \
                             from exc2
-                    except (OSError, http.client.HTTPException) as exc2:
-                        return Declined(f"{type(exc2).__name__}: {exc2}")
-                else:
-                    return Declined(f"{type(exc).__name__}: {exc}")
+                    return Declined(f"{type(exc2).__name__}: {exc2}")
             status = resp.status
             if status in _REDIRECTS:
                 location = resp.getheader("Location") or ""
-                keep = self._drain(resp, deadline)
+                keep = self._drain(resp)
                 return location if location else Declined("redirect without Location", status)
             if status != 206:
                 return Declined(f"HTTP {status}", status)
-            start = content_range_start(resp.getheader("Content-Range"))
             size = resp.length
-            if start != offset or size is None or size > length:
-                return Declined(f"Content-Range {resp.getheader('Content-Range')!r}, "
-                                f"Content-Length {size}", status)
+            bad = _check_partial(resp.getheader("Content-Range"), size, offset, length)
+            if resp.getheader("Content-Encoding", "identity").lower() != "identity":
+                bad = f"Content-Encoding {resp.getheader('Content-Encoding')!r}"
+            if bad or size is None:
+                return Declined(bad or "no Content-Length", status)
             buf = bytearray(size)
-            self._read_body(conn, resp, memoryview(buf), deadline, what)
+            try:
+                self._read_body(resp, memoryview(buf), what)
+            except Unavailable as exc:
+                if watchdog.fired:
+                    raise DeadlineExceeded(f"{what}: body not received within the deadline "
+                                           f"({exc})") from exc
+                raise
             keep = not resp.will_close
             return buf
         finally:
-            if keep:
+            watchdog.cancel()
+            if keep and not watchdog.fired:
                 self._give(key, conn)
             else:
                 conn.close()
 
     @staticmethod
-    def _read_body(conn: http.client.HTTPConnection, resp: http.client.HTTPResponse,
-                   view: memoryview, deadline: float, what: str) -> None:
+    def _send(conn: http.client.HTTPConnection, target: str, headers: Mapping[str, str],
+              deadline: float, what: str) -> http.client.HTTPResponse:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(f"{what}: no time left")
+        conn.timeout = min(left, CONNECT_TIMEOUT)      # a fresh connection's connect
+        if conn.sock is not None:
+            conn.sock.settimeout(left)
+        conn.request("GET", target, headers=dict(headers))
+        if conn.sock is not None:
+            conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        return conn.getresponse()
+
+    @staticmethod
+    def _read_body(resp: http.client.HTTPResponse, view: memoryview, what: str) -> None:
         pos, size = 0, len(view)
         try:
             while pos < size:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise DeadlineExceeded(f"{what}: body not received within the deadline "
-                                           f"({pos} of {size} bytes)")
-                if conn.sock is not None:
-                    conn.sock.settimeout(left)
                 n = resp.readinto(view[pos: pos + READ_STEP])
                 if not n:
                     raise Unavailable(f"{what}: connection closed after {pos} of {size} bytes")
                 pos += n
-        except TimeoutError as exc:
-            raise DeadlineExceeded(f"{what}: body stalled ({pos} of {size} bytes)") from exc
         except (OSError, http.client.HTTPException) as exc:
             raise Unavailable(f"{what}: connection lost after {pos} of {size} bytes: "
                               f"{type(exc).__name__}: {exc}") from exc
 
     @staticmethod
-    def _drain(resp: http.client.HTTPResponse, deadline: float) -> bool:
+    def _drain(resp: http.client.HTTPResponse) -> bool:
         """Read a small body to its end so the connection can be reused; False if not."""
         if resp.length is None or resp.length > (64 << 10) or resp.will_close:
             return False
@@ -213,17 +216,28 @@ class RangeConnections:
             resp.read()
         except (OSError, http.client.HTTPException):
             return False
-        return time.monotonic() < deadline
+        return True
 
     # -- the pool --------------------------------------------------------------------------
 
     def _take(self, key: _Key, scheme: str, host: str, port: int, ctx: ssl.SSLContext | None,
               *, fresh: bool = False) -> tuple[http.client.HTTPConnection, bool]:
         if not fresh:
+            now = time.monotonic()
+            stale: list[http.client.HTTPConnection] = []
+            got = None
             with self._lock:
                 idle = self._idle.get(key)
-                if idle:
-                    return idle.pop(), True
+                while idle:
+                    old, since = idle.pop()
+                    if now - since <= IDLE_SECONDS:
+                        got = old
+                        break
+                    stale.append(old)
+            for c in stale:             # idle too long: a NAT may have dropped it silently
+                c.close()
+            if got is not None:
+                return got, True
         conn: http.client.HTTPConnection
         if scheme == "https":
             conn = http.client.HTTPSConnection(host, port, context=ctx
@@ -240,9 +254,66 @@ class RangeConnections:
                 if conn.sock is not None:
                     with contextlib.suppress(OSError):
                         conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                idle.append(conn)
+                idle.append((conn, time.monotonic()))
                 return
         conn.close()
+
+
+class _Watchdog:
+    """Shuts ``conn``'s socket down at monotonic ``deadline`` unless cancelled first: a read
+    blocked in it returns at once, whatever each ``recv``'s own timeout."""
+
+    __slots__ = ("_conn", "_timer", "fired")
+
+    def __init__(self, conn: http.client.HTTPConnection, deadline: float) -> None:
+        self._conn = conn
+        self.fired = False
+        self._timer = threading.Timer(max(deadline - time.monotonic(), 0.0), self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self) -> None:
+        self.fired = True
+        sock = self._conn.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    return parts.scheme.lower(), (parts.hostname or "").lower(), parts.port
+
+
+def _check_partial(content_range: str | None, size: int | None, offset: int,
+                   length: int) -> str:
+    """Why a 206 for ``length`` bytes at ``offset`` is not one this path takes ('' if it is):
+    ``Content-Range`` must start at ``offset``, end where ``Content-Length`` says, and end
+    short of the range only at the resource's end.
+
+    >>> _check_partial("bytes 10-19/100", 10, 10, 10), _check_partial("bytes 10-14/15", 5, 10, 10)
+    ('', '')
+    >>> _check_partial("bytes 10-14/100", 5, 10, 10)
+    "Content-Range 'bytes 10-14/100' with Content-Length 5 for 10 bytes at 10"
+    """
+    bad = f"Content-Range {content_range!r} with Content-Length {size} for {length} bytes " \
+          f"at {offset}"
+    if not content_range or size is None:
+        return bad
+    unit, _, rest = content_range.strip().partition(" ")
+    span, _, total = rest.partition("/")
+    first, _, last = span.partition("-")
+    if unit.lower() != "bytes" or not first.isdigit() or not last.isdigit():
+        return bad
+    a, b = int(first), int(last)
+    if a != offset or b - a + 1 != size or size > length or size <= 0:
+        return bad
+    if size < length and not (total.isdigit() and b + 1 == int(total)):
+        return bad
+    return ""
 
 
 _DEFAULT_CTX: ssl.SSLContext | None = None

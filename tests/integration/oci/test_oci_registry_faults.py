@@ -330,7 +330,7 @@ def test_direct_range_reads_stop_at_a_stall_and_fall_back_on_refusal() -> None:
                 BLOB[i * 100:i * 100 + 100]
         assert state["n"] == 3      # the 500 went to the general client, which got the bytes
         t0 = time.monotonic()
-        with pytest.raises(DeadlineExceeded, match="stalled|deadline"):
+        with pytest.raises(DeadlineExceeded, match=r"stalled|deadline"):
             client.read_blob_range(ref, DIGEST, 200, 100)
         assert time.monotonic() - t0 < 2.5
         assert client.read_blob_range(ref, DIGEST, 300, 100) == BLOB[300:400]

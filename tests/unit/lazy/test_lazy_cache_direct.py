@@ -19,7 +19,8 @@ def test_big_chunk_written_direct_is_exact(tmp_path: Path, size: int) -> None:
     store = FileStore(tmp_path / "objects", tmp_path / "wip", durable=False)
     data = os.urandom(size)
     store.write(HEX, data)
-    assert store.direct            # this file system takes O_DIRECT (the test's premise)
+    if not store.direct:
+        pytest.skip(f"{tmp_path} is on a file system without O_DIRECT (buffered writes)")
     assert store.path(HEX).read_bytes() == data       # not padded to the alignment
     assert list((tmp_path / "wip").iterdir()) == []   # no temp file left
     # a second, smaller chunk on the same thread reuses the aligned buffer: no stale tail

@@ -1,0 +1,107 @@
+"""coldstart.remote.rangeconn against real HTTP servers on loopback: exact bytes, redirects
+that carry nothing but the range to another origin, a dribbling server cut off at the deadline,
+and answers it will not take (declined, for the general client)."""
+
+from __future__ import annotations
+
+import os
+import time
+from http.server import BaseHTTPRequestHandler
+
+import pytest
+
+from coldstart.errors import DeadlineExceeded
+from coldstart.remote.rangeconn import Declined, RangeConnections
+from tests.fixtures.registry import reply, scripted_server
+
+pytestmark = pytest.mark.integration
+
+BLOB = os.urandom(300_000)
+
+
+def _ranged(h: BaseHTTPRequestHandler, *, lie: int = 0) -> None:
+    first, last = (int(x) for x in h.headers["Range"].removeprefix("bytes=").split("-"))
+    last = min(last, len(BLOB) - 1)
+    body = BLOB[first:last + 1]
+    reply(h, 206, body[: len(body) - lie],
+          {"Content-Range": f"bytes {first}-{last}/{len(BLOB)}"})
+
+
+def test_exact_bytes_over_one_kept_alive_connection() -> None:
+    pool = RangeConnections()
+    try:
+        with scripted_server(_ranged) as srv:
+            url = f"http://{srv.host}/blob"
+            for off, n in ((0, 1000), (123_456, 65_536), (299_000, 5000)):
+                got = pool.get(url, off, n, headers={}, deadline=time.monotonic() + 5,
+                               what="t")
+                assert got == BLOB[off:off + n]         # the last one ends with the blob
+            assert len({s.peer for s in srv.seen}) == 1
+    finally:
+        pool.close()
+
+
+def test_a_redirect_elsewhere_carries_only_the_range() -> None:
+    pool = RangeConnections()
+    try:
+        with scripted_server(_ranged) as cdn:
+            def registry(h: BaseHTTPRequestHandler) -> None:
+                reply(h, 307, b"", {"Location": f"http://{cdn.host}/signed?x=1"})
+
+            with scripted_server(registry) as reg:
+                got = pool.get(f"http://{reg.host}/v2/r/blobs/sha256:x", 10, 100,
+                               headers={"Authorization": "Bearer secret",
+                                        "X-Api-Key": "k"},
+                               deadline=time.monotonic() + 5, what="t")
+                assert got == BLOB[10:110]
+                assert reg.seen[0].headers.get("Authorization") == "Bearer secret"
+                sent = cdn.seen[0].headers
+                assert "Authorization" not in sent and "X-Api-Key" not in sent
+                assert sent["Range"] == "bytes=10-109" and cdn.seen[0].path == "/signed?x=1"
+    finally:
+        pool.close()
+
+
+def test_a_dribbling_server_is_cut_off_at_the_deadline() -> None:
+    def dribble(h: BaseHTTPRequestHandler) -> None:
+        h.send_response(206)
+        h.send_header("Content-Range", f"bytes 0-9999/{len(BLOB)}")
+        h.send_header("Content-Length", "10000")
+        h.end_headers()
+        for i in range(10000):      # a byte every 0.2 s: each recv alone would not time out
+            h.wfile.write(BLOB[i:i + 1])
+            h.wfile.flush()
+            time.sleep(0.2)
+
+    pool = RangeConnections()
+    try:
+        with scripted_server(dribble) as srv:
+            t0 = time.monotonic()
+            with pytest.raises(DeadlineExceeded):
+                pool.get(f"http://{srv.host}/blob", 0, 10000, headers={},
+                         deadline=time.monotonic() + 1.0, what="t")
+            assert time.monotonic() - t0 < 2.0
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("case", ["200", "short", "wrong-start", "500"])
+def test_answers_it_does_not_take_are_declined(case: str) -> None:
+    def handler(h: BaseHTTPRequestHandler) -> None:
+        if case == "200":
+            reply(h, 200, BLOB)
+        elif case == "short":       # a 206 that ends early inside the blob
+            _ranged(h, lie=10)
+        elif case == "wrong-start":
+            reply(h, 206, BLOB[5:105], {"Content-Range": f"bytes 5-104/{len(BLOB)}"})
+        else:
+            reply(h, 500, b"oops")
+
+    pool = RangeConnections()
+    try:
+        with scripted_server(handler) as srv:
+            got = pool.get(f"http://{srv.host}/blob", 0, 100, headers={},
+                           deadline=time.monotonic() + 5, what="t")
+            assert isinstance(got, Declined), got
+    finally:
+        pool.close()
