@@ -87,6 +87,22 @@ BACKGROUND_REQUEST = 4 << 20
 _LOOK_FURTHER = 64
 #: The background fetch keeps this many requests outstanding.
 BACKGROUND_DEPTH = 2
+#: Sequential runs tracked per file: torch copies a big tensor out of a mapping with one
+#: thread per core, which reads the file as that many interleaved runs.
+RUNS_PER_FILE = 4
+#: A file of at least ``STREAM_MIN_FILE`` bytes with a run of adjacent reads (within
+#: ``STREAM_SLACK``, forward or backward: a ``memcpy`` out of a mapping may fault its pages in
+#: from the end down; one of ``RUNS_PER_FILE`` interleaved runs) of ``STREAM_TRIGGER`` bytes
+#: is being loaded whole (a weights loader, walking its tensors in name order, not file
+#: order): the rest of the file is then fetched in file order, ``STREAM_STREAMS`` requests of
+#: ``STREAM_REQUEST`` compressed bytes in flight, at the link's rate. A read elsewhere in the
+#: file joins its chunk's fetch or fetches it itself, ahead of the stream. Scattered reads of
+#: a big file (a shared library's pages) make no such run.
+STREAM_MIN_FILE = 256 << 20
+STREAM_TRIGGER = 32 << 20
+STREAM_SLACK = 2 << 20
+STREAM_REQUEST = 8 << 20
+STREAM_STREAMS = 4
 
 
 @dataclass(slots=True)
@@ -141,7 +157,13 @@ class LayerReader:
         self._small_lock = threading.Lock()
         self.stats = LayerStats()
         self.target = FetchTarget(digest, layer, source, self.stats)
-        self._last_end: dict[str, int] = {}
+        # per file: where its recent runs of reads end (a few: a loader copying a tensor
+        # with several threads reads it as that many interleaved sequential runs)
+        self._last_end: dict[str, list[int]] = {}
+        # per big file: the blob-independent (lo, hi) file range of its current run of
+        # adjacent reads; the files whose rest is being (or was) streamed
+        self._runs: dict[str, list[tuple[int, int]]] = {}
+        self._streamed: set[str] = set()
         self._streak: dict[str, int] = {}   # per file: chunks entered in order since a jump
         self._chunk_starts: dict[str, list[int]] = {}
         # per file: (first chunk index of the last read-ahead window, chunk index up to which
@@ -210,6 +232,8 @@ class LayerReader:
         if entry.size <= self.small_file_bytes:
             self._note_small(chunks)
             self._follow_window(chunks)
+        elif entry.size >= STREAM_MIN_FILE:
+            self._note_run(entry, offset, end)
         self._note_read(entry, offset, end, chunks, plan=True)
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
@@ -267,6 +291,8 @@ class LayerReader:
             def more(missed: list[Chunk]) -> list[Chunk]:
                 return self._whole_and_neighbors(entry, missed)[len(missed):]
             self._note_small(chunks)    # before the fetch: it may join the window's request
+        elif entry.size >= STREAM_MIN_FILE:
+            self._note_run(entry, offset, end)  # before the fetch: the stream starts now
         got = self.fetcher.get(self.target, spans, deadline, more=more, name=entry.name)
         rec = self.recorder         # once: recording may be switched off meanwhile
         if rec is not None:
@@ -390,11 +416,18 @@ class LayerReader:
             return
         enters = any(offset <= c.chunk_offset < end for c in chunks)
         with self._lock:
-            sequential = offset > 0 and self._last_end.get(entry.name) == offset
-            self._last_end[entry.name] = end
-            if len(self._last_end) > 4096:
-                self._last_end.clear()
-                self._streak.clear()
+            ends = self._last_end.get(entry.name)
+            if ends is None:
+                if len(self._last_end) > 4096:
+                    self._last_end.clear()
+                    self._streak.clear()
+                ends = self._last_end[entry.name] = []
+            sequential = offset > 0 and offset in ends
+            if sequential:
+                ends[ends.index(offset)] = end
+            else:
+                ends.append(end)
+                del ends[:-RUNS_PER_FILE]
             if not sequential:
                 self._streak.pop(entry.name, None)
             elif enters:
@@ -410,6 +443,70 @@ class LayerReader:
             self.fetcher.plan(lambda: self._read_ahead(entry, after))
         else:
             self._read_ahead(entry, after)
+
+    def _note_run(self, entry: Entry, offset: int, end: int) -> None:
+        """Extend the big file's run of adjacent reads; a run of ``STREAM_TRIGGER`` bytes
+        starts streaming the rest of the file (once per file and mount)."""
+        if self.readahead_bytes <= 0:
+            return
+        with self._lock:
+            if entry.name in self._streamed:
+                return
+            runs = self._runs.get(entry.name)
+            if runs is None:
+                if len(self._runs) > 1024:
+                    self._runs.clear()
+                runs = self._runs[entry.name] = []
+            for k, (lo, hi) in enumerate(runs):
+                if lo - STREAM_SLACK <= end and offset <= hi + STREAM_SLACK:
+                    lo, hi = runs[k] = (min(lo, offset), max(hi, end))
+                    break
+            else:
+                lo, hi = offset, end
+                runs.append((lo, hi))
+                del runs[:-RUNS_PER_FILE]
+            if hi - lo < STREAM_TRIGGER:
+                return
+            self._runs.pop(entry.name, None)
+            self._streamed.add(entry.name)
+        threading.Thread(target=self._stream, args=(entry, lo, hi), daemon=True,
+                         name="stream").start()
+
+    def _stream(self, entry: Entry, lo: int, hi: int) -> None:
+        """Fetch the chunks of ``entry`` outside ``[lo, hi)`` (the run that started it: read
+        or being read) that are not local, from ``hi`` to the end, then from the start, a
+        few large requests in flight; each verified chunk also goes to the page cache."""
+        after = [c for c in entry.chunks if c.chunk_offset >= hi]
+        before = [c for c in entry.chunks if c.chunk_offset + c.chunk_size <= lo]
+        todo = [c for c in after + before if not c.zeros]
+        warmer = self.page_cache
+        window: list[dict[Chunk, Future[bytes]]] = []
+        fetched = i = 0
+        while i < len(todo) and not self._stop.is_set():
+            batch: list[Chunk] = []
+            size = 0
+            while i < len(todo) and size < STREAM_REQUEST:
+                c = todo[i]
+                i += 1
+                if not self._is_cached(c):    # the reader may have fetched it meanwhile
+                    batch.append(c)
+                    size += c.compressed_size
+            if not batch:
+                continue
+            try:
+                futures = self.fetcher.request(self.target, batch, max_bytes=STREAM_REQUEST)
+            except ColdstartError:
+                break
+            if warmer is not None:
+                for c, f in futures.items():
+                    f.add_done_callback(functools.partial(_hand_over, warmer, c))
+            window.append(futures)
+            if len(window) >= STREAM_STREAMS:
+                fetched += _settle(window.pop(0), self.read_deadline * 4)
+        for futures in window:
+            fetched += _settle(futures, self.read_deadline * 4)
+        log.info("layer %s: streamed %r after a run of %d bytes: %d bytes", self.digest,
+                 entry.name, hi - lo, fetched)
 
     def _planned_past(self, entry: Entry, after: int) -> bool:
         """Whether an earlier read-ahead already covered the window after chunk ``after``
