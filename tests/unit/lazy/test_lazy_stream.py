@@ -3,24 +3,34 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from coldstart.format.toc import Entry
 from coldstart.lazyfs import reader as reader_mod
+from coldstart.lazyfs.fetcher import ChunkFetcher
+from coldstart.lazyfs.reader import LayerReader
 from tests.integration.lazy.lazy_helpers import metadata_tar
-from tests.unit.lazy.test_lazy_reader import make
+from tests.unit.lazy.test_lazy_get_path import BIG, _wait
+from tests.unit.lazy.test_lazy_reader import GatedSource, make
 
-BIG = "usr/lib/big.so"
 
-
-def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
+def _streaming_reader(tmp: Path, monkeypatch: pytest.MonkeyPatch
+                      ) -> tuple[LayerReader, GatedSource, ChunkFetcher, Entry, int]:
+    """A reader of the test layer whose big file streams after a run of three chunks (one
+    chunk per request); read-ahead on, a chunk at most. Returns it, its source, its fetcher,
+    the big file and its chunk size."""
+    reader, src, fetcher = make(tmp, "zstd:chunked")
+    big = reader.layer.resolve(BIG)
+    assert len(big.chunks) >= 12
+    step = big.chunks[1].chunk_offset
+    monkeypatch.setattr(reader_mod, "STREAM_MIN_FILE", 0)
+    monkeypatch.setattr(reader_mod, "STREAM_TRIGGER", 3 * step)
+    monkeypatch.setattr(reader_mod, "STREAM_SLACK", 0)
+    monkeypatch.setattr(reader_mod, "STREAM_REQUEST", 3 * step)
+    reader.readahead_bytes = 1                        # on (it gates the stream too)
+    return reader, src, fetcher, big, step
 
 
 def test_two_interleaved_sequential_runs_both_get_read_ahead(
@@ -48,22 +58,11 @@ def test_two_interleaved_sequential_runs_both_get_read_ahead(
     assert set(asked) <= starts
 
 
-def _shrink(monkeypatch: pytest.MonkeyPatch, trigger: int) -> None:
-    monkeypatch.setattr(reader_mod, "STREAM_MIN_FILE", 0)
-    monkeypatch.setattr(reader_mod, "STREAM_TRIGGER", trigger)
-    monkeypatch.setattr(reader_mod, "STREAM_SLACK", 0)
-    monkeypatch.setattr(reader_mod, "STREAM_REQUEST", trigger)
-
-
 def test_a_long_run_streams_the_rest_of_the_file_once(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    reader, src, fetcher = make(tmp_path, "zstd:chunked")
+    reader, src, fetcher, big, step = _streaming_reader(tmp_path, monkeypatch)
     tree = metadata_tar()
-    big = reader.layer.resolve(BIG)
     n = len(big.chunks)
-    step = big.chunks[1].chunk_offset
-    _shrink(monkeypatch, 3 * step)
-    reader.readahead_bytes = 1                        # on, but a chunk at most
     mid = n // 2                                      # a run in the middle: the rest both sides
     for k in range(mid, mid + 3):
         off = big.chunks[k].chunk_offset
@@ -82,13 +81,8 @@ def test_a_long_run_streams_the_rest_of_the_file_once(
 
 def test_scattered_reads_of_a_big_file_do_not_stream_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    reader, _src, fetcher = make(tmp_path, "zstd:chunked")
-    big = reader.layer.resolve(BIG)
+    reader, _src, fetcher, big, step = _streaming_reader(tmp_path, monkeypatch)
     n = len(big.chunks)
-    assert n >= 12
-    step = big.chunks[1].chunk_offset
-    _shrink(monkeypatch, 3 * step)
-    reader.readahead_bytes = 1                        # on (it gates the stream too)
     for k in range(0, n, 2):                          # every other chunk: runs of one chunk
         reader.read(big, big.chunks[k].chunk_offset, step // 2)
     assert BIG not in reader._streamed
