@@ -239,6 +239,8 @@ class ChunkFetcher:
         self._prefetching = 0       # prefetch requests queued or running, node-wide
         self._closed = False
         self.last_read = 0.0       # monotonic time of the last FUSE read served
+        # held by the one big file being streamed whole on the node (LayerReader._stream)
+        self.stream_slot = threading.Semaphore(1)
 
     def close(self) -> None:
         """Stop taking work; running requests finish (bounded by their timeouts)."""

@@ -424,10 +424,11 @@ class LayerReader:
                 ends = self._last_end[entry.name] = []
             sequential = offset > 0 and offset in ends
             if sequential:
-                ends[ends.index(offset)] = end
-            else:
-                ends.append(end)
-                del ends[:-RUNS_PER_FILE]
+                ends.remove(offset)         # the run goes on: it becomes the newest
+            if end in ends:
+                ends.remove(end)
+            ends.append(end)
+            del ends[:-RUNS_PER_FILE]
             if not sequential:
                 self._streak.pop(entry.name, None)
             elif enters:
@@ -457,28 +458,46 @@ class LayerReader:
                 if len(self._runs) > 1024:
                     self._runs.clear()
                 runs = self._runs[entry.name] = []
-            for k, (lo, hi) in enumerate(runs):
-                if lo - STREAM_SLACK <= end and offset <= hi + STREAM_SLACK:
-                    lo, hi = runs[k] = (min(lo, offset), max(hi, end))
+            lo, hi = offset, end
+            for k, (a, b) in enumerate(runs):
+                if a - STREAM_SLACK <= end and offset <= b + STREAM_SLACK:
+                    lo, hi = min(a, offset), max(b, end)
+                    del runs[k]         # extended: it becomes the newest run
                     break
-            else:
-                lo, hi = offset, end
-                runs.append((lo, hi))
-                del runs[:-RUNS_PER_FILE]
+            runs.append((lo, hi))
+            del runs[:-RUNS_PER_FILE]
             if hi - lo < STREAM_TRIGGER:
+                return
+            # one stream at a time on the node: it keeps STREAM_STREAMS requests in the
+            # fetch pool, and reads must find threads there (the next run's read tries again)
+            if not self.fetcher.stream_slot.acquire(blocking=False):
                 return
             self._runs.pop(entry.name, None)
             self._streamed.add(entry.name)
-        threading.Thread(target=self._stream, args=(entry, lo, hi), daemon=True,
-                         name="stream").start()
+        try:
+            threading.Thread(target=self._stream, args=(entry, lo, hi), daemon=True,
+                             name="stream").start()
+        except BaseException:
+            self.fetcher.stream_slot.release()
+            raise
 
     def _stream(self, entry: Entry, lo: int, hi: int) -> None:
         """Fetch the chunks of ``entry`` outside ``[lo, hi)`` (the run that started it: read
         or being read) that are not local, from ``hi`` to the end, then from the start, a
         few large requests in flight; each verified chunk also goes to the page cache."""
+        try:
+            self._stream_rest(entry, lo, hi)
+        except Exception as exc:  # a stream is an optimisation: the reads fetch on demand
+            log.warning("layer %s: streaming %r stopped: %s", self.digest, entry.name, exc)
+        finally:
+            self.fetcher.stream_slot.release()
+
+    def _stream_rest(self, entry: Entry, lo: int, hi: int) -> None:
         after = [c for c in entry.chunks if c.chunk_offset >= hi]
         before = [c for c in entry.chunks if c.chunk_offset + c.chunk_size <= lo]
         todo = [c for c in after + before if not c.zeros]
+        if not self._fits_in_cache(todo, "streaming " + repr(entry.name)):
+            return
         warmer = self.page_cache
         window: list[dict[Chunk, Future[bytes]]] = []
         fetched = i = 0
@@ -504,6 +523,8 @@ class LayerReader:
             if len(window) >= STREAM_STREAMS:
                 fetched += _settle(window.pop(0), self.read_deadline * 4)
         for futures in window:
+            if self._stop.is_set():
+                return      # the layer is going away: its requests end by their own timeouts
             fetched += _settle(futures, self.read_deadline * 4)
         log.info("layer %s: streamed %r after a run of %d bytes: %d bytes", self.digest,
                  entry.name, hi - lo, fetched)
@@ -778,9 +799,10 @@ class LayerReader:
                  "complete" if complete else "stopped", fetched, clock() - start)
         return fetched
 
-    def _fits_in_cache(self, todo: list[Chunk]) -> bool:
-        """Whether the chunks not yet local fit beside what the cache holds: a fill that
-        does not would evict the start-up's own chunks and never end (it is skipped)."""
+    def _fits_in_cache(self, todo: list[Chunk], what: str = "background fill") -> bool:
+        """Whether the chunks not yet local fit beside what the cache holds: a fill (or a
+        file's stream) that does not would evict the start-up's own chunks, or the file's,
+        and never end (it is skipped)."""
         cache = self.cache
         limit = getattr(cache, "max_bytes", None)
         used = getattr(cache, "total_bytes", None)
@@ -789,10 +811,10 @@ class LayerReader:
         missing = sum(c.chunk_size for c in todo if not self._is_cached(c))
         if used() + missing <= limit:
             return True
-        log.warning("layer %s: background fill skipped: %d more bytes do not fit in the chunk "
-                    "cache (%d of cache.max_bytes %d used)", self.digest, missing, used(), limit)
-        self.stats.record_error("background fill skipped: the layer does not fit in the "
-                                "chunk cache (raise cache.max_bytes)")
+        log.warning("layer %s: %s skipped: %d more bytes do not fit in the chunk cache "
+                    "(%d of cache.max_bytes %d used)", self.digest, what, missing, used(), limit)
+        self.stats.record_error(f"{what} skipped: it does not fit in the chunk cache "
+                                "(raise cache.max_bytes)")
         return False
 
     def prefetch_then_rest(self) -> None:

@@ -90,3 +90,19 @@ def test_scattered_reads_of_a_big_file_do_not_stream_it(
     cache = fetcher.cache
     assert cache is not None
     assert not all(c.zeros or c.digest in cache for c in big.chunks)
+
+
+def test_one_stream_at_a_time_on_the_node(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # while another file streams (the node's slot is taken) a long run does not start a
+    # second stream; the file's next run read after the slot is free does
+    reader, _src, fetcher, big, step = _streaming_reader(tmp_path, monkeypatch)
+    assert fetcher.stream_slot.acquire(blocking=False)
+    for k in range(0, 3):
+        reader.read(big, big.chunks[k].chunk_offset, step)
+    assert BIG not in reader._streamed
+    fetcher.stream_slot.release()
+    reader.read(big, big.chunks[3].chunk_offset, step)
+    assert BIG in reader._streamed
+    _wait(lambda: fetcher.stream_slot.acquire(blocking=False))   # released when it ends
+    fetcher.stream_slot.release()
