@@ -96,6 +96,16 @@ def _abort_with(context: grpc.ServicerContext, exc: grpc.RpcError) -> None:
     context.abort(code, details or "")
 
 
+def _relay(responses: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
+    """Yield an upstream call's streamed responses; the caller going away cancels the call,
+    and the upstream's error status is passed back."""
+    context.add_callback(responses.cancel)
+    try:
+        yield from responses
+    except grpc.RpcError as exc:
+        _abort_with(context, exc)
+
+
 class _Forwarder(grpc.GenericRpcHandler):  # type: ignore[misc]
     """Handles every method: bytes in, bytes out, through one channel to the upstream."""
 
@@ -122,13 +132,8 @@ class _Forwarder(grpc.GenericRpcHandler):  # type: ignore[misc]
             return out
 
         def unary_stream(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-            responses = ch.unary_stream(method)(request, metadata=_metadata(context),
-                                                timeout=_timeout(context))
-            context.add_callback(responses.cancel)
-            try:
-                yield from responses
-            except grpc.RpcError as exc:
-                _abort_with(context, exc)
+            yield from _relay(ch.unary_stream(method)(request, metadata=_metadata(context),
+                                                      timeout=_timeout(context)), context)
 
         def stream_unary(requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
             try:
@@ -143,13 +148,8 @@ class _Forwarder(grpc.GenericRpcHandler):  # type: ignore[misc]
 
         def stream_stream(requests: Iterator[bytes], context: grpc.ServicerContext
                           ) -> Iterator[bytes]:
-            responses = ch.stream_stream(method)(requests, metadata=_metadata(context),
-                                                 timeout=_timeout(context))
-            context.add_callback(responses.cancel)
-            try:
-                yield from responses
-            except grpc.RpcError as exc:
-                _abort_with(context, exc)
+            yield from _relay(ch.stream_stream(method)(requests, metadata=_metadata(context),
+                                                       timeout=_timeout(context)), context)
 
         # Nothing in the wire format says whether a method streams; CRI's only streaming call
         # is RuntimeService's GetContainerEvents (server-streaming). Everything else is unary.
