@@ -117,7 +117,9 @@ class LayerTable:
                 layer = _Layer(key, tree)
                 if self._record_new:
                     reader.recorder = AccessRecorder()
-                if self._page_cache and reader.wants_prefetch:
+                if self._page_cache:
+                    # the prefetch and a big file's stream hand their chunks to the page
+                    # cache (the warmer starts its thread on the first chunk)
                     reader.page_cache = PageCacheWarmer(
                         self.fuse_dir / key, _sizes(reader), store_pages, stats=reader.stats,
                         enabled=functools.partial(_not_recording, reader))
