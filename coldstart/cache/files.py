@@ -98,35 +98,31 @@ class FileStore:
             path.parent.mkdir(exist_ok=True)
             self._shards.add(hexd[:2])
         tmp = self.wip / f"{hexd}.{os.getpid()}.{threading.get_ident()}"
-        if self.direct and DIRECT_MIN <= len(data) <= DIRECT_MAX and \
-                self._write_direct(tmp, data):
-            try:
-                os.rename(tmp, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-            return
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-            if self.durable:
-                os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        try:
-            os.close(fd)     # a full disk or quota may be reported only here
+            if not (self.direct and DIRECT_MIN <= len(data) <= DIRECT_MAX
+                    and self._write_direct(tmp, data)):
+                self._write(tmp, 0, memoryview(data), len(data))
             os.rename(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+
+    def _write(self, tmp: Path, flags: int, view: memoryview, size: int) -> None:
+        """Write ``view`` to a new file ``tmp`` (opened with ``flags`` added), cut it to
+        ``size`` bytes if the view is longer, fsync it if durable, close it (a full disk or
+        quota may be reported only there). The caller removes ``tmp`` on an error."""
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | flags, 0o644)
+        try:
+            done = 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
+            if len(view) > size:
+                os.ftruncate(fd, size)
+            if self.durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _write_direct(self, tmp: Path, data: bytes | bytearray | memoryview) -> bool:
         """Write ``tmp`` with O_DIRECT (padded to the alignment, then truncated to size);
@@ -145,41 +141,15 @@ class FileStore:
             view[:n] = memoryview(data).cast("B")
             if padded > n:
                 view[n:padded] = bytes(padded - n)
-            try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-                             | os.O_DIRECT, 0o644)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self.direct = False
-                return False
-            try:
-                done = 0
-                while done < padded:
-                    done += os.write(fd, view[done:padded])
-                os.ftruncate(fd, n)
-                if self.durable:
-                    os.fsync(fd)
-            except OSError as exc:
-                os.close(fd)
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                if exc.errno != errno.EINVAL:
-                    raise
-                self.direct = False
-                return False
-            except BaseException:
-                os.close(fd)
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-            try:
-                os.close(fd)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            self._write(tmp, os.O_DIRECT, view[:padded], n)
             return True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            self.direct = False
+            return False
         finally:
             view.release()
 

@@ -448,8 +448,8 @@ class LayerReader:
     def _note_run(self, entry: Entry, offset: int, end: int) -> None:
         """Extend the big file's run of adjacent reads; a run of ``STREAM_TRIGGER`` bytes
         starts streaming the rest of the file (once per file and mount)."""
-        if self.readahead_bytes <= 0:
-            return
+        if self.readahead_bytes <= 0 or entry.name in self._streamed:
+            return      # (a set only grows: looked at without the lock, checked again in it)
         with self._lock:
             if entry.name in self._streamed:
                 return

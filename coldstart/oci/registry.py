@@ -65,7 +65,7 @@ from coldstart.oci.manifest import (
 )
 from coldstart.oci.reference import Reference, validate_digest
 from coldstart.remote.errors import BODY_ERRORS, RETRY_STATUS, is_tls_failure, map_http_error
-from coldstart.remote.rangeconn import Declined, RangeConnections
+from coldstart.remote.rangeconn import REDIRECT_STATUSES, Declined, RangeConnections
 from coldstart.remote.retry import Again, Backoff, Deadline, only_again
 from coldstart.remote.retry import retry as retry_call
 
@@ -75,7 +75,6 @@ log = logging.getLogger(__name__)
 
 MAX_MANIFEST_BYTES = 4 << 20
 _MAX_SMALL_BODY = 16 << 20   # manifests, tokens, error documents: never a blob
-_REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _CHUNK = 1 << 20
 #: seconds an endpoint whose direct range read got no answer goes through the general client
 _DIRECT_BACKOFF = 60.0
@@ -460,7 +459,7 @@ class RegistryClient:
                 continue
             break
         hops = 0
-        while resp.status_code in _REDIRECTS and method in ("GET", "HEAD"):
+        while resp.status_code in REDIRECT_STATUSES and method in ("GET", "HEAD"):
             location = resp.headers.get("Location")
             resp.close()
             if not location or hops >= 5:
@@ -788,7 +787,8 @@ class RegistryClient:
             nonlocal direct
             if direct:
                 try:
-                    got = self._direct_range(ref, digest, offset, length, deadline, what)
+                    got = self._direct_range(eps[0], ref, digest, offset, length, deadline,
+                                             what)
                 except DeadlineExceeded:
                     raise
                 except Unavailable as exc:      # the body broke off: another try
@@ -817,16 +817,19 @@ class RegistryClient:
         return retry_call(once, what=what, deadline=deadline, retries=self.retries,
                      backoff=self._backoff, classify=only_again)
 
-    def _direct_range(self, ref: Reference, digest: str, offset: int, length: int,
-                      deadline: Deadline, what: str) -> bytearray | None:
-        """The range from the registry's first endpoint over :class:`RangeConnections`
-        (with the credentials already known for the repository); None when it declines."""
-        ep = self._endpoints_for(ref.registry, "pull")[0]
+    def _direct_range(self, ep: Endpoint, ref: Reference, digest: str, offset: int,
+                      length: int, deadline: Deadline, what: str) -> bytearray | None:
+        """The range from the registry's first endpoint ``ep`` over
+        :class:`RangeConnections` (with the credentials already known for the repository);
+        None when it declines."""
         key = (ep.base, ref.repository)
+        with self._lock:    # before the credential look-up: most repositories decline here
+            if self._closed or key not in self._direct_ok or \
+                    time.monotonic() < self._direct_off.get(ep.base, 0.0):
+                return None
         auth = self._auth_header(ep, f"repository:{ref.repository}:pull") or ""
         with self._lock:
-            if self._closed or self._direct_ok.get(key) != auth or \
-                    time.monotonic() < self._direct_off.get(ep.base, 0.0):
+            if self._direct_ok.get(key) != auth:
                 return None
         url = f"{ep.base}/{ref.repository}/blobs/{digest}"
         if ep.mirror_of:

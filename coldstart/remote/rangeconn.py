@@ -45,7 +45,7 @@ MAX_REDIRECTS = 5
 IDLE_SECONDS = 5.0
 #: longest wait for a new connection's TCP (and TLS) handshake
 CONNECT_TIMEOUT = 10.0
-_REDIRECTS = frozenset({301, 302, 303, 307, 308})
+REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +151,7 @@ class RangeConnections:
                             from exc2
                     return Declined(f"{type(exc2).__name__}: {exc2}")
             status = resp.status
-            if status in _REDIRECTS:
+            if status in REDIRECT_STATUSES:
                 location = resp.getheader("Location") or ""
                 keep = self._drain(resp)
                 return location if location else Declined("redirect without Location", status)
