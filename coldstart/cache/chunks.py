@@ -67,6 +67,7 @@ from coldstart.cache.packfile import Pack, log, pread_all
 from coldstart.cache.packs import PackStore
 from coldstart.config import CACHE_VERIFY_MODES, CacheConfig
 from coldstart.errors import ColdstartError, IntegrityError, InvalidArgument
+from coldstart.files import private_dir
 
 __all__ = ["CORRUPT", "WRITE_ERROR", "CacheStats", "ChunkCache"]
 
@@ -150,6 +151,11 @@ class ChunkCache:
         self._ix = CacheIndex(max_bytes)
         self.stats: CacheStats = self._ix.stats
         self._lock = self._ix.lock
+        # the bytes of private images: only the cache's owner may enter where they lie (0700);
+        # not ``directory`` itself, which the operator may share (a disk's mount point), but it
+        # is made 0700 too when we create it
+        for sub in ("sha256", "wip", "packs"):
+            private_dir(self.dir / sub, "chunk cache directory")
         self._files = FileStore(self.dir / "sha256", self.dir / "wip", durable=durable)
         self._packs = PackStore(self.dir / "packs", self._ix, pack_bytes=self.pack_bytes,
                                 durable=durable)

@@ -112,7 +112,7 @@ class FileStore:
         """Write ``view`` to a new file ``tmp`` (opened with ``flags`` added), cut it to
         ``size`` bytes if the view is longer, fsync it if durable, close it (a full disk or
         quota may be reported only there). The caller removes ``tmp`` on an error."""
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | flags, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | flags, 0o600)
         try:
             done = 0
             while done < len(view):

@@ -187,10 +187,10 @@ class PackStore:
         name = f"{os.getpid()}-{time.time_ns():x}-{secrets.token_hex(4)}.pack"
         path = self.dir / name
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except FileNotFoundError:          # the packs directory was removed
             self.dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         pack = Pack(path, own=True, mtime=time.time())
         pack.fd = fd
         ix = self.index

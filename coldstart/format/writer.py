@@ -31,6 +31,7 @@ import hashlib
 import io
 import os
 import queue
+import re
 import shutil
 import tarfile
 import tempfile
@@ -39,7 +40,7 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO, Any, BinaryIO, Literal, cast
+from typing import IO, Any, BinaryIO, Literal, Self, cast
 
 import zstandard
 
@@ -446,7 +447,7 @@ def _entry_from(info: tarfile.TarInfo, name: str) -> Entry:
     link = info.linkname
     if etype == "hardlink":
         link = normalize_name(link, what=f"hardlink {name!r} target")
-    return Entry(
+    entry = Entry(
         name=name, type=etype, size=info.size if etype == "reg" else 0,
         mode=info.mode & MODE_PERM_MASK, uid=info.uid, gid=info.gid, uname=info.uname,
         gname=info.gname,
@@ -454,6 +455,15 @@ def _entry_from(info: tarfile.TarInfo, name: str) -> Entry:
         link_name=link, dev_major=info.devmajor if etype in ("char", "block") else 0,
         dev_minor=info.devminor if etype in ("char", "block") else 0, xattrs=xattrs,
     )
+    # tarfile reads "-1" from an octal field or a PAX record as -1; a TOC may not hold it
+    for key, value in (("size", entry.size), ("uid", entry.uid), ("gid", entry.gid),
+                       ("devmajor", entry.dev_major), ("devminor", entry.dev_minor)):
+        if value < 0:
+            raise FormatError(f"entry {info.name!r}: negative {key} ({value})")
+    return entry
+
+
+_DIGITS = re.compile(r"[0-9]+")
 
 
 def _mtime_ns(info: tarfile.TarInfo) -> int:
@@ -463,8 +473,12 @@ def _mtime_ns(info: tarfile.TarInfo) -> int:
         return int(info.mtime) * 1_000_000_000
     neg = text.startswith("-")
     whole, _, frac = text.lstrip("-+").partition(".")
-    if not whole.isdigit() or (frac and not frac.isdigit()):
+    # ASCII digits only (str.isdigit() takes "²", int() does not), and few enough for a year
+    # below 10000 (int() refuses over 4300 digits)
+    if not _DIGITS.fullmatch(whole) or (frac and not _DIGITS.fullmatch(frac)):
         raise FormatError(f"entry {info.name!r}: PAX mtime {text!r:.40} is not a number")
+    if len(whole) > 20:
+        raise FormatError(f"entry {info.name!r}: PAX mtime {text!r:.40} is out of range")
     ns = int(whole) * 1_000_000_000 + int(frac[:9].ljust(9, "0") or "0")
     return -ns if neg else ns
 
@@ -492,13 +506,62 @@ def _landmark(name: str) -> tuple[tarfile.TarInfo, Entry]:
     return info, Entry(name=name, type="reg", size=1, mode=0o644)
 
 
-def _members(tf: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
+#: Headers whose contents tarfile reads into memory at once (PAX records, GNU long names).
+_SPECIAL_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
+                  tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
+#: Their largest size: Go's archive/tar (containerd's, Docker's) refuses more than 1 MiB too.
+MAX_SPECIAL_SIZE = 1 << 20
+
+
+class _HeaderLog:
+    """The last header block tarfile parsed (``tarinfo`` is the TarInfo class that logs it,
+    and refuses a PAX or long-name header over :data:`MAX_SPECIAL_SIZE`: tarfile would read
+    all it claims into memory).
+
+    tarfile ends an archive at the first block that is not a valid header, whatever it holds;
+    :meth:`check_end` refuses an archive that ended so at anything but an end-of-archive block
+    (zeros), where it would drop every member after a corrupt header without a word.
+    """
+
+    def __init__(self) -> None:
+        self.block = b""
+        log = self
+
+        class _Logged(tarfile.TarInfo):
+            @classmethod
+            def frombuf(cls, buf: bytes | bytearray, encoding: str, errors: str) -> Self:
+                log.block = bytes(buf)
+                info = super().frombuf(buf, encoding, errors)
+                if info.type in _SPECIAL_TYPES and info.size > MAX_SPECIAL_SIZE:
+                    raise FormatError(f"input: a {info.type.decode()!r} header of {info.size} "
+                                      f"bytes, over the {MAX_SPECIAL_SIZE} byte limit")
+                return info
+
+        self.tarinfo: type[tarfile.TarInfo] = _Logged
+
+    def check_end(self) -> None:
+        """FormatError unless the archive ended at a zero block (or at a short one: the
+        truncation check of :func:`convert_layer` refuses that)."""
+        if len(self.block) == _BLOCK and self.block.count(0) != _BLOCK:
+            raise FormatError("input is not a valid tar stream: a corrupt header ends it "
+                              "before its end-of-archive marker")
+
+
+#: What tarfile raises, beside TarError, on a malformed header (a GNU sparse map or PAX number
+#: that is not one: ValueError; one too large for a file offset: OverflowError).
+_TAR_PARSE_ERRORS = (ValueError, OverflowError)
+
+
+def _members(tf: tarfile.TarFile, headers: _HeaderLog) -> Iterator[tarfile.TarInfo]:
     try:
         yield from tf
     except tarfile.TarError as exc:
         raise FormatError(f"input is not a valid tar stream: {exc}") from None
     except (EOFError, zlib.error, zstandard.ZstdError, gzip.BadGzipFile) as exc:
         raise FormatError(f"input is truncated or corrupt: {exc}") from None
+    except _TAR_PARSE_ERRORS as exc:
+        raise FormatError(f"input is not a valid tar stream: {exc}") from None
+    headers.check_end()
 
 
 def _reader(tf: tarfile.TarFile, info: tarfile.TarInfo) -> Callable[[int], bytes]:
@@ -571,13 +634,17 @@ def convert_layer(src: BinaryIO, dst: BinaryIO, *, format: str = "zstd:chunked",
 def _convert_entries(w: _Writer, stream: IO[bytes], mode: Literal["r:", "r|"],
                      prefetch: list[str] | None) -> int:
     """Emit every entry; return the input offset where the tar's end marker should be."""
+    headers = _HeaderLog()
     try:
         tf = tarfile.open(  # noqa: SIM115 (closed by the with below)
-            None, mode, fileobj=stream, encoding="utf-8", errors="surrogateescape")
+            None, mode, fileobj=stream, encoding="utf-8", errors="surrogateescape",
+            tarinfo=headers.tarinfo)
     except tarfile.TarError as exc:
         raise FormatError(f"input is not a valid tar stream: {exc}") from None
     except (EOFError, zlib.error, zstandard.ZstdError, gzip.BadGzipFile) as exc:
         raise FormatError(f"input is truncated or corrupt: {exc}") from None
+    except _TAR_PARSE_ERRORS as exc:
+        raise FormatError(f"input is not a valid tar stream: {exc}") from None
     seen: set[str] = set()
 
     types: dict[str, str] = {}
@@ -587,6 +654,8 @@ def _convert_entries(w: _Writer, stream: IO[bytes], mode: Literal["r:", "r|"],
         # Refuse here what a reader would refuse (TOC.build): nothing can live under a
         # non-directory, and a hardlink needs an earlier, non-directory target.
         name = entry.name
+        if not name and entry.type != "dir":     # "./" as a regular file, a symlink...
+            raise FormatError(f"the root entry is a {entry.type}, not a directory")
         if entry.type != "dir" and name in implied:
             raise FormatError(f"entry {name!r} is a {entry.type} but other entries lie below it")
         parts = name.split("/")[:-1] if name else []
@@ -622,10 +691,10 @@ def _convert_entries(w: _Writer, stream: IO[bytes], mode: Literal["r:", "r|"],
         if not prefetch:
             if prefetch is not None:
                 landmark(NO_PREFETCH_LANDMARK)
-            for info in _members(tf):
+            for info in _members(tf, headers):
                 emit(info)
             return tf.offset
-        members = list(_members(tf))
+        members = list(_members(tf, headers))
         by_name: dict[str, tarfile.TarInfo] = {}
         for info in members:
             by_name.setdefault(normalize_name(info.name, what="tar entry"), info)

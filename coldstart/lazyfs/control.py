@@ -92,8 +92,9 @@ def encode(message: dict[str, Any]) -> bytes:
 class LineBuffer:
     """Split a byte stream into lines: ``feed(data)`` returns the complete, non-blank ones.
 
-    ``max_line`` (None: no limit) bounds what may pile up without a newline: beyond it
-    :meth:`feed` raises InvalidArgument, and the connection is beyond repair.
+    ``max_line`` (None: no limit) bounds a line, and what may pile up without a newline: beyond
+    it :meth:`feed` raises InvalidArgument (however the stream was cut into reads), and the
+    connection is beyond repair.
 
     >>> b = LineBuffer()
     >>> b.feed(b'{"op": "ping"}\\n\\n{"op"'), b.feed(b': "status"}\\n')
@@ -106,10 +107,10 @@ class LineBuffer:
 
     def feed(self, data: bytes | bytearray) -> list[bytes]:
         self._buf += data
-        if (self.max_line is not None and len(self._buf) > self.max_line
-                and b"\n" not in self._buf):
-            raise InvalidArgument("request line too long")
         *lines, self._buf = self._buf.split(b"\n")
+        limit = self.max_line
+        if limit is not None and (len(self._buf) > limit or any(len(x) > limit for x in lines)):
+            raise InvalidArgument("request line too long")
         return [line for line in lines if line.strip()]
 
 
@@ -164,7 +165,9 @@ def error_from_payload(payload: dict[str, Any]) -> ColdstartError:
     FailedPrecondition('no')
     """
     message = str(payload.get("message", "FUSE server error"))
-    kinds = payload.get("kinds") or [payload.get("kind", "ColdstartError")]
+    kinds = payload.get("kinds")
+    if not kinds or not isinstance(kinds, list):
+        kinds = [payload.get("kind", "ColdstartError")]
     for kind in kinds:
         cls = getattr(errors, str(kind), None)
         if isinstance(cls, type) and issubclass(cls, ColdstartError):
@@ -183,12 +186,23 @@ def error_reply(exc: BaseException) -> bytes:
 def decode_reply(line: bytes) -> Any:
     """A reply line's result; raises the error it carries (:func:`error_from_payload`), or
     ValueError if the line is not a reply at all."""
-    reply = json.loads(line)
+    reply = _loads(line)
     if not isinstance(reply, dict):
         raise ValueError("the reply is not a JSON object")
     if reply.get("ok"):
         return reply.get("result")
-    raise error_from_payload(reply.get("error") or {})
+    error = reply.get("error") or {}
+    if not isinstance(error, dict):
+        raise ValueError("the reply's error is not a JSON object")
+    raise error_from_payload(error)
+
+
+def _loads(line: bytes) -> Any:
+    """``json.loads``, with nesting too deep for the interpreter's stack a ValueError too."""
+    try:
+        return json.loads(line)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 # -- dispatch (server side) ----------------------------------------------------------------
@@ -223,7 +237,7 @@ async def dispatch(line: bytes, handler: ControlHandler) -> bytes:
     Expected failures go back as their kind; a malformed request as InvalidArgument; anything
     else is logged here and goes back as a plain ColdstartError (``internal error: …``)."""
     try:
-        req = json.loads(line)
+        req = _loads(line)
         if not isinstance(req, dict):
             raise InvalidArgument("request must be a JSON object")
         op = req.get("op")

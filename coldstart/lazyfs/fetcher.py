@@ -7,7 +7,10 @@ chunk is fetched by one request at a time however many readers want it (keyed by
 content digest, so identical chunks of two layers are fetched once), runs the requests in a
 bounded thread pool, decodes and verifies each chunk (``SeekableLayer.decode_chunk``), stores the
 good ones in the chunk cache, and resolves one :class:`~concurrent.futures.Future` per chunk.
-A chunk that fails verification resolves with :class:`IntegrityError` and is never cached.
+A chunk whose bytes fail to decode or verify is fetched once more (``REFETCHES``: a bit flipped
+on the wire is transient, and the registry client's retries never see it, the response being a
+good one as far as HTTP goes); if it fails again it resolves with :class:`IntegrityError` (or
+the decoder's :class:`FormatError`). Unverified bytes are never served or cached.
 
 Background work (prefetch) runs in its own small pool and waits while on-demand fetches are in
 flight, so it never delays a read that a process is blocked on.
@@ -55,6 +58,10 @@ _DEFAULTS = FetchConfig()
 #: Missing chunks this close in the blob share a request (the gap is fetched and dropped):
 #: between two small files lie only their tar header frames.
 MAX_GAP = 32 << 10
+#: Times a chunk whose fetched bytes fail to decode or verify is fetched again (in a request of
+#: its own, bounded by ``request_timeout`` like any): more would only delay a read's EIO when
+#: the registry itself holds wrong bytes.
+REFETCHES = 1
 
 
 class FetchTelemetry(Protocol):
@@ -93,6 +100,8 @@ class LayerStats:
     fetched_bytes: int = 0
     requests: int = 0
     chunks_fetched: int = 0
+    #: chunks fetched again after their first bytes failed to decode or verify
+    refetched_chunks: int = 0
     errors: int = 0
     last_error: str = ""
     last_error_at: float = 0.0
@@ -123,6 +132,7 @@ class LayerStats:
                 "fetched_bytes": self.fetched_bytes,
                 "requests": self.requests,
                 "chunks_fetched": self.chunks_fetched,
+                "refetched_chunks": self.refetched_chunks,
                 "errors": self.errors,
                 "last_error": self.last_error,
                 "last_error_at": self.last_error_at,
@@ -571,22 +581,62 @@ class ChunkFetcher:
             err = exc if isinstance(exc, ColdstartError) else Unavailable(msg)
             self._settle_all(target, owned, err, foreground, kind)
             return
-        with target.stats._lock:
-            target.stats.fetched_bytes += len(raw)
-            target.stats.requests += 1
-            target.stats.chunks_fetched += len(group)
-            target.stats.bytes_by_kind[kind] = target.stats.bytes_by_kind.get(kind, 0) + len(raw)
-            target.stats.requests_by_kind[kind] = target.stats.requests_by_kind.get(kind, 0) + 1
-        if self.telemetry is not None:
-            self.telemetry.fetched(target.digest, len(raw), kind)
+        self._count_fetch(target, len(raw), len(group), kind)
         try:
+            again: list[Chunk] = []
             for c in group:
-                self._finish_chunk(target, c, owned[c], raw, start)
+                if not self._finish_chunk(target, c, owned[c], raw, start,
+                                          last=REFETCHES <= 0):
+                    again.append(c)
+            if again:
+                self._refetch(target, again, owned, kind)
         finally:
             # normally all settled already; this only catches an unexpected failure
             self._settle_all(target, owned,
                              Unavailable(f"layer {target.digest}: fetch aborted"), foreground,
                              kind)
+
+    def _count_fetch(self, target: FetchTarget, nbytes: int, chunks: int, kind: str) -> None:
+        with target.stats._lock:
+            target.stats.fetched_bytes += nbytes
+            target.stats.requests += 1
+            target.stats.chunks_fetched += chunks
+            target.stats.bytes_by_kind[kind] = target.stats.bytes_by_kind.get(kind, 0) + nbytes
+            target.stats.requests_by_kind[kind] = target.stats.requests_by_kind.get(kind, 0) + 1
+        if self.telemetry is not None:
+            self.telemetry.fetched(target.digest, nbytes, kind)
+
+    def _refetch(self, target: FetchTarget, chunks: list[Chunk], owned: dict[Chunk, _Flight],
+                 kind: str) -> None:
+        """Fetch ``chunks`` (whose bytes failed to decode or verify; still in flight, so their
+        readers wait for this) again, ``REFETCHES`` times at most, in requests of their own
+        bytes only, and finish them: the last failure is final."""
+        for attempt in range(1, REFETCHES + 1):
+            with target.stats._lock:
+                target.stats.refetched_chunks += len(chunks)
+            bad: list[Chunk] = []
+            for run in coalesce(chunks, self.max_coalesce_bytes):
+                start = run[0].offset
+                end = max(c.end_offset for c in run)
+                try:
+                    raw = target.source.read_at(start, end - start,
+                                                timeout=self.request_timeout)
+                except BaseException as exc:
+                    what = type(exc).__name__
+                    msg = self._report(target, what, f"layer {target.digest}: fetching bytes "
+                                       f"{start}..{end} again ({len(run)} chunks) failed: "
+                                       f"{what}: {exc}")
+                    err = exc if isinstance(exc, ColdstartError) else Unavailable(msg)
+                    self._settle_all(target, {c: owned[c] for c in run}, err, False)
+                    continue
+                self._count_fetch(target, len(raw), len(run), kind)
+                for c in run:
+                    if not self._finish_chunk(target, c, owned[c], raw, start,
+                                              last=attempt == REFETCHES):
+                        bad.append(c)
+            if not bad:
+                return
+            chunks = bad
 
     def _report(self, target: FetchTarget, kind: str, msg: str) -> str:
         """Log a failed fetch or chunk, note it in the layer's status and telemetry; ``msg``."""
@@ -597,13 +647,23 @@ class ChunkFetcher:
         return msg
 
     def _finish_chunk(self, target: FetchTarget, c: Chunk, fl: _Flight, raw: bytes,
-                      start: int) -> None:
-        """Decode and verify one fetched chunk, cache it, and wake its readers right away."""
+                      start: int, *, last: bool = True) -> bool:
+        """Decode and verify one fetched chunk, cache it, and wake its readers right away.
+
+        Bytes that fail to decode or verify settle the chunk with the error if ``last``;
+        otherwise they are dropped and nothing is settled (False: the caller fetches the chunk
+        again). True once the chunk is settled."""
         res: bytes | BaseException
         try:
             res = target.layer.decode_chunk(c, raw[c.offset - start : c.end_offset - start])
         except Exception as exc:
             kind = type(exc).__name__
+            if not last:
+                log.warning("layer %s: %s: %s (chunk %s at blob offset %d); fetching it again",
+                            target.digest, kind, exc, c.digest or "-", c.offset)
+                if self.telemetry is not None:
+                    self.telemetry.error(kind)
+                return False
             msg = self._report(target, kind, f"layer {target.digest}: {kind}: {exc} (chunk "
                                f"{c.digest or '-'} at blob offset {c.offset}); not cached")
             res = type(exc)(msg) if isinstance(exc, ColdstartError) else Unavailable(msg)
@@ -616,11 +676,12 @@ class ChunkFetcher:
                                 c.digest, exc)
         self._release(target, c, fl)   # after the put: a later reader finds it cached
         if fl.future.done():
-            return
+            return True
         if isinstance(res, BaseException):
             fl.future.set_exception(res)
         else:
             fl.future.set_result(res)
+        return True
 
 
 def lower_priority() -> None:

@@ -5,7 +5,8 @@ they lack the TOC digest and the manifest digest is known, the layer descriptor'
 manifest, fetched by digest and so verified); a :class:`coldstart.remote.RegistryBlob` for the
 blob; its footer and TOC read with range requests and checked against the annotated TOC digest
 (:func:`coldstart.format.layer.open_layer`: IntegrityError on a mismatch, FailedPrecondition
-with no digest unless unverified layers are allowed); and the
+with no digest unless unverified layers are allowed; a footer or TOC that fails to parse or
+verify is read once more, a byte flipped on the wire being transient); and the
 :class:`~coldstart.lazyfs.reader.LayerReader` that serves its chunks through the shared fetcher.
 
 A layer served already is not opened again: :meth:`LayerResolver.check_same_toc` only makes sure
@@ -20,7 +21,13 @@ from __future__ import annotations
 import logging
 
 from coldstart.config import FetchConfig
-from coldstart.errors import ColdstartError, FailedPrecondition, IntegrityError, NotFound
+from coldstart.errors import (
+    ColdstartError,
+    FailedPrecondition,
+    FormatError,
+    IntegrityError,
+    NotFound,
+)
 from coldstart.format.layer import ESTARGZ_TOC_DIGEST, ZSTD_CHUNKED_MANIFEST_CHECKSUM, open_layer
 from coldstart.lazyfs.fetcher import ChunkFetcher
 from coldstart.lazyfs.reader import LayerReader
@@ -88,8 +95,18 @@ class LayerResolver:
         annotations = self.annotations(spec)
         source = RegistryBlob(self.client, ref, spec.digest, spec.size if spec.size >= 0 else None,
                               timeout=self.request_timeout)
-        layer = open_layer(source, annotations=annotations,
-                           allow_unverified=self.allow_unverified)
+        try:
+            layer = open_layer(source, annotations=annotations,
+                               allow_unverified=self.allow_unverified)
+        except (IntegrityError, FormatError) as exc:
+            if not source.requests:     # refused before reading anything: reading cannot help
+                raise
+            # a byte flipped on the wire fails like a lying TOC: read it once more (the
+            # registry's own wrong bytes fail again, and the mount is refused with that error)
+            log.warning("layer %s: %s; reading its footer and TOC once more (a byte changed "
+                        "on the way fails so)", spec.digest, exc)
+            layer = open_layer(source, annotations=annotations,
+                               allow_unverified=self.allow_unverified)
         reader = LayerReader(spec.digest, layer, source, self.fetcher,
                              read_deadline=self.read_deadline,
                              background_rate=self.background_rate,

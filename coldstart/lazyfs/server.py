@@ -34,6 +34,7 @@ import trio
 from coldstart.cache.chunks import ChunkCache
 from coldstart.config import Config
 from coldstart.errors import ColdstartError, FailedPrecondition, InvalidArgument
+from coldstart.files import private_dir
 from coldstart.lazyfs import control
 from coldstart.lazyfs.control import error_payload
 from coldstart.lazyfs.fetcher import ChunkFetcher
@@ -145,8 +146,9 @@ class FuseServer:
         """Lock ``<root>/fuse-server.lock``; FailedPrecondition if another server has it or
         already answers on our control socket (checked before any unmount or unlink)."""
         path = self.root / LOCK_FILE
+        if not self.root.exists():                # created private; checked under the lock
+            private_dir(self.root, "FUSE server root")
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
             f = open(path, "a+")  # noqa: SIM115 - held for the life of the process
         except OSError as exc:
             raise FailedPrecondition(f"cannot open the FUSE server lock {path}: {exc}") from exc
@@ -161,6 +163,11 @@ class FuseServer:
         if socket_answers(self.socket_path):
             f.close()
             raise FailedPrecondition(f"a FUSE server already answers on {self.socket_path}")
+        try:
+            private_dir(self.root, "FUSE server root")
+        except FailedPrecondition:
+            f.close()
+            raise
         with contextlib.suppress(OSError):  # for whoever wonders who holds it
             f.truncate(0)
             f.write(f"{os.getpid()}\n")
@@ -244,7 +251,7 @@ class FuseServer:
         path = self.socket_path
         std = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).parent.mkdir(mode=0o711, parents=True, exist_ok=True)
             # nothing answers there (checked under the lock): a dead predecessor's socket
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)

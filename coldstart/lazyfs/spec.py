@@ -40,6 +40,10 @@ REMOTE_ANNOTATIONS = _OURS + "annotations"
 # containerd limits one label's key + value to this many bytes
 LABEL_LIMIT = 4096
 
+#: LayerSpec's fields but ``annotations``, and their types (checked by ``from_json``)
+_FIELD_TYPES: dict[str, type] = {"reference": str, "digest": str, "size": int, "media_type": str,
+                                 "manifest_digest": str}
+
 
 @dataclass(frozen=True)
 class LayerSpec:
@@ -62,11 +66,22 @@ class LayerSpec:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> LayerSpec:
+        """The spec that :meth:`to_json` wrote; InvalidArgument unless each field has its type
+        (it comes from a control request or a state file: the mounter trusts the types)."""
         try:
             data: dict[str, Any] = json.loads(text)
-            return cls(**data)
-        except (ValueError, TypeError) as exc:
+            spec = cls(**data)
+        except (ValueError, TypeError, RecursionError) as exc:
             raise InvalidArgument(f"bad layer spec: {exc}") from exc
+        for name, kind in _FIELD_TYPES.items():
+            value = getattr(spec, name)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise InvalidArgument(f"bad layer spec: {name} is not a {kind.__name__}: "
+                                      f"{value!r:.40}")
+        if not isinstance(spec.annotations, dict) or not all(
+                isinstance(v, str) for v in spec.annotations.values()):
+            raise InvalidArgument("bad layer spec: annotations must map strings to strings")
+        return spec
 
 
 def layer_spec_from_labels(labels: Mapping[str, str]) -> LayerSpec | None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import hashlib
 
-from coldstart.files import atomic_write, read_optional, remove
+from coldstart.files import atomic_write, private_dir, read_optional, remove
 
-__all__ = ["atomic_write", "read_optional", "remove", "sha256"]
+__all__ = ["atomic_write", "private_dir", "read_optional", "remove", "sha256"]
 
 
 def sha256(data: bytes) -> str:

@@ -25,7 +25,7 @@ from pathlib import Path
 from coldstart import config as configmod
 from coldstart.errors import FailedPrecondition, FormatError, InvalidArgument, NotFound
 from coldstart.node.containerd_config import Edit, TablePath, Target, apply, revert
-from coldstart.node.files import atomic_write, read_optional, remove, sha256
+from coldstart.node.files import atomic_write, private_dir, read_optional, remove, sha256
 from coldstart.node.state import BACKUP_FILE, STATE_FILE, InstallState, load_state
 from coldstart.node.systemd import UNIT_NAME, default_exec, unit_text
 
@@ -102,6 +102,8 @@ class Plan:
                 remove(c.path)
                 done.append(f"removed {c.path}")
             else:
+                if not c.mode & 0o077:      # the node's state: in a directory of ours alone
+                    private_dir(c.path.parent, "node state directory")
                 atomic_write(c.path, c.after, mode=c.mode)
                 done.append(f"{'wrote' if c.before is None else 'updated'} {c.path}")
         return done

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from coldstart.errors import FailedPrecondition
-from coldstart.files import atomic_write
+from coldstart.files import atomic_write, private_dir
 from coldstart.oci.credentials import Credentials
 from coldstart.oci.reference import DOCKER_HUB, DOCKER_HUB_API, Reference
 
@@ -67,11 +67,10 @@ class Keychain:
         doc = {"host": ref.registry, "repository": ref.repository, "image": image,
                "username": creds.username, "secret": creds.secret, "updated": time.time()}
         try:
-            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.chmod(self.directory, 0o700)
-        except OSError as exc:
+            private_dir(self.directory, "registry credentials directory")
+        except FailedPrecondition as exc:
             raise FailedPrecondition(f"cannot keep registry credentials in {self.directory}: "
-                                     f"{exc.strerror or exc}") from exc
+                                     f"{exc}") from exc
         try:
             atomic_write(self._file(ref.registry, ref.repository), json.dumps(doc).encode(),
                          mode=0o600)

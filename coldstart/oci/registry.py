@@ -837,9 +837,11 @@ class RegistryClient:
         headers = dict(ep.headers)
         if auth:
             headers["Authorization"] = auth
+        # a stall is cut off after ``timeout`` as on the general path (httpx's read
+        # timeout), so that the call's retries get the rest of its deadline
         got = self._ranges.get(url, offset, length, headers=headers,
                                deadline=deadline.end, what=what,
-                               tls=lambda u: self._tls_context(ep, u))
+                               tls=lambda u: self._tls_context(ep, u), stall=self.timeout)
         if isinstance(got, Declined):
             log.debug("%s: direct range read declined (%s); through the general client",
                       what, got.reason)

@@ -17,6 +17,10 @@ the general path; the connection is then dropped, never reused.
 
 No wait outlasts the call's deadline: each socket operation times out by then, and at the
 deadline a watchdog shuts the socket down under a read that a dribbling server keeps alive.
+With ``stall``, no single wait for the server (for its answer, for more of its body) outlasts
+that many seconds either, as httpx's read timeout: a stalled attempt fails with
+:class:`~coldstart.errors.Unavailable` early enough for the caller to try again within the
+deadline.
 Connections idle for more than ``IDLE_SECONDS`` are closed, not reused; a redirect to another
 origin carries the range and nothing else (no credentials, no endpoint headers).
 """
@@ -87,9 +91,14 @@ class RangeConnections:
 
     def get(self, url: str, offset: int, length: int, *, headers: Mapping[str, str],
             deadline: float, what: str,
-            tls: Callable[[str], ssl.SSLContext | None] | None = None) -> bytearray | Declined:
+            tls: Callable[[str], ssl.SSLContext | None] | None = None,
+            stall: float | None = None) -> bytearray | Declined:
         """Bytes ``[offset, offset+length)`` of ``url`` (fewer only if the resource ends
         first), by monotonic ``deadline``, or :class:`Declined`.
+
+        ``stall``: the longest wait for the answer or for more of the body, seconds (None:
+        until the deadline); a server silent for longer fails the call with
+        :class:`Unavailable`.
 
         ``headers`` go with the request to ``url`` only: a redirect to another origin (scheme,
         host or port) sends nothing but the range (no credentials, no endpoint headers).
@@ -101,7 +110,7 @@ class RangeConnections:
         try:
             origin = _origin(url)
             for _hop in range(MAX_REDIRECTS + 1):
-                answer = self._one(url, hdrs, offset, length, deadline, what, tls)
+                answer = self._one(url, hdrs, offset, length, deadline, what, tls, stall)
                 if not isinstance(answer, str):
                     return answer
                 url = urljoin(url, answer)
@@ -113,7 +122,8 @@ class RangeConnections:
 
     def _one(self, url: str, headers: Mapping[str, str], offset: int, length: int,
              deadline: float, what: str,
-             tls: Callable[[str], ssl.SSLContext | None] | None) -> bytearray | Declined | str:
+             tls: Callable[[str], ssl.SSLContext | None] | None,
+             stall: float | None = None) -> bytearray | Declined | str:
         """One request: the body, Declined, or the ``Location`` of a redirect."""
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -131,7 +141,7 @@ class RangeConnections:
         watchdog = _Watchdog(conn, deadline)
         try:
             try:
-                resp = self._send(conn, target, headers, deadline, what)
+                resp = self._send(conn, target, headers, deadline, what, stall)
             except (OSError, http.client.HTTPException) as exc:
                 if watchdog.fired:
                     raise DeadlineExceeded(f"{what}: no answer within the deadline") from exc
@@ -144,7 +154,7 @@ class RangeConnections:
                                           fresh=True)
                 watchdog = _Watchdog(conn, deadline)
                 try:
-                    resp = self._send(conn, target, headers, deadline, what)
+                    resp = self._send(conn, target, headers, deadline, what, stall)
                 except (OSError, http.client.HTTPException) as exc2:
                     if watchdog.fired:
                         raise DeadlineExceeded(f"{what}: no answer within the deadline") \
@@ -182,7 +192,8 @@ class RangeConnections:
 
     @staticmethod
     def _send(conn: http.client.HTTPConnection, target: str, headers: Mapping[str, str],
-              deadline: float, what: str) -> http.client.HTTPResponse:
+              deadline: float, what: str, stall: float | None = None
+              ) -> http.client.HTTPResponse:
         left = deadline - time.monotonic()
         if left <= 0:
             raise DeadlineExceeded(f"{what}: no time left")
@@ -191,8 +202,16 @@ class RangeConnections:
             conn.sock.settimeout(left)
         conn.request("GET", target, headers=dict(headers))
         if conn.sock is not None:
-            conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        return conn.getresponse()
+            # every later wait on the socket (the answer, the body's reads) is cut off here
+            left = max(deadline - time.monotonic(), 0.001)
+            conn.sock.settimeout(left if stall is None else min(left, stall))
+        try:
+            return conn.getresponse()
+        except TimeoutError as exc:
+            if stall is not None and time.monotonic() < deadline:
+                # a stalled server, not a lost connection: another attempt may be answered
+                raise Unavailable(f"{what}: no answer within {stall:g} s") from exc
+            raise
 
     @staticmethod
     def _read_body(resp: http.client.HTTPResponse, view: memoryview, what: str) -> None:

@@ -36,6 +36,7 @@ from typing import IO, Protocol
 
 from coldstart.config import Config, dump
 from coldstart.errors import ColdstartError, FailedPrecondition, InvalidArgument
+from coldstart.files import private_dir
 from coldstart.lazyfs.client import FuseServerClient, FuseServerUnreachable
 from coldstart.lazyfs.spec import LayerSpec
 from coldstart.snapshotter.mounter import LayerMounter
@@ -271,7 +272,7 @@ def run(cfg: Config, *, ready: threading.Event | None = None,
         raise InvalidArgument(f"config: log_level {cfg.log_level!r} is not a logging level")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     root = str(Path(cfg.root).resolve())
-    os.makedirs(root, exist_ok=True)
+    private_dir(Path(root), "snapshotter root")
     stop = stop or threading.Event()
     with root_lock(root):
         store = Store(os.path.join(root, METADATA_DB))

@@ -25,7 +25,9 @@ def start_server(service: SnapshotService, path: str, *, workers: int = 8) -> gr
     """Bind ``path`` (a stale socket file left by a killed process is replaced) and serve."""
     if len(path.encode()) > 107:
         raise InvalidArgument(f"socket path is too long for a unix socket: {path}")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    # a directory we create: others may pass through (the socket itself is root-only), as
+    # containerd's /run/containerd
+    os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o711, exist_ok=True)
     if os.path.exists(path):
         if socket_answers(path):
             raise FailedPrecondition(f"another process already serves {path}")
@@ -36,5 +38,5 @@ def start_server(service: SnapshotService, path: str, *, workers: int = 8) -> gr
     if server.add_insecure_port(f"unix:{path}") == 0:
         raise FailedPrecondition(f"cannot listen on unix:{path}")
     server.start()
-    os.chmod(path, 0o660)
+    os.chmod(path, 0o600)      # containerd (root) only: it is the node's snapshots
     return server

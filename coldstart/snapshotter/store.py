@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -303,6 +304,20 @@ class Store:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # root-only (SQLite gives its -wal and -shm files the database file's mode); one that an
+        # older version left 0644 is narrowed, its -wal and -shm files with it
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                os.fchmod(fd, 0o600)
+            finally:
+                os.close(fd)
+            for side in ("-wal", "-shm"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.chmod(f"{self.path}{side}", 0o600)
+        except OSError as exc:
+            raise Unavailable(f"cannot open the snapshotter's metadata {self.path}: "
+                              f"{exc.strerror}") from None
         # one connection, serialised by a lock: writes are serialised by SQLite anyway, and
         # the directory work in a transaction must not interleave (containerd's bolt does same)
         self._lock = threading.RLock()

@@ -8,7 +8,6 @@ report can be matched against what ``safetensors`` itself would say.
 from __future__ import annotations
 
 import json
-import math
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +52,30 @@ class Header:
         return [self.tensors[n] for n in self.order]
 
 
+class _Object(dict[str, Any]):
+    """A JSON object that keeps what its repeated keys said before their last value."""
+
+    overridden: tuple[tuple[str, Any], ...] = ()
+
+
+def _object(pairs: list[tuple[str, Any]]) -> _Object:
+    obj = _Object(pairs)
+    if len(obj) != len(pairs):
+        last = {k: i for i, (k, _) in enumerate(pairs)}
+        obj.overridden = tuple(p for i, p in enumerate(pairs) if last[p[0]] != i)
+    return obj
+
+
+def _overridden(obj: Any) -> tuple[tuple[str, Any], ...]:
+    return getattr(obj, "overridden", ())
+
+
+#: The reference reads the top level and each tensor into structs, and serde refuses a repeated
+#: struct field; a repeated tensor name or metadata key (a map key) is last-wins there, as here,
+#: though every value must be valid, the overridden ones included.
+_TENSOR_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
+
+
 def _err(file: str, kind: str, detail: str) -> FormatError:
     return FormatError(f"{file}: invalid safetensors header ({kind}): {detail}")
 
@@ -85,6 +108,10 @@ def _tensor_info(file: str, name: str, raw: Any) -> TensorInfo:
     where = f"tensor {name!r}"
     if not isinstance(raw, dict):
         raise _err(file, "InvalidHeaderDeserialization", f"{where}: entry is not an object")
+    repeated = sorted({k for k, _ in _overridden(raw)} & _TENSOR_FIELDS)
+    if repeated:
+        raise _err(file, "InvalidHeaderDeserialization",
+                   f"{where}: duplicate field {repeated[0]!r}")
     dtype = raw.get("dtype")
     if not isinstance(dtype, str) or dtype not in BITS:
         raise _err(file, "InvalidHeaderDeserialization", f"{where}: unknown dtype {dtype!r}")
@@ -127,18 +154,26 @@ def parse_header(raw: bytes, file_size: int, file: str) -> Header:
     except UnicodeDecodeError as exc:
         raise _err(file, "InvalidHeader", f"header is not UTF-8 ({exc.reason})") from exc
     try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
+        doc = json.loads(text, object_pairs_hook=_object)
+    except (ValueError, RecursionError) as exc:
+        # ValueError: JSONDecodeError, and a number of more than 4300 digits; RecursionError:
+        # arrays or objects nested deeper than the interpreter's recursion limit
         raise _err(file, "InvalidHeaderDeserialization", f"bad JSON: {exc}") from exc
     if not isinstance(doc, dict):
         raise _err(file, "InvalidHeaderDeserialization", "header is not a JSON object")
+    for name, entry in _overridden(doc):
+        if name == "__metadata__":
+            raise _err(file, "InvalidHeaderDeserialization", "duplicate field '__metadata__'")
+        _tensor_info(file, name, entry)
 
     metadata: dict[str, str] | None = None
     tensors: dict[str, TensorInfo] = {}
     for name, entry in doc.items():
         if name == "__metadata__":
+            if entry is None:       # the reference reads it as an Option: null is no metadata
+                continue
             if not isinstance(entry, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in entry.items()
+                isinstance(v, str) for v in [*entry.values(), *(v for _, v in _overridden(entry))]
             ):
                 raise _err(file, "InvalidHeaderDeserialization",
                            "__metadata__ must map strings to strings")
@@ -154,7 +189,14 @@ def parse_header(raw: bytes, file_size: int, file: str) -> Header:
             raise _err(file, f"InvalidOffset({info.name})",
                        f"{where}: data_offsets [{info.begin}, {info.end}] do not follow the "
                        f"previous tensor's end {position} (gap, overlap or END < BEGIN)")
-        count = math.prod(info.shape)
+        count = 1
+        for dim in info.shape:
+            # left to right, stopping at the first overflow, as the reference's checked
+            # multiplication does ([0, 2**64-1, 2**64-1] is fine, [2**64-1, 2**64-1, 0] is not);
+            # it also keeps a header of a million huge dimensions from a quadratic product
+            count *= dim
+            if count > _USIZE_MAX:
+                break
         bits = count * BITS[info.dtype]
         if count > _USIZE_MAX or bits > _USIZE_MAX:
             raise _err(file, "ValidationOverflow", f"{where}: shape {list(info.shape)} overflows")

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler
 
 import pytest
 
-from coldstart.errors import DeadlineExceeded
+from coldstart.errors import DeadlineExceeded, Unavailable
 from coldstart.remote.rangeconn import Declined, RangeConnections
 from tests.fixtures.registry import reply, scripted_server
 
@@ -81,6 +81,33 @@ def test_a_dribbling_server_is_cut_off_at_the_deadline() -> None:
                 pool.get(f"http://{srv.host}/blob", 0, 10000, headers={},
                          deadline=time.monotonic() + 1.0, what="t")
             assert time.monotonic() - t0 < 2.0
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("where", ["answer", "body"])
+def test_a_stall_longer_than_the_limit_fails_early_for_a_retry(where: str) -> None:
+    """``stall``: a server silent for longer (before its answer, or in the middle of its body)
+    fails the call with Unavailable after about that long, not at the deadline: the caller's
+    retries get the rest of it."""
+    def stall(h: BaseHTTPRequestHandler) -> None:
+        if where == "body":
+            h.send_response(206)
+            h.send_header("Content-Range", f"bytes 0-9999/{len(BLOB)}")
+            h.send_header("Content-Length", "10000")
+            h.end_headers()
+            h.wfile.write(BLOB[:100])
+            h.wfile.flush()
+        time.sleep(3.0)
+
+    pool = RangeConnections()
+    try:
+        with scripted_server(stall) as srv:
+            t0 = time.monotonic()
+            with pytest.raises(Unavailable):
+                pool.get(f"http://{srv.host}/blob", 0, 10000, headers={},
+                         deadline=time.monotonic() + 10.0, what="t", stall=0.5)
+            assert 0.4 < time.monotonic() - t0 < 2.0
     finally:
         pool.close()
 

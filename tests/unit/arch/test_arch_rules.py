@@ -47,7 +47,7 @@ RULES: dict[str, Rule] = {
     "errors": rule(),
     # the byte-progress protocol long operations report to (the CLI draws it)
     "progress": rule(),
-    # atomic file writes (a config, a credential): never half a file
+    # atomic file writes (a config, a credential): never half a file; private state directories
     "files": rule("errors"),
     "config": rule("errors"),
     "unixsock": rule(),
@@ -55,11 +55,12 @@ RULES: dict[str, Rule] = {
     "format": rule("errors", "zstandard msgspec@format.tocjson"),
     "remote": rule("errors config format", "httpx boto3 botocore"),
     "oci": rule("errors config format remote prefetch progress files", "httpx zstandard"),
-    "cache": rule("errors config format"),
+    "cache": rule("errors config format files"),
     "prefetch": rule("errors config format"),
-    "lazyfs": rule("errors config format remote oci cache prefetch unixsock",
+    "lazyfs": rule("errors config format remote oci cache prefetch unixsock files",
                    "trio prometheus_client pyfuse3@lazyfs.fusefs pyfuse3@lazyfs.server"),
-    "snapshotter": rule("errors config lazyfs.spec lazyfs.client lazyfs.control unixsock _proto",
+    "snapshotter": rule("errors config files lazyfs.spec lazyfs.client lazyfs.control unixsock "
+                        "_proto",
                         "grpc google prometheus_client"),
     "containerd": rule("errors config format oci remote lazyfs.spec progress _proto",
                        "grpc google"),

@@ -48,6 +48,9 @@ def test_install_then_uninstall_is_byte_identical(tmp_path: Path, sample: Path) 
     assert doc["proxy_plugins"]["coldstart"]["exports"]["root"] == "/var/lib/cs-test/"
     assert os.stat(paths.containerd_config).st_mode & 0o777 == 0o640   # mode kept
     assert paths.backup.read_bytes() == original
+    # the node's state (a copy of containerd's config among it) is root's alone
+    assert os.stat(paths.state_dir).st_mode & 0o777 == 0o700
+    assert os.stat(paths.backup).st_mode & 0o777 == 0o600
     state = json.loads(paths.state_file.read_text())
     assert state["containerd_config"] == str(paths.containerd_config)
     assert len(state["installed_sha256"]) == 64
