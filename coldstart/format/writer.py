@@ -455,6 +455,12 @@ def _entry_from(info: tarfile.TarInfo, name: str) -> Entry:
         link_name=link, dev_major=info.devmajor if etype in ("char", "block") else 0,
         dev_minor=info.devminor if etype in ("char", "block") else 0, xattrs=xattrs,
     )
+    # a PAX path, linkpath, uname or gname may carry NUL bytes (a record's length that runs
+    # into the padding); no file system name holds one, and Go's archive/tar refuses them
+    for key, text in (("name", info.name), ("link name", info.linkname),
+                      ("user name", info.uname), ("group name", info.gname)):
+        if "\x00" in text:
+            raise FormatError(f"entry {info.name!r:.80}: a NUL byte in its {key}")
     # tarfile reads "-1" from an octal field or a PAX record as -1; a TOC may not hold it
     for key, value in (("size", entry.size), ("uid", entry.uid), ("gid", entry.gid),
                        ("devmajor", entry.dev_major), ("devminor", entry.dev_minor)):
@@ -705,12 +711,14 @@ def _convert_entries(w: _Writer, stream: IO[bytes], mode: Literal["r:", "r|"],
             info = by_name.get(name)
             if info is None or id(info) in placed:
                 return
+            # taken before its parent and its link target: a cycle (a hardlink to itself or to
+            # something below it) ends here, and emit() refuses it as it would unreordered
+            placed.add(id(info))
             parent = name.rpartition("/")[0]
             if name:
                 place(parent)
             if info.type == tarfile.LNKTYPE:
                 place(normalize_name(info.linkname, what=f"hardlink {name!r} target"))
-            placed.add(id(info))
             first.append(info)
 
         for raw in prefetch:

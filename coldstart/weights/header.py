@@ -8,6 +8,7 @@ report can be matched against what ``safetensors`` itself would say.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,6 +105,37 @@ def _as_index(value: Any) -> int | None:
     return value
 
 
+#: a \u escape of a UTF-16 surrogate (D800-DFFF): only a pair of them is a character
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _has_lone_surrogate(doc: Any) -> bool:
+    """Whether a key or string anywhere in ``doc`` holds a surrogate that is not half of a
+    pair (json decodes a pair of escapes to one character, a lone one to a surrogate)."""
+    todo = [doc]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            strings = [item]
+        elif isinstance(item, dict):
+            strings = list(item)
+            todo.extend(item.values())
+            for key, value in _overridden(item):     # a repeated key's earlier values too
+                strings.append(key)
+                todo.append(value)
+        elif isinstance(item, list):
+            todo.extend(item)
+            continue
+        else:
+            continue
+        for text in strings:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+    return False
+
+
 def _tensor_info(file: str, name: str, raw: Any) -> TensorInfo:
     where = f"tensor {name!r}"
     if not isinstance(raw, dict):
@@ -161,6 +193,10 @@ def parse_header(raw: bytes, file_size: int, file: str) -> Header:
         raise _err(file, "InvalidHeaderDeserialization", f"bad JSON: {exc}") from exc
     if not isinstance(doc, dict):
         raise _err(file, "InvalidHeaderDeserialization", "header is not a JSON object")
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(doc):
+        # json takes "\ud800" alone; the reference's parser (serde_json) refuses it
+        raise _err(file, "InvalidHeaderDeserialization",
+                   "bad JSON: a \\u escape of a lone UTF-16 surrogate")
     for name, entry in _overridden(doc):
         if name == "__metadata__":
             raise _err(file, "InvalidHeaderDeserialization", "duplicate field '__metadata__'")

@@ -17,6 +17,7 @@ import http.client
 import itertools
 import os
 import re
+import signal
 import struct
 import subprocess
 import threading
@@ -328,6 +329,73 @@ def test_full_disk_under_the_cache_serves_reads_caches_nothing_partial_and_count
             assert _errors(port2, CORRUPT) == 0
 
 
+def _entries_after_a_crash(cache_dir: Path) -> set[str]:
+    """Like :func:`_check_cache_on_disk`, for a cache whose writer was killed: a temp file in
+    ``wip/`` and a record cut short at a pack's end are allowed (neither is an entry: the
+    index never takes them); every entry there is must hold its digest's bytes."""
+    found: set[str] = set()
+    for p in (cache_dir / "sha256").rglob("*"):
+        if p.is_file():
+            assert hashlib.sha256(p.read_bytes()).hexdigest() == p.name, p
+            found.add("sha256:" + p.name)
+    for p in (cache_dir / "packs").iterdir():
+        data = p.read_bytes()
+        off = 0
+        while off + _PACK_HDR.size <= len(data):
+            magic, raw, n = _PACK_HDR.unpack_from(data, off)
+            body = data[off + _PACK_HDR.size: off + _PACK_HDR.size + n]
+            if len(body) < n:
+                break                                   # the record being written: cut short
+            assert magic == b"CSK1", f"{p}: no record at {off}"
+            assert hashlib.sha256(body).digest() == raw, f"{p}: corrupt record at {off}"
+            found.add("sha256:" + raw.hex())
+            off += _PACK_HDR.size + n
+    return found
+
+
+def test_kill_9_while_the_cache_writes_leaves_no_corrupt_entry(tmp_path: Path,
+                                                              registry: Registry) -> None:
+    """The FUSE server is killed (SIGKILL) as soon as its cache writer has begun to store the
+    24 MiB of chunks a read left it (loose files and packs), three times over: every entry on
+    disk holds its digest's bytes, and the next server starts on that cache, counts nothing
+    corrupt and serves every file right."""
+    tree = metadata_tar(big_size=24 << 20, seed=174)
+    blob, res = convert(tree.tar, "zstd:chunked", chunk_size=512 << 10)
+    spec = push_layer(registry.host, "promises/crash", blob, res)
+    wanted = {c.digest for c in _data_chunks(_layer(blob, spec))}
+    cache_dir = tmp_path / "cache"
+
+    def loose() -> int:
+        return sum(1 for p in (cache_dir / "sha256").rglob("*") if p.is_file())
+
+    cut = 0
+    for i in range(3):
+        srv = tmp_path / f"srv{i}"
+        srv.mkdir()
+        with fuse_server(srv, registry_host=registry.host, cache_dir=cache_dir,
+                         log_name=f"fuse-server-{i}.log") as (proc, client, _):
+            before = loose()
+            _read_all(_mount(client, srv / "mnt", spec), tree)
+            give_up = time.monotonic() + 20
+            while loose() <= before and time.monotonic() < give_up:
+                time.sleep(0.001)                   # until the writer has stored a chunk
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        found = _entries_after_a_crash(cache_dir)
+        assert found <= wanted
+        cut += found != wanted
+    assert cut, "every kill came after the writes were done: the test proved nothing"
+    port = free_port()
+    srv = tmp_path / "after"
+    srv.mkdir()
+    with fuse_server(srv, registry_host=registry.host, cache_dir=cache_dir,
+                     extra_args=("--metrics-address", f"127.0.0.1:{port}")) as (_, client, _):
+        _read_all(_mount(client, srv / "mnt", spec), tree)
+        assert _errors(port, CORRUPT) == 0
+        assert _metric(port, CACHE_HITS + "_total") > 0        # the killed writers' entries
+    assert _entries_after_a_crash(cache_dir) == wanted
+
+
 # -- the size limit ----------------------------------------------------------------------------
 
 def test_cache_stays_within_its_limit_through_the_server(tmp_path: Path,
@@ -358,6 +426,57 @@ def test_cache_stays_within_its_limit_through_the_server(tmp_path: Path,
     # stopped: the writer flushed everything; the design's bound is one pack over the limit
     assert _cache_bytes(cache_dir) <= limit + pack_bytes
     assert peak > limit // 2                                    # it was used, not bypassed
+    assert _check_cache_on_disk(cache_dir)
+
+
+def test_cache_stays_within_its_limit_with_several_layers_read_at_once(
+        tmp_path: Path, registry: Registry) -> None:
+    """Three layers of two images, read by three threads at once, write 9x the limit: the
+    cache on disk never holds more than the design's bound (one pack and one chunk per writer
+    over the limit), every read is right, and what is left verifies."""
+    limit = 4 << 20
+    pack_bytes = limit // 16
+    chunk_size = 384 << 10
+    cache_dir = tmp_path / "root" / "cache"
+    trees = [metadata_tar(big_size=12 << 20, seed=180 + i) for i in range(3)]
+    with fuse_server(tmp_path, registry_host=registry.host, cache_max=limit) as (_, client, _):
+        mps = []
+        for i, tree in enumerate(trees):
+            blob, res = convert(tree.tar, "zstd:chunked", chunk_size=chunk_size)
+            spec = push_layer(registry.host, f"promises/many-{i % 2}-{i}", blob, res)
+            mps.append(_mount(client, tmp_path / f"mnt{i}", spec))
+        stop = threading.Event()
+        peak = 0
+        errors: list[BaseException] = []
+
+        def sample() -> None:
+            nonlocal peak
+            while not stop.is_set():
+                peak = max(peak, _cache_bytes(cache_dir))
+                time.sleep(0.005)
+
+        def read(i: int) -> None:
+            try:
+                for _ in range(2):
+                    _read_all(mps[i], trees[i])
+            except BaseException as exc:
+                errors.append(exc)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        readers = [threading.Thread(target=read, args=(i,)) for i in range(3)]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join()
+        stop.set()
+        sampler.join()
+        assert not errors, errors
+        written = sum(len(t.tar) for t in trees)
+        assert written > 9 * limit
+        assert peak <= limit + pack_bytes + 3 * chunk_size, peak
+        assert peak > limit // 2                                # used, not bypassed
+    assert _cache_bytes(cache_dir) <= limit + pack_bytes
     assert _check_cache_on_disk(cache_dir)
 
 

@@ -420,8 +420,17 @@ def test_bases_convert() -> None:
     # a PAX header that claims 8 GiB: tarfile reads all of it into memory (here the rest of
     # the input; of a real layer, gigabytes)
     (TarCase(0, headers=[HeaderEdit(2, "size", b"77777777777")]), "over the 1048576 byte limit"),
+    # a hardlink renamed "./" (the root, linking to a file below it): with a prefetch list,
+    # ordering the start-up files first recursed around that cycle (RecursionError; found by
+    # the long run, bench/fuzz.py)
+    (TarCase(0, headers=[HeaderEdit(4, "name", b"./", fix=True)]), "root entry is a hardlink"),
+    # a PAX linkpath record whose length runs 100 bytes into the padding: a link target with
+    # NUL bytes in the TOC and in the layer's own tar, which then read back otherwise (found
+    # by the long run)
+    (TarCase(0, pax=[PaxEdit(4, [("linkpath", "0", 100)])]), "a NUL byte in its link name"),
 ], ids=["size-0", "pax-length-0", "sparse-map", "uid-minus-1", "pax-gid-minus-1", "root-reg",
-        "mtime-5000-digits", "mtime-superscript", "pax-8-gib"])
+        "mtime-5000-digits", "mtime-superscript", "pax-8-gib", "root-hardlink-cycle",
+        "pax-linkpath-nul"])
 def test_regression_inputs_that_converted_wrong_are_refused(case: TarCase, match: str) -> None:
     for fmt in ("zstd:chunked", "estargz"):
         for prefetch in (None, ["d/small"]):
