@@ -232,11 +232,19 @@ class _Readahead(io.RawIOBase):
 
 
 class _Counted(io.RawIOBase):
-    """Counts the bytes read through it (to tell a finished tar from a truncated one)."""
+    """Counts the bytes read through it (to tell a finished tar from a truncated one).
+
+    Past the end, a few empty reads are answered (tarfile looks for the end-of-archive
+    blocks); then EOFError: tarfile's stream mode skips a member's data by reading it, and a
+    header claiming exabytes on a truncated input would have it read nothing forever."""
+
+    #: empty reads answered past the end before EOFError
+    EMPTY_READS = 64
 
     def __init__(self, inner: IO[bytes]) -> None:
         self._inner = inner
         self.count = 0
+        self._empty = 0
 
     def readable(self) -> bool:
         return True
@@ -244,6 +252,11 @@ class _Counted(io.RawIOBase):
     def readinto(self, b: Any) -> int:
         view = memoryview(b).cast("B")
         data = self._inner.read(len(view))
+        if not data and len(view):
+            self._empty += 1
+            if self._empty > self.EMPTY_READS:
+                raise EOFError("the input ends inside a member's data (its header claims "
+                               "more bytes than there are)")
         view[: len(data)] = data
         self.count += len(data)
         return len(data)
