@@ -59,9 +59,8 @@ from tests.integration.lazy.lazy_faults import (  # noqa: E402
     fault_server,
     fault_tree,
     read_tree,
-    tar_of,
 )
-from tests.integration.lazy.lazy_helpers import convert  # noqa: E402
+from tests.integration.lazy.lazy_helpers import convert, tar_of  # noqa: E402
 from tests.integration.lazy.lazy_proxy import FAULT_KINDS, FaultMix, Proxy, proxy_for  # noqa: E402
 from tests.integration.pull.pull_env import push_image  # noqa: E402
 

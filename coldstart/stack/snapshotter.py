@@ -226,28 +226,35 @@ def fuse_server_config(path: Path, root: Path, *, registry_host: str,
                        read_deadline: float = 10.0, request_timeout: float = 5.0,
                        cache_max: int = 1 << 30, max_coalesce: int = 16 << 20,
                        background_rate: int = 0, cache_dir: Path | None = None,
-                       registry_timeout: float = 5.0, page_cache: bool = True) -> Path:
+                       registry_timeout: float = 5.0, page_cache: bool = True,
+                       retries: int = 0, concurrency: int = 4,
+                       neighbor_bytes: int | None = None, log_level: str | None = None) -> Path:
     """Write a FUSE server config at ``path`` (root, cache and socket under ``root``; plain
-    HTTP to ``registry_host``, no retries) and return ``path``.
+    HTTP to ``registry_host``; by default no retries) and return ``path``.
 
     ``background_rate``: ``fetch.background_rate`` (bytes/s of the background fetch of whole
     layers; 0: off); ``cache_dir``: the chunk cache somewhere else than ``root/cache``;
     ``registry_timeout``: ``registry.timeout`` (also how long a response may stall);
-    ``page_cache``: ``fuse.page_cache`` (written only when off)."""
+    ``retries``: ``registry.retries``; ``concurrency``: ``fetch.concurrency``;
+    ``neighbor_bytes``: ``fetch.neighbor_bytes`` (None: the default); ``log_level`` (None:
+    the default); ``page_cache``: ``fuse.page_cache`` (written only when off)."""
     # written only when set: an older checkout's server (``source_root``) may not know it
     cache = f'dir = "{cache_dir}"\n' if cache_dir is not None else ""
     background = f"background_rate = {background_rate}\n"
+    neighbors = f"neighbor_bytes = {neighbor_bytes}\n" if neighbor_bytes is not None else ""
+    level = f'log_level = "{log_level}"\n' if log_level is not None else ""
     path.write_text(
         f'root = "{root}"\n'
+        f"{level}"
         "[registry]\n"
         f'insecure_hosts = ["{registry_host}"]\n'
         f'hosts_dir = "{root}/certs.d"\n'
         f'docker_config = "{root}/docker-config.json"\n'
-        f"timeout = {registry_timeout}\nretries = 0\n"
+        f"timeout = {registry_timeout}\nretries = {retries}\n"
         "[fetch]\n"
         f"read_deadline = {read_deadline}\nrequest_timeout = {request_timeout}\n"
-        f"max_coalesce_bytes = {max_coalesce}\nconcurrency = 4\n"
-        f"{background}"
+        f"max_coalesce_bytes = {max_coalesce}\nconcurrency = {concurrency}\n"
+        f"{background}{neighbors}"
         "[cache]\n"
         f"{cache}max_bytes = {cache_max}\n"
         "[fuse]\n"
@@ -263,7 +270,9 @@ def fuse_server(tmp: Path, *, registry_host: str, log_name: str = "fuse-server.l
                 request_timeout: float = 5.0, cache_max: int = 1 << 30,
                 max_coalesce: int = 16 << 20, source_root: Path | None = None,
                 background_rate: int = 0, cache_dir: Path | None = None,
-                registry_timeout: float = 5.0, page_cache: bool = True
+                registry_timeout: float = 5.0, page_cache: bool = True,
+                retries: int = 0, concurrency: int = 4, neighbor_bytes: int | None = None,
+                log_level: str | None = None
                 ) -> Iterator[tuple[subprocess.Popen[bytes], FuseServerClient, Path]]:
     """Run ``coldstart fuse-server`` on ``tmp/root`` (config :func:`fuse_server_config`);
     yield ``(process, control client, root)``; stop it and unmount everything after (below
@@ -278,7 +287,9 @@ def fuse_server(tmp: Path, *, registry_host: str, log_name: str = "fuse-server.l
                              read_deadline=read_deadline, request_timeout=request_timeout,
                              cache_max=cache_max, max_coalesce=max_coalesce,
                              background_rate=background_rate, cache_dir=cache_dir,
-                             registry_timeout=registry_timeout, page_cache=page_cache)
+                             registry_timeout=registry_timeout, page_cache=page_cache,
+                             retries=retries, concurrency=concurrency,
+                             neighbor_bytes=neighbor_bytes, log_level=log_level)
     sock = root / "fuse.sock"
     with contextlib.suppress(FileNotFoundError):
         sock.unlink()

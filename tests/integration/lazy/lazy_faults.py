@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import io
 import os
 import random
 import subprocess
-import sys
-import tarfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,17 +24,13 @@ from coldstart.format.layer import open_layer
 from coldstart.format.readat import BytesReadAt
 from coldstart.lazyfs.client import FuseServerClient
 from coldstart.stack.images import realistic_bytes
-from coldstart.stack.mounts import unmount_under
-from coldstart.stack.procs import daemon, unix_open
+from coldstart.stack.snapshotter import fuse_server
 
 __all__ = ["PIECE", "CacheCheck", "ReadReport", "ServerTimes", "check_cache", "fault_server",
            "fault_tree", "read_tree"]
 
 #: bytes asked per ``pread``
 PIECE = 128 << 10
-#: the checkout whose code the FUSE server runs (this one)
-_SRC_ROOT = Path(__file__).resolve().parents[3]
-MTIME = 1_700_000_000
 
 
 def fault_tree(seed: int, *, small: int = 300, big: int = 4,
@@ -59,17 +52,6 @@ def fault_tree(seed: int, *, small: int = 300, big: int = 4,
     return files
 
 
-def tar_of(files: dict[str, bytes]) -> bytes:
-    """An uncompressed layer tar of ``files`` (directories implied)."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
-        for name, data in files.items():
-            ti = tarfile.TarInfo(name)
-            ti.size, ti.mode, ti.mtime = len(data), 0o644, MTIME
-            tf.addfile(ti, io.BytesIO(data))
-    return buf.getvalue()
-
-
 @dataclass(frozen=True)
 class ServerTimes:
     """The FUSE server's retry and deadline settings (``registry.*`` and ``fetch.*``).
@@ -84,54 +66,22 @@ class ServerTimes:
     read_deadline: float = 6.0
 
 
-def write_config(path: Path, root: Path, *, registry_host: str, times: ServerTimes,
-                 concurrency: int = 8, neighbor_bytes: int = 0,
-                 log_level: str = "info") -> Path:
-    """A FUSE server config (root, cache and socket under ``root``; plain HTTP to
-    ``registry_host``; no background fill). ``neighbor_bytes`` 0: a small file's read fetches
-    that file alone, so the workload makes many requests (and meets many faults)."""
-    path.write_text(
-        f'root = "{root}"\n'
-        f'log_level = "{log_level}"\n'
-        "[registry]\n"
-        f'insecure_hosts = ["{registry_host}"]\n'
-        f'hosts_dir = "{root}/certs.d"\n'
-        f'docker_config = "{root}/docker-config.json"\n'
-        f"timeout = {times.registry_timeout}\nretries = {times.retries}\n"
-        "[fetch]\n"
-        f"read_deadline = {times.read_deadline}\nrequest_timeout = {times.request_timeout}\n"
-        f"concurrency = {concurrency}\nneighbor_bytes = {neighbor_bytes}\n"
-        "background_rate = 0\n"
-        "[cache]\n"
-        "max_bytes = 1073741824\n"
-        "[fuse]\n"
-        f'socket = "{root}/fuse.sock"\n'
-    )
-    return path
-
-
 @contextlib.contextmanager
 def fault_server(tmp: Path, *, registry_host: str, times: ServerTimes = ServerTimes(),
                  neighbor_bytes: int = 0, log_level: str = "info"
                  ) -> Iterator[tuple[subprocess.Popen[bytes], FuseServerClient, Path]]:
     """``coldstart fuse-server`` on ``tmp/root`` (log ``tmp/fuse-server.log``), reading
-    through ``registry_host`` with retries; yields ``(process, control client, root)``; stops
-    it and unmounts everything under ``tmp`` after."""
-    root = tmp / "root"
-    root.mkdir(parents=True, exist_ok=True)
-    cfg = write_config(tmp / "config.toml", root, registry_host=registry_host, times=times,
-                       neighbor_bytes=neighbor_bytes, log_level=log_level)
-    sock = root / "fuse.sock"
-    with contextlib.suppress(FileNotFoundError):
-        sock.unlink()
-    env = dict(os.environ, PYTHONPATH=str(_SRC_ROOT))
-    try:
-        with daemon([sys.executable, "-m", "coldstart.cli", "fuse-server", "--config",
-                     str(cfg)], log=tmp / "fuse-server.log", ready=unix_open(sock),
-                    what="fuse-server", env=env, cwd=_SRC_ROOT) as proc:
-            yield proc, FuseServerClient(str(sock), timeout=30.0), root
-    finally:
-        unmount_under(tmp)
+    through ``registry_host`` with ``times``' retries and deadlines, no background fill;
+    yields ``(process, control client, root)``; stops it and unmounts everything under
+    ``tmp`` after. ``neighbor_bytes`` 0: a small file's read fetches that file alone, so the
+    workload makes many requests (and meets many faults)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    with fuse_server(tmp, registry_host=registry_host, retries=times.retries,
+                     registry_timeout=times.registry_timeout,
+                     request_timeout=times.request_timeout, read_deadline=times.read_deadline,
+                     concurrency=8, neighbor_bytes=neighbor_bytes,
+                     log_level=log_level) as served:
+        yield served
 
 
 @dataclass

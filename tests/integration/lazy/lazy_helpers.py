@@ -20,7 +20,7 @@ from coldstart.stack.snapshotter import fuse_server
 from coldstart.stack.snapshotter import fuse_server_config as write_config
 
 __all__ = ["MTIME", "REPO_ROOT", "Server", "SourceTree", "convert", "fuse_server", "in_cache",
-           "metadata_tar", "push_layer", "realistic_bytes", "sha", "unmount_under",
+           "metadata_tar", "push_layer", "realistic_bytes", "sha", "tar_of", "unmount_under",
            "write_config"]
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -103,6 +103,18 @@ def metadata_tar(big_size: int = 5 << 20, seed: int = 0) -> SourceTree:
     files.pop("var/cache/.wh..wh..opq")
     files.pop("var/.wh.old")
     return SourceTree(buf.getvalue(), files)
+
+
+def tar_of(files: dict[str, bytes]) -> bytes:
+    """An uncompressed layer tar of ``files``, each a 0644 regular file (directories
+    implied), in the dict's order."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for name, data in files.items():
+            ti = tarfile.TarInfo(name)
+            ti.size, ti.mode, ti.mtime = len(data), 0o644, MTIME
+            tf.addfile(ti, io.BytesIO(data))
+    return buf.getvalue()
 
 
 def convert(tar: bytes, fmt: str, chunk_size: int = 64 << 10,

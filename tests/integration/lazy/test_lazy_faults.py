@@ -39,9 +39,8 @@ from tests.integration.lazy.lazy_faults import (
     fault_tree,
     read_file,
     read_tree,
-    tar_of,
 )
-from tests.integration.lazy.lazy_helpers import Server, convert, push_layer
+from tests.integration.lazy.lazy_helpers import Server, convert, push_layer, tar_of
 from tests.integration.lazy.lazy_proxy import FaultMix, Proxy, proxy_for
 
 pytestmark = pytest.mark.integration

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import io
 import json
 import random
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -35,7 +33,6 @@ from coldstart.lazyfs.mountsys import is_mountpoint
 from coldstart.lazyfs.spec import LayerSpec
 from tests.fixtures.procs import wait_for
 from tests.integration.lazy.lazy_helpers import (
-    MTIME,
     Server,
     SourceTree,
     convert,
@@ -43,6 +40,7 @@ from tests.integration.lazy.lazy_helpers import (
     metadata_tar,
     push_layer,
     sha,
+    tar_of,
 )
 from tests.integration.lazy.lazy_proxy import Proxy
 
@@ -58,13 +56,7 @@ def opaque_tree(seed: int, size: int = 40_000) -> SourceTree:
     ``opaque.bin``, then ``witness.bin``. Each seed gives a layer no other test mounts."""
     rng = random.Random(seed)
     files = {"opaque.bin": rng.randbytes(size), "witness.bin": rng.randbytes(size)}
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
-        for name, data in files.items():
-            ti = tarfile.TarInfo(name)
-            ti.size, ti.mode, ti.mtime = len(data), 0o644, MTIME
-            tf.addfile(ti, io.BytesIO(data))
-    return SourceTree(buf.getvalue(), files)
+    return SourceTree(tar_of(files), files)
 
 
 def served(client: FuseServerClient) -> set[str]:

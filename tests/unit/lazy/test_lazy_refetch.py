@@ -20,8 +20,7 @@ from coldstart.format.readat import BytesReadAt
 from coldstart.lazyfs.fetcher import ChunkFetcher
 from coldstart.lazyfs.reader import LayerReader
 from coldstart.remote import ReadAtSource
-from tests.integration.lazy.lazy_faults import tar_of
-from tests.integration.lazy.lazy_helpers import convert
+from tests.integration.lazy.lazy_helpers import convert, tar_of
 
 
 class FlippingSource(ReadAtSource):
