@@ -38,7 +38,7 @@ from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
 from coldstart.stack.containerd import CTR_BIN, Containerd, start_containerd
 from coldstart.stack.mounts import unmount_under
-from coldstart.stack.procs import cpu_seconds
+from coldstart.stack.procs import cpu_seconds, peak_rss_bytes
 
 __all__ = ["MODES", "ModeSpec", "Node", "Workload", "cold_start", "drop_caches", "existing_node",
            "require_root", "start_node"]
@@ -146,6 +146,10 @@ class Node:
 
     def cpu(self) -> dict[str, float]:
         return {name: cpu_seconds(pid()) for name, pid in self.daemons.items()}
+
+    def peak_memory(self) -> dict[str, float]:
+        """Each daemon's peak resident memory in MB (since it started: this node's)."""
+        return {name: peak_rss_bytes(pid()) / 1e6 for name, pid in self.daemons.items()}
 
     def plain_http(self, ref: str) -> bool:
         host = Reference.parse(ref).registry
@@ -339,6 +343,7 @@ def cold_start(node: Node, ref: str, work: Workload, index: int, *, traffic: Tra
             on_phase("app")
             outcome = watch.wait(_left(work, t0))
             run.cpu_s = cpu()
+            run.peak_rss_mb = node.peak_memory()
             run.ready_s = outcome.ready_at
             run.exit_code = outcome.exit_code
             for name, a, b in watch.marks.phases(started, outcome.ready_at):

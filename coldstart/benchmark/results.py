@@ -53,6 +53,8 @@ class Run:
     registry_bytes: int | None = None
     registry_requests: int | None = None
     cpu_s: dict[str, float] = field(default_factory=dict)
+    #: each daemon's peak resident memory (MB) at READY
+    peak_rss_mb: dict[str, float] = field(default_factory=dict)
     error_kind: str = ""       # the failure's error class (not in the JSON: ``error`` says it)
 
     def phase_seconds(self) -> dict[str, float]:
@@ -131,6 +133,8 @@ def summarise(mode: ModeResult) -> dict[str, Any]:
     cpu_names = sorted({k for r in runs for k in r.cpu_s})
     out["cpu_s"] = {k: _stat(r.cpu_s.get(k, 0.0) for r in runs) for k in cpu_names}
     out["cpu_total_s"] = _stat(sum(r.cpu_s.values()) for r in runs)
+    rss_names = sorted({k for r in runs for k in r.peak_rss_mb})
+    out["peak_rss_mb"] = {k: _stat(r.peak_rss_mb.get(k) for r in runs) for k in rss_names}
     return out
 
 
@@ -177,6 +181,7 @@ def _run_json(r: Run) -> dict[str, Any]:
     return {"index": r.index, "ok": r.ok, "error": r.error, "ready_s": r.ready_s,
             "exit_code": r.exit_code, "registry_bytes": r.registry_bytes,
             "registry_requests": r.registry_requests, "cpu_s": r.cpu_s,
+            "peak_rss_mb": r.peak_rss_mb,
             "phases": [{"name": p.name, "start_s": p.start_s, "end_s": p.end_s}
                        for p in r.phases]}
 
@@ -201,14 +206,16 @@ def _fmt(stat: dict[str, float] | None, unit: str = "s", scale: float = 1.0,
 
 def render_table(doc: dict[str, Any]) -> str:
     """A markdown table of the medians (min-max): one row per mode, READY first; CPU is the
-    daemons' and the pulling client's seconds, from t0 to READY."""
+    daemons' and the pulling client's seconds, from t0 to READY; peak RSS each daemon's
+    (median) at READY."""
     modes: dict[str, Any] = doc["modes"]
     phase_names: list[str] = []
     for m in modes.values():
         for n in m["summary"].get("phases", {}):
             if n not in phase_names:
                 phase_names.append(n)
-    head = ["mode", "READY", "speed-up", *phase_names, "registry", "requests", "CPU"]
+    head = ["mode", "READY", "speed-up", *phase_names, "registry", "requests", "CPU",
+            "peak RSS"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, m in modes.items():
         s = m["summary"]
@@ -222,7 +229,9 @@ def render_table(doc: dict[str, Any]) -> str:
                *(_fmt(s["phases"].get(n)) for n in phase_names),
                _fmt(s.get("registry_bytes"), "MB", 1e6, 1),
                _fmt(s.get("registry_requests"), "", 1.0, 0),
-               _fmt(s.get("cpu_total_s"), "s", 1.0, 1)]
+               _fmt(s.get("cpu_total_s"), "s", 1.0, 1),
+               ", ".join(f"{k} {v['median']:.0f} MB"
+                         for k, v in s.get("peak_rss_mb", {}).items() if v) or "-"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

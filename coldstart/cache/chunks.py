@@ -58,7 +58,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from coldstart.cache.files import FileStore
@@ -614,3 +614,53 @@ class ChunkCache:
         """Delete one chunk (no error if it is absent). A packed chunk leaves the index; its
         bytes go with its pack."""
         self._drop(_hex_of(digest))
+
+    def reclaim(self, digests: Iterable[str]) -> int:
+        """Delete ``digests`` (those present) and give their disk space back; returns how many
+        were present.
+
+        A loose chunk's file is unlinked. Packed chunks leave the index, and each pack of this
+        process that held one is compacted: the chunks it still holds (other layers') are
+        verified and appended to a new pack, then the old pack is unlinked. The pack being
+        appended to is sealed first, so it is compacted too. A reader that looks for a moved
+        chunk in between finds it a moment later, or misses and fetches it again."""
+        self._packs.stop_appending()
+        touched: set[str] = set()
+        removed = 0
+        for digest in digests:
+            hexd = _hex_of(digest)
+            with self._lock:
+                present = hexd in self._ix.sizes
+                ent = self._ix.packed.get(hexd)
+                if ent is not None and ent[0].own:
+                    touched.add(ent[0].name)
+            if present:
+                self._drop(hexd)
+                removed += 1
+        for name in touched:
+            self._compact_pack(name)
+        return removed
+
+    def _compact_pack(self, name: str) -> None:
+        """Move the chunks pack ``name`` still indexes to the current pack, then unlink it."""
+        with self._lock:
+            pack = self._ix.packs.get(name)
+            live = list(self._ix.pack_hexes.get(name, ())) if pack is not None else []
+        for hexd in live:
+            loc = self._packs.locate(hexd)
+            if loc is None or loc[0].name != name:
+                continue                                   # gone or moved meanwhile
+            old, fd, base, size = loc
+            try:
+                data = pread_all(fd, size, base)
+            finally:
+                self._packs.release(old)
+            empty = self._ix.forget(hexd)
+            if empty is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(empty.path)
+            if len(data) == size and hashlib.sha256(data).hexdigest() == hexd:
+                try:
+                    self._packs.append(hexd, data)
+                except OSError as exc:                     # a full disk: the chunk is refetched
+                    self._log_write_error(hexd, exc)

@@ -8,8 +8,10 @@ normalized and may not escape the layer, parents are synthesized, duplicates are
 
 from __future__ import annotations
 
+import bisect
 import posixpath
 import threading
+from array import array
 from collections.abc import Callable, ItemsView, Iterator, Mapping, ValuesView
 from dataclasses import dataclass, field
 
@@ -31,6 +33,8 @@ PREFETCH_LANDMARK = ".prefetch.landmark"
 NO_PREFETCH_LANDMARK = ".no.prefetch.landmark"
 #: Permission bits kept in ``Entry.mode`` (rwx for all, plus suid, sgid, sticky).
 MODE_PERM_MASK = 0o7777
+#: Entries a :class:`TOCEntries` keeps once made (each is about half a kilobyte).
+KEEP_ENTRIES = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +122,8 @@ class TOCEntries(Mapping[str, Entry]):
     thousand: the TOC keeps its names (in layer order, then the synthesized parents) and one
     builder per position, and makes an Entry (with its chunks) only on ``[]``, ``get`` or
     ``values()``. Every entry was validated when the TOC was parsed; building one cannot fail.
+    The last ``keep`` entries made are kept (so memory stays bounded however many are read:
+    a ``find`` over the layer makes them all); entries given already built are all kept.
     Thread-safe: two threads asking at once get the same object.
 
     >>> es = TOCEntries(["", "a"], lambda i: Entry(name=["", "a"][i], type="dir"))
@@ -125,20 +131,30 @@ class TOCEntries(Mapping[str, Entry]):
     (True, 'dir', 2)
     """
 
-    __slots__ = ("_built", "_index", "_lock", "_make", "names", "types")
+    __slots__ = ("_built", "_compact", "_compact_lock", "_index", "_keep", "_lock", "_made",
+                 "_make", "_order", "_sorted", "names", "types")
 
     def __init__(self, names: list[str], make: Callable[[int], Entry],
                  types: list[str] | None = None, *, index: dict[str, int] | None = None,
-                 built: list[Entry | None] | None = None) -> None:
+                 built: list[Entry | None] | None = None, keep: int = KEEP_ENTRIES,
+                 compact: Callable[[], None] | None = None) -> None:
         #: every name, by position (the inode order of the FUSE layer)
         self.names = names
-        self._index = index if index is not None else {n: i for i, n in enumerate(names)}
+        self._index: dict[str, int] | None = (
+            index if index is not None else {n: i for i, n in enumerate(names)})
+        # after compact(): the names sorted, and each one's position
+        self._sorted: list[str] = []
+        self._order: array[int] = array("q")
+        self._compact = compact
+        self._compact_lock = threading.Lock()
         self._make = make
-        self._built: list[Entry | None] = built if built is not None else [None] * len(names)
+        self._built = built
+        self._made: dict[int, Entry] = {}
+        self._keep = keep
+        self._lock = threading.Lock()
         #: each position's entry type, known without building the entry
         self.types: list[str] = types if types is not None else [self.at(i).type
                                                                   for i in range(len(names))]
-        self._lock = threading.Lock()
 
     @classmethod
     def of(cls, entries: dict[str, Entry]) -> TOCEntries:
@@ -150,31 +166,58 @@ class TOCEntries(Mapping[str, Entry]):
 
     def position(self, name: str) -> int | None:
         """The position of ``name`` (an index into :attr:`names`), or None."""
-        return self._index.get(name)
+        index = self._index
+        if index is not None:
+            return index.get(name)
+        srt = self._sorted
+        j = bisect.bisect_left(srt, name)
+        return self._order[j] if j < len(srt) and srt[j] == name else None
+
+    def compact(self) -> None:
+        """Trade speed the mount needed for memory the node keeps: the builder's compact form
+        (:class:`~coldstart.format.toccolumns.TOCColumns`), and a sorted name index in place of
+        the dict (two pointers' worth per name instead of about ten). Once; thread-safe;
+        a few tenths of a second for 200,000 entries."""
+        with self._compact_lock:
+            index = self._index
+            if index is None:
+                return
+            if self._compact is not None:
+                self._compact()
+            srt = sorted(index)
+            self._order = array("q", map(index.__getitem__, srt))
+            self._sorted = srt
+            self._index = None
 
     def at(self, i: int) -> Entry:
         """The entry at position ``i``."""
-        e = self._built[i]
+        if self._built is not None:
+            return self._built[i]  # type: ignore[return-value]
+        e = self._made.get(i)
         if e is None:
+            if not 0 <= i < len(self.names):
+                raise IndexError(i)
             made = self._make(i)
             with self._lock:
-                e = self._built[i]
+                e = self._made.get(i)
                 if e is None:
-                    e = self._built[i] = made
+                    if len(self._made) >= self._keep:
+                        self._made.clear()  # start again: a cheap, bounded cache
+                    e = self._made[i] = made
         return e
 
     def __getitem__(self, name: str) -> Entry:
-        i = self._index.get(name)
+        i = self.position(name)
         if i is None:
             raise KeyError(name)
         return self.at(i)
 
     def get(self, name: str, default: Entry | None = None) -> Entry | None:  # type: ignore[override]
-        i = self._index.get(name)
+        i = self.position(name)
         return default if i is None else self.at(i)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._index
+        return isinstance(name, str) and self.position(name) is not None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
@@ -293,6 +336,11 @@ class TOC:
     def get(self, name: str) -> Entry | None:
         """The entry called ``name`` (normalized), or None."""
         return self.entries.get(name)
+
+    def compact(self) -> None:
+        """Keep the entries in their compact form from now on (:meth:`TOCEntries.compact`):
+        for a TOC that lives long, as a mounted layer's does."""
+        self.entries.compact()
 
     def __len__(self) -> int:
         return len(self.entries)

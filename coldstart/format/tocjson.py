@@ -34,6 +34,7 @@ from coldstart.format.toc import (
     TOCEntries,
     normalize_name,
 )
+from coldstart.format.toccolumns import TOCColumns
 
 __all__ = ["MAX_TOC_SIZE", "encode_toc", "entry_json", "parse_toc"]
 
@@ -301,6 +302,7 @@ _INT_KEYS = ("size", "mode", "uid", "gid", "devMajor", "devMinor", "offset", "en
              "chunkOffset", "chunkSize", "innerOffset")
 _STR_KEYS = ("linkName", "userName", "groupName", "chunkType")
 _FAST_TYPES = ENTRY_TYPES | {"chunk"}
+_INT_END = 1 << 63
 # a "." or ".." component (names are joined with NUL, which no valid name holds)
 _DOT_COMPONENT = re.compile(r"(?<![^/\0])\.\.?(?![^/\0])")
 _HEX = b"0123456789abcdef"
@@ -338,7 +340,8 @@ def _clean_names(joined: str) -> bool:
 
 
 def _ints_ok(col: list[Any]) -> bool:
-    return not col or (set(map(type, col)) == {int} and min(col) >= 0)
+    """Every item an int, none negative, all within 64 bits (what TOCColumns stores)."""
+    return not col or (set(map(type, col)) == {int} and min(col) >= 0 and max(col) < _INT_END)
 
 
 def _parse_fast(raws: list[Any], format: str, data_end: int, exact_frames: bool) -> TOC | None:
@@ -349,21 +352,30 @@ def _parse_fast(raws: list[Any], format: str, data_end: int, exact_frames: bool)
     joined = "\0".join(names)              # TypeError for a name that is not a string
     if joined.count("\0") != n - 1 or not _clean_names(joined):
         return None
+    # the names are kept, the decoder's objects are not: made again here, the names sit apart
+    # from those objects in memory, which can then be given back to the system
+    names = joined.split("\0")
     types = [r.get("type") for r in raws]
     tset = set(types)
     if not tset <= _FAST_TYPES:
         return None
     keys: set[str] = set().union(*raws)
+    # each field as a column of ``raws`` (what the checks below read, kept for the columns
+    # of the TOC when no chunk entries make those differ from ``raws``)
+    cols: dict[str, list[Any]] = {}
     for k in _INT_KEYS:
-        if k in keys and not _ints_ok([r.get(k, 0) for r in raws]):
-            return None
+        if k in keys:
+            col = cols[k] = [r.get(k, 0) for r in raws]
+            if not _ints_ok(col):
+                return None
     for k in _STR_KEYS:
         if k in keys and set(map(type, [r.get(k, "") for r in raws])) != {str}:
             return None
     digests: list[Any] = []
     if "digest" in keys:
-        digests = [d for d in [r.get("digest") for r in raws] if d is not None]
-    modtimes = [r.get("modtime", _ZERO_TIME) for r in raws]
+        cols["digest"] = [r.get("digest") for r in raws]
+        digests = [d for d in cols["digest"] if d is not None]
+    modtimes = cols["modtime"] = [r.get("modtime", _ZERO_TIME) for r in raws]
     if set(map(type, modtimes)) != {str}:
         return None
     mtimes = {s: parse_rfc3339(s) for s in set(modtimes)}  # FormatError: the strict path names it
@@ -489,46 +501,23 @@ def _parse_fast(raws: list[Any], format: str, data_end: int, exact_frames: bool)
     all_names = enames + synth if synth else list(enames)
     etypes += ["dir"] * len(synth)
 
-    get_raw = eraws.__getitem__
-    new_chunk = Chunk
-    new_entry = Entry
-
-    def make(i: int) -> Entry:
-        # positional arguments throughout: this runs once per entry looked up
-        name = all_names[i]
-        if i >= m:
-            return new_entry(name, "dir", 0, 0o755)
-        r = get_raw(i)
-        t = etypes[i]
-        get = r.get
-        size = 0
-        digest = None
-        cs: list[Chunk] = []
-        if t == "reg":
-            size = get("size", 0)
-            digest = get("digest")
-            if i in chunks:
-                cs = list(chunks[i])
-            elif size > 0:
-                if get("chunkType") == "zeros":
-                    cs = [new_chunk(0, 0, 0, size, get("chunkDigest") or "", 0, True, False,
-                                    name)]
-                else:
-                    off = get("offset", 0)
-                    end = get("endOffset", 0)
-                    inner = get("innerOffset", 0)
-                    cs = [new_chunk(off, end or _next_start(starts, off, data_end), 0, size,
-                                    r["chunkDigest"], inner, False,
-                                    exact_frames and end != 0 and inner == 0, name)]
-        return new_entry(
-            name, t, size, get("mode", 0) & MODE_PERM_MASK, get("uid", 0), get("gid", 0),
-            unames[i] if unames is not None else "", gnames[i] if gnames is not None else "",
-            mtimes[get("modtime", _ZERO_TIME)],
-            links[i] if i in links else get("linkName", ""), get("devMajor", 0),
-            get("devMinor", 0), dict(xattrs[i]) if i in xattrs else {}, digest, cs)
-
-    return TOC(format, TOCEntries(all_names, make, etypes, index=index), enames, prefetch,
+    etypes = _shared_types(etypes)
+    columns = TOCColumns(eraws, all_names, etypes, keys=keys,
+                         cols=cols if eraws is raws else {}, mtimes=mtimes,
+                         zero_time=_ZERO_TIME, unames=unames, gnames=gnames, links=links,
+                         xattrs=xattrs, chunks=chunks, starts=starts, data_end=data_end,
+                         exact_frames=exact_frames)
+    return TOC(format, TOCEntries(all_names, columns.entry, etypes, index=index,
+                                  compact=columns.compact), enames, prefetch,
                total_size=total)
+
+
+_TYPES = {t: t for t in ENTRY_TYPES}
+
+
+def _shared_types(types: list[str]) -> list[str]:
+    """``types`` as the module's own strings (the decoder makes one string per entry)."""
+    return [_TYPES[t] for t in types]
 
 
 def _carried(eraws: list[dict[str, Any]], key: str, idkey: str) -> list[str] | None:

@@ -33,6 +33,7 @@ import logging
 import os
 import stat
 import threading
+from array import array
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
@@ -62,6 +63,11 @@ _HIDDEN = {PREFETCH_LANDMARK, NO_PREFETCH_LANDMARK}
 #: Top-level (per layer) names come and go; the kernel re-checks them after this long.
 _TOP_ENTRY_TIMEOUT = 1.0
 _BLKSIZE = 128 << 10
+#: What a layer keeps of the answers it worked out (attributes, directory children and
+#: listings, xattrs): this many items each, then it starts again. The kernel caches what it
+#: was told for as long as the timeouts say; these bound the server's memory when something
+#: walks a layer of hundreds of thousands of files.
+KEEP_ANSWERS = 8192
 _DEBUG = os.environ.get("COLDSTART_FUSE_DEBUG") == "1"
 #: the ``kind`` an unexpected handler exception is counted under
 INTERNAL_ERROR = "internal"
@@ -91,7 +97,8 @@ class LayerTree:
     root's own TOC position) are never returned by lookup or readdir.
 
     ``entries``, ``children``, ``listing``, ``xattrs``, ``nlink`` and ``parents`` index by
-    slot or inode like the lists and dicts they once were.
+    slot or inode like the lists and dicts they once were. What is worked out is kept up to
+    :data:`KEEP_ANSWERS` items each (:meth:`remember`), so memory stays bounded.
     """
 
     def __init__(self, key: str, base: int, reader: LayerReader) -> None:
@@ -113,8 +120,9 @@ class LayerTree:
         self._links: dict[int, int] = {}
         self._extra_links: dict[int, int] = {}
         self._synth: dict[int, Entry] = {}
-        self._kids_by_parent: dict[str, list[int]] | None = None
+        self._kids_by_parent: dict[str, array[int]] | None = None
         self._kids: dict[int, dict[bytes, int]] = {}
+        self._kids_held = 0
         self._nlink: dict[int, int] = {}
         self._listing: dict[int, list[tuple[bytes, int]]] = {}
         self._xattrs: dict[int, dict[bytes, bytes]] = {}
@@ -224,20 +232,20 @@ class LayerTree:
 
     # -- directories -----------------------------------------------------------------------
 
-    def _by_parent(self) -> dict[str, list[int]]:
+    def _by_parent(self) -> dict[str, array[int]]:
         kids = self._kids_by_parent
         if kids is None:
             with self._lock:
                 kids = self._kids_by_parent
                 if kids is None:
                     kids = {}
-                    for p, n in enumerate(self._names):
+                    for p, n in enumerate(self._names, 1):
                         parent = n.rpartition("/")[0]
                         got = kids.get(parent)
                         if got is None:
-                            kids[parent] = [p + 1]
+                            kids[parent] = array("q", (p,))
                         else:
-                            got.append(p + 1)
+                            got.append(p)
                     self._kids_by_parent = kids
         return kids
 
@@ -268,6 +276,11 @@ class LayerTree:
             if real is None and self._types[s - 1] == "dir":
                 subdirs += 1
         self._nlink[slot] = 2 + subdirs
+        self._kids_held += len(kids)
+        if self._kids_held > KEEP_ANSWERS:
+            self._kids.clear()
+            self._listing.clear()
+            self._kids_held = len(kids)
         self._kids[slot] = kids
         return kids
 
@@ -278,6 +291,14 @@ class LayerTree:
             got = self._listing[inode] = sorted((self.kids(inode) or {}).items())
         return got
 
+    @staticmethod
+    def remember(cache: dict[int, _V], key: int, value: _V) -> _V:
+        """``cache[key] = value``, emptying ``cache`` first when it holds KEEP_ANSWERS."""
+        if len(cache) >= KEEP_ANSWERS:
+            cache.clear()
+        cache[key] = value
+        return value
+
     def xattrs_of(self, inode: int) -> dict[bytes, bytes]:
         got = self._xattrs.get(inode)
         if got is None:
@@ -286,7 +307,7 @@ class LayerTree:
             got = {os.fsencode(k): v for k, v in e.xattrs.items()}
             if self._type(slot) == "dir" and self._shown_name(slot) in self._opaque:
                 got[_OPAQUE_XATTR] = b"y"
-            self._xattrs[inode] = got
+            self.remember(self._xattrs, inode, got)
         return got
 
 
@@ -502,8 +523,7 @@ class FuseFS(pyfuse3.Operations):
         else:
             a.entry_timeout = self.entry_timeout
         a.attr_timeout = self.attr_timeout
-        tree.attrs[inode] = a
-        return a
+        return tree.remember(tree.attrs, inode, a)
 
     def _negative(self) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()

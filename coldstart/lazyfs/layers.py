@@ -26,12 +26,16 @@ from typing import Any
 
 import trio
 
+from coldstart.cache import ChunkCache
 from coldstart.errors import AlreadyExists, ColdstartError, FailedPrecondition, NotFound
+from coldstart.format.toc import TOC
 from coldstart.lazyfs.fusefs import FuseFS, LayerTree, build_tree, store_pages
+from coldstart.lazyfs.memory import give_back_freed_memory
 from coldstart.lazyfs.mountstate import MountRecord, MountState
 from coldstart.lazyfs.mountsys import bind_mount, is_mountpoint, lazy_unmount
 from coldstart.lazyfs.pagecache import PageCacheWarmer
 from coldstart.lazyfs.reader import LayerReader
+from coldstart.lazyfs.reclaim import reclaim_layer
 from coldstart.lazyfs.resolver import LayerResolver
 from coldstart.lazyfs.spec import LayerSpec
 from coldstart.prefetch.recorder import AccessRecorder
@@ -52,6 +56,14 @@ def _sizes(reader: LayerReader) -> Callable[[str], int | None]:
         e = entries.get(name)
         return None if e is None else e.size
     return size
+
+
+def _index_then_trim(reader: LayerReader) -> None:
+    """After a mount: the TOC in its compact form, the layer's neighbour index, and the TOC
+    parsing's garbage given back (a 200,000-file layer: about a second, 300 MB -> 80 MB)."""
+    reader.layer.toc.compact()
+    reader.warm_index()
+    give_back_freed_memory()
 
 
 @dataclass
@@ -144,7 +156,7 @@ class LayerTable:
             if created:
                 # the layer's tables live as long as it does: keep the collector off them
                 gc.freeze()
-                threading.Thread(target=reader.warm_index, daemon=True,
+                threading.Thread(target=_index_then_trim, args=(reader,), daemon=True,
                                  name=f"index-{layer.key}").start()
             if created and (reader.wants_prefetch or reader.background_rate > 0):
                 threading.Thread(target=reader.prefetch_then_rest, daemon=True,
@@ -152,11 +164,23 @@ class LayerTable:
             log.info("mounted layer %s (%s) at %s%s", spec.digest, spec.reference, mountpoint,
                      " (restored)" if restoring else "")
 
-    def _drop_layer(self, digest: str) -> None:
+    def _drop_layer(self, digest: str, *, reclaim: bool = False) -> None:
+        """Forget a layer no mountpoint serves (its reader stops: prefetch, fill, stream);
+        ``reclaim``: then remove the chunks only it had from the cache, in a thread."""
         layer = self.layers.pop(digest, None)
         if layer is not None:
             self._stopped.pop(layer.key, None)
             self.fs.remove(layer.key)
+            cache = layer.tree.reader.cache
+            if reclaim and isinstance(cache, ChunkCache):
+                threading.Thread(target=reclaim_layer,
+                                 args=(cache, layer.tree.toc, self._mounted_tocs),
+                                 kwargs={"what": f"layer {digest} (unmounted)"}, daemon=True,
+                                 name=f"reclaim-{layer.key}").start()
+
+    def _mounted_tocs(self) -> list[TOC]:
+        """The TOCs of the layers served now (any thread)."""
+        return [layer.tree.toc for layer in list(self.layers.values())]
 
     async def unmount(self, mountpoint: str) -> None:
         """Undo :meth:`mount` (lazily: open files keep working until closed)."""
@@ -169,7 +193,8 @@ class LayerTable:
             del self.mounts[mountpoint]
             cur.layer.mountpoints.discard(mountpoint)
             if not cur.layer.mountpoints:
-                self._drop_layer(cur.spec.digest)
+                # its last snapshot is gone (containerd removed the image): its chunks too
+                self._drop_layer(cur.spec.digest, reclaim=True)
             await trio.to_thread.run_sync(self.state.remove, mountpoint)
             log.info("unmounted %s", mountpoint)
 

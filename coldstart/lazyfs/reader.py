@@ -24,7 +24,8 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -105,6 +106,35 @@ STREAM_REQUEST = 8 << 20
 STREAM_STREAMS = 4
 
 
+class _SmallChunks:
+    """The chunks of a layer's small files (``size <= limit``) in blob order, as three arrays
+    (blob offset, entry position, chunk number): a few bytes per file where a list of Chunk
+    objects cost a few hundred; :meth:`between` makes the chunks asked for."""
+
+    __slots__ = ("_entries", "_k", "_offsets", "_positions")
+
+    def __init__(self, layer: SeekableLayer, limit: int) -> None:
+        self._entries = entries = layer.toc.entries
+        found = sorted((c.offset, c.inner_offset, p, k)
+                       for p, e in enumerate(entries.values())
+                       if e.type == "reg" and e.size <= limit
+                       for k, c in enumerate(e.chunks) if not c.zeros)
+        self._offsets = array("q", [f[0] for f in found])
+        self._positions = array("q", [f[2] for f in found])
+        self._k = array("q", [f[3] for f in found])
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def between(self, start: int, end: int) -> Iterator[Chunk]:
+        """The chunks whose blob offset is in ``[start, end)``, in blob order."""
+        offsets, at = self._offsets, self._entries.at
+        i = bisect.bisect_left(offsets, start)
+        while i < len(offsets) and offsets[i] < end:
+            yield at(self._positions[i]).chunks[self._k[i]]
+            i += 1
+
+
 @dataclass(slots=True)
 class PartialRead:
     """A read the FUSE loop could not serve from the cache alone: its chunks (mapped once)
@@ -152,8 +182,7 @@ class LayerReader:
         # the small files' chunks in blob order (neighbour windows), built on first need or by
         # warm_index() in a thread after the mount: building it touches every entry of the
         # TOC, which the mount itself must not pay for (200,000 entries: about a second)
-        self._small: list[Chunk] | None = None
-        self._small_offsets: list[int] = []
+        self._small: _SmallChunks | None = None
         self._small_lock = threading.Lock()
         self.stats = LayerStats()
         self.target = FetchTarget(digest, layer, source, self.stats)
@@ -325,21 +354,15 @@ class LayerReader:
             self._probe_hits = set()
         return out
 
-    def warm_index(self) -> tuple[list[Chunk], list[int]]:
-        """The small files' chunks in blob order and their offsets (built once)."""
+    def warm_index(self) -> _SmallChunks:
+        """The small files' chunks in blob order (built once)."""
         small = self._small
         if small is None:
             with self._small_lock:
                 if self._small is None:
-                    limit = self.small_file_bytes
-                    chunks = sorted((c for e in self.layer.toc.entries.values()
-                                     if e.type == "reg" and e.size <= limit
-                                     for c in e.chunks if not c.zeros),
-                                    key=lambda c: (c.offset, c.inner_offset))
-                    self._small_offsets = [c.offset for c in chunks]
-                    self._small = chunks
+                    self._small = _SmallChunks(self.layer, self.small_file_bytes)
                 small = self._small
-        return small, self._small_offsets
+        return small
 
     def _note_small(self, chunks: list[Chunk]) -> None:
         """A small file was read: count it if the last miss's window brought it."""
@@ -370,11 +393,7 @@ class LayerReader:
         """Small files' chunks stored in ``[start, end)`` that are neither cached nor in
         ``seen``."""
         out: list[Chunk] = []
-        small, offsets = self.warm_index()
-        i = bisect.bisect_left(offsets, start)
-        while i < len(small) and small[i].offset < end:
-            c = small[i]
-            i += 1
+        for c in self.warm_index().between(start, end):
             if c not in seen and not self._is_cached(c):
                 seen.add(c)
                 out.append(c)
@@ -805,14 +824,16 @@ class LayerReader:
         and never end (it is skipped)."""
         cache = self.cache
         limit = getattr(cache, "max_bytes", None)
-        used = getattr(cache, "total_bytes", None)
-        if cache is None or not isinstance(limit, int) or not callable(used):
+        used = getattr(cache, "total_bytes", None)     # ChunkCache's is a property
+        if callable(used):
+            used = used()
+        if cache is None or not isinstance(limit, int) or not isinstance(used, int):
             return True
         missing = sum(c.chunk_size for c in todo if not self._is_cached(c))
-        if used() + missing <= limit:
+        if used + missing <= limit:
             return True
         log.warning("layer %s: %s skipped: %d more bytes do not fit in the chunk cache "
-                    "(%d of cache.max_bytes %d used)", self.digest, what, missing, used(), limit)
+                    "(%d of cache.max_bytes %d used)", self.digest, what, missing, used, limit)
         self.stats.record_error(f"{what} skipped: it does not fit in the chunk cache "
                                 "(raise cache.max_bytes)")
         return False

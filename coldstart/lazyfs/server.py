@@ -20,7 +20,6 @@ any mount or socket, when another holds it or something already answers on its c
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import logging
 import os
@@ -47,6 +46,7 @@ from coldstart.lazyfs.fusefs import (
     set_read_ahead,
 )
 from coldstart.lazyfs.layers import LayerTable
+from coldstart.lazyfs.memory import keep_freed_memory
 from coldstart.lazyfs.metrics import FuseMetrics
 from coldstart.lazyfs.mountstate import MountRecord, MountState
 from coldstart.lazyfs.mountsys import lazy_unmount
@@ -343,31 +343,3 @@ class _Handler:
     def profile(self) -> list[dict[str, Any]]:
         return self.layers.profile()
 
-
-#: glibc's mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-
-
-def keep_freed_memory() -> None:
-    """Let glibc keep the memory of freed chunks for the next ones.
-
-    The data path allocates and frees a few MiB per chunk (compressed bytes, decoded bytes).
-    By default glibc maps blocks this large with ``mmap`` and gives freed heap tops back to the
-    kernel, so every chunk lands in fresh pages that fault in one by one (and, on a VM with free
-    page reporting, are backed by the host again). Kept: blocks up to 32 MiB come from the
-    heap (glibc's limit for the threshold is 32 MiB), and up to 256 MiB of freed heap stays with
-    the process. ``COLDSTART_MALLOC_TUNE=0``
-    leaves glibc's defaults. Not glibc (musl): nothing to do.
-    """
-    if os.environ.get("COLDSTART_MALLOC_TUNE", "1") == "0":
-        return
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return
-    for param, value in ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 256 << 20),
-                         (_M_TOP_PAD, 16 << 20)):
-        if not mallopt(ctypes.c_int(param), ctypes.c_int(value)):
-            log.warning("glibc refused mallopt(%d, %d): chunk buffers may be mapped afresh "
-                        "each time", param, value)

@@ -141,6 +141,20 @@ def cpu_seconds(pid: int | None) -> float:
     return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
+def peak_rss_bytes(pid: int | None) -> int:
+    """The peak resident memory of ``pid`` (``VmHWM``) in bytes; 0 when it is gone."""
+    if pid is None:
+        return 0
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def read_pid(pidfile: Path) -> int | None:
     """The pid written in ``pidfile``, or None when there is none (yet)."""
     try:

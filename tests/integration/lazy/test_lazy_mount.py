@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import random
 import signal
 import stat
 from pathlib import Path
@@ -28,6 +29,7 @@ from coldstart.lazyfs.metrics import (
 )
 from coldstart.lazyfs.mountsys import is_mountpoint
 from coldstart.lazyfs.reader import NEIGHBOR_BYTES
+from coldstart.lazyfs.reclaim import chunk_digests
 from coldstart.lazyfs.spec import LayerSpec
 from tests.fixtures.procs import free_port, wait_for
 from tests.fixtures.registry import Registry
@@ -40,6 +42,7 @@ from tests.integration.lazy.lazy_helpers import (
     in_cache,
     metadata_tar,
     push_layer,
+    tar_of,
 )
 from tests.integration.lazy.lazy_proxy import Proxy
 
@@ -255,3 +258,34 @@ def test_control_socket_rejects_bad_requests(server: Server) -> None:
     assert [r["ok"] for r in replies] == [False, False, False]
     assert all(r["error"]["kind"] == "InvalidArgument" for r in replies)
     assert client.ping()["pid"] > 0
+
+
+def test_unmounting_the_last_mount_of_a_layer_gives_its_cache_space_back(
+        server: Server, proxy: Proxy) -> None:
+    """containerd removing an image's snapshots unmounts its layers: the chunks only they had
+    leave the node's cache, the ones a mounted layer shares stay."""
+    _, client, tmp = server
+    rnd = random.Random(15)
+    shared = rnd.randbytes(300_000)
+    a_files = {"app/a.bin": rnd.randbytes(400_000), "lib/shared.so": shared}
+    b_files = {"srv/b.bin": rnd.randbytes(200_000), "usr/lib/shared.so": shared}
+    a, b = SourceTree(tar_of(a_files), a_files), SourceTree(tar_of(b_files), b_files)
+    mp_a, spec_a, blob_a = _mount(server, proxy, a, "zstd:chunked", "lazy/reclaim-a")
+    mp_b, spec_b, blob_b = _mount(server, proxy, b, "zstd:chunked", "lazy/reclaim-b")
+    for mp, t in ((mp_a, a), (mp_b, b)):
+        for name, data in t.files.items():
+            assert (mp / name).read_bytes() == data
+    toc_a = open_layer(BytesReadAt(blob_a), annotations=spec_a.annotations).toc
+    toc_b = open_layer(BytesReadAt(blob_b), annotations=spec_b.annotations).toc
+    only_a = chunk_digests(toc_a) - chunk_digests(toc_b)
+    kept = chunk_digests(toc_b)
+    assert only_a and kept & chunk_digests(toc_a)
+    cache_dir = tmp / "root/cache"
+    wait_for(lambda: all(in_cache(cache_dir, d) for d in only_a | kept), timeout=30,
+             what="the chunks read written to the cache")
+    client.unmount(str(mp_a))
+    wait_for(lambda: not any(in_cache(cache_dir, d) for d in only_a), timeout=30,
+             what="the unmounted layer's own chunks removed")
+    assert all(in_cache(cache_dir, d) for d in kept)
+    for name, data in b.files.items():                    # b reads on, shared file included
+        assert (mp_b / name).read_bytes() == data

@@ -15,7 +15,8 @@ _path = st.lists(_seg, min_size=1, max_size=3).map("/".join)
 _node = st.one_of(
     st.tuples(st.just("reg"), st.binary(max_size=20_000) | st.integers(0, 30_000).map(bytes)),
     st.tuples(st.just("dir"), st.none()),
-    st.tuples(st.just("symlink"), st.text(max_size=30)),
+    # (a NUL in a link name is refused, as Go's archive/tar does: test_fuzz_tar_input)
+    st.tuples(st.just("symlink"), st.text(max_size=30).filter(lambda s: "\x00" not in s)),
     st.tuples(st.just("fifo"), st.none()),
     st.tuples(st.just("char"), st.tuples(st.integers(0, 255), st.integers(0, 255))),
     st.tuples(st.just("xattr"), st.dictionaries(st.sampled_from(["user.a", "user.b", "trusted.x"]),

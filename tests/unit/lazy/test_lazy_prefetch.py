@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from coldstart.cache import ChunkCache
 from coldstart.lazyfs import reader as reader_module
-from coldstart.lazyfs.fetcher import DEMAND, FILL, PREFETCH
+from coldstart.lazyfs.fetcher import DEMAND, FILL, PREFETCH, ChunkFetcher
 from coldstart.lazyfs.reader import _growing_batches
 from coldstart.prefetch.recorder import AccessRecorder
 from tests.integration.lazy.lazy_helpers import metadata_tar
@@ -237,3 +238,13 @@ def test_touched_chunks_match_a_scan_of_the_whole_layer(tmp_path: Path) -> None:
         assert reader._touched_chunks() == want
         if trial % 2 == 0:
             assert all(c.end_offset <= span for c in want)
+
+
+def test_a_fill_that_does_not_fit_in_the_cache_is_skipped_and_says_why(tmp_path: Path) -> None:
+    tree = metadata_tar()
+    small = ChunkCache(tmp_path / "small", max_bytes=64 << 10)    # the layer holds more
+    fetcher = ChunkFetcher(small, concurrency=2, request_timeout=5.0)
+    reader, src, _ = make(tmp_path, "zstd:chunked", tar=tree.tar, fetcher=fetcher)
+    reader.background_rate = 1 << 40
+    assert reader.fetch_rest() == 0 and src.counting.requests == 0
+    assert "does not fit in the chunk cache" in reader.stats.last_error
