@@ -40,6 +40,11 @@ def fuse_server(config_path: str | None, root: str | None, socket_path: str | No
                 metrics_address: str | None) -> None:
     """Serve lazily pulled layers over FUSE; restore persisted mounts at start.
 
+    A holder process keeps the FUSE connection open; a server started while its dead
+    predecessor's connection is still held takes it over, so running containers keep their
+    mounts and no read fails. SIGTERM/SIGINT: unmount and exit. SIGUSR2: exit and leave the
+    mounts to the next server (an upgrade).
+
     Refuses to start (exit status 5, nothing touched) when another fuse-server serves the same
     root or already answers on the control socket. Logs at the config's log_level unless
     --log-level/--debug (or COLDSTART_FUSE_DEBUG=1, which the snapshotter passes on) says

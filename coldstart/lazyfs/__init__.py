@@ -6,6 +6,8 @@ control-socket client the snapshotter uses), ``server`` (the FUSE server process
 lifecycle), ``layers`` (the layer table: mount/check/unmount, bind mounts, restore), ``resolver``
 (layer spec -> verified TOC and layer reader), ``fusefs`` (the file system), ``reader`` and
 ``fetcher`` (the data path), ``mountstate`` and ``mountsys`` (persisted mounts, mount syscalls),
-``metrics``. Nothing is imported here: the snapshotter imports ``spec``, ``client`` and ``control``
-without pulling in pyfuse3 or trio.
+``holder`` and ``handover`` (the process that keeps the FUSE connection open, and the takeover
+of a dead server's connection), ``reclaim`` (an unmounted layer's cache space), ``memory``
+(glibc's heap), ``metrics``. Nothing is imported here: the snapshotter imports ``spec``,
+``client`` and ``control`` without pulling in pyfuse3 or trio.
 """

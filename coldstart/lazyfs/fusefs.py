@@ -419,11 +419,13 @@ class FuseFS(pyfuse3.Operations):
 
     # -- layer table -----------------------------------------------------------------------
 
-    def allocate(self, count: int) -> int:
-        """Reserve ``count`` inode numbers for a new layer (never reused)."""
+    def allocate(self, count: int, base: int | None = None) -> int:
+        """Reserve ``count`` inode numbers for a new layer (never reused): the next free ones,
+        or from ``base`` (a layer a predecessor served there; later ones come after it)."""
         with self._alloc_lock:
-            base = self._next_base
-            self._next_base += count + 1
+            if base is None:
+                base = self._next_base
+            self._next_base = max(self._next_base, base + count + 1)
             return base
 
     def add(self, tree: LayerTree) -> None:

@@ -104,10 +104,16 @@ class LayerTable:
             lock = self._locks[mountpoint] = trio.Lock()
         return lock
 
-    async def mount(self, mountpoint: str, spec: LayerSpec, *, restoring: bool = False) -> None:
-        """Serve ``spec``'s layer at ``mountpoint`` (idempotent for the same layer)."""
+    async def mount(self, mountpoint: str, spec: LayerSpec, *, restoring: bool = False,
+                    key: str | None = None, base: int | None = None) -> None:
+        """Serve ``spec``'s layer at ``mountpoint`` (idempotent for the same layer).
+
+        ``key`` and ``base``: the layer's name in the FUSE mount and first inode number, as a
+        predecessor whose connection we took over served it; the bind at ``mountpoint`` is
+        then that predecessor's and still good (kept)."""
         if self._stopping:
             raise FailedPrecondition("the FUSE server is shutting down")
+        taken_over = restoring and key is not None and base is not None
         async with self._lock(mountpoint):
             cur = self.mounts.get(mountpoint)
             if cur is not None:
@@ -122,16 +128,23 @@ class LayerTable:
                                               layer.tree.reader.layer.toc_digest)
             else:
                 reader = await trio.to_thread.run_sync(self.resolver.open, spec)
-                self._generation += 1
-                key = f"{spec.digest.rpartition(':')[2][:16]}-{self._generation}"
-                base = self.fs.allocate(len(reader.layer.toc.entries) + 1)
+                if key is None or base is None:
+                    self._generation += 1
+                    key = f"{spec.digest.rpartition(':')[2][:16]}-{self._generation}"
+                    base = None
+                else:
+                    gen = key.rpartition("-")[2]
+                    if gen.isdigit():
+                        self._generation = max(self._generation, int(gen))
+                base = self.fs.allocate(len(reader.layer.toc.entries) + 1, base)
                 tree = await trio.to_thread.run_sync(build_tree, key, base, reader)
                 layer = _Layer(key, tree)
                 if self._record_new:
                     reader.recorder = AccessRecorder()
-                if self._page_cache:
+                if self._page_cache and not taken_over:
                     # the prefetch and a big file's stream hand their chunks to the page
-                    # cache (the warmer starts its thread on the first chunk)
+                    # cache (the warmer starts its thread on the first chunk; not while the
+                    # connection we take over is not ours yet: nothing may write to it)
                     reader.page_cache = PageCacheWarmer(
                         self.fuse_dir / key, _sizes(reader), store_pages, stats=reader.stats,
                         enabled=functools.partial(_not_recording, reader))
@@ -139,19 +152,22 @@ class LayerTable:
                 self.fs.add(tree)
                 created = True
             try:
-                if await trio.to_thread.run_sync(is_mountpoint, mountpoint):
+                bound = await trio.to_thread.run_sync(is_mountpoint, mountpoint)
+                if bound and not taken_over:
                     # not ours (we checked): a dead bind left by a crashed predecessor
                     log.warning("%s: lazily unmounting a stale mount first", mountpoint)
                     await trio.to_thread.run_sync(lazy_unmount, mountpoint)
-                await trio.to_thread.run_sync(bind_mount, str(self.fuse_dir / layer.key),
-                                              mountpoint)
+                if not (bound and taken_over):
+                    await trio.to_thread.run_sync(bind_mount, str(self.fuse_dir / layer.key),
+                                                  mountpoint)
             except BaseException:
                 if created and not layer.mountpoints:
                     self._drop_layer(spec.digest)
                 raise
             layer.mountpoints.add(mountpoint)
             self.mounts[mountpoint] = _Mount(mountpoint, spec, layer)
-            await trio.to_thread.run_sync(self.state.save, mountpoint, spec)
+            await trio.to_thread.run_sync(functools.partial(
+                self.state.save, mountpoint, spec, key=layer.key, base=layer.tree.base))
             reader = layer.tree.reader
             if created:
                 # the layer's tables live as long as it does: keep the collector off them
@@ -256,26 +272,32 @@ class LayerTable:
                         "files": [a.as_dict() for a in rec.accesses()]})
         return out
 
-    async def restore(self, records: list[MountRecord]) -> None:
-        """Mount what a previous server recorded; a failure keeps its record for the next try."""
+    async def restore(self, records: list[MountRecord], *, takeover: bool = False) -> None:
+        """Mount what a previous server recorded; a failure keeps its record for the next try.
+        ``takeover``: we serve the predecessor's FUSE connection: each layer under the name
+        and inodes it had, its binds kept."""
         for rec in records:
-            if not await trio.to_thread.run_sync(os.path.isdir, rec.mountpoint):
+            # (taking over: a bind of ours is never stat'ed, nobody serves it yet)
+            if not (takeover and await trio.to_thread.run_sync(is_mountpoint, rec.mountpoint)
+                    ) and not await trio.to_thread.run_sync(os.path.isdir, rec.mountpoint):
                 # the snapshot was removed while we were down: nothing to restore
                 log.warning("restore %s: the mountpoint is gone; record dropped", rec.mountpoint)
                 await trio.to_thread.run_sync(self.state.remove, rec.mountpoint)
                 continue
             try:
-                await self.mount(rec.mountpoint, rec.spec, restoring=True)
+                await self.mount(rec.mountpoint, rec.spec, restoring=True,
+                                 key=rec.key if takeover else None,
+                                 base=rec.base if takeover else None)
                 log.info("restored %s (%s)", rec.mountpoint, rec.spec.digest)
             except ColdstartError as exc:
                 # keep the record: the next start (or a mount call) tries again
                 log.error("restore %s (%s) failed: %s: %s", rec.mountpoint, rec.spec.digest,
                           type(exc).__name__, exc)
 
-    async def stop(self) -> None:
+    async def stop(self, *, unmount: bool = True) -> None:
         """Refuse further mounts; stop every layer's prefetch and page cache warming (no
         store may reach the FUSE session once it closes); lazily unmount every bind (the
-        records stay, for a restore)."""
+        records stay, for a restore), unless ``unmount`` is off (a successor takes over)."""
         self._stopping = True
         for layer in self.layers.values():
             layer.tree.reader.close()
@@ -283,7 +305,7 @@ class LayerTable:
             warmer = layer.tree.reader.page_cache
             if warmer is not None:
                 await trio.to_thread.run_sync(warmer.join, 5.0)
-        for mp in list(self.mounts):
+        for mp in list(self.mounts) if unmount else []:
             try:
                 await trio.to_thread.run_sync(lazy_unmount, mp)
             except (ColdstartError, OSError) as exc:

@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 class MountRecord:
     mountpoint: str
     spec: LayerSpec
+    #: the layer's directory name in the FUSE mount and its first inode number (a successor
+    #: that takes over the connection must answer for the same ones); None in old records
+    key: str | None = None
+    base: int | None = None
 
 
 class MountState:
@@ -39,10 +43,13 @@ class MountState:
     def _path(self, mountpoint: str) -> Path:
         return self.dir / (hashlib.sha256(mountpoint.encode()).hexdigest()[:32] + ".json")
 
-    def save(self, mountpoint: str, spec: LayerSpec) -> None:
+    def save(self, mountpoint: str, spec: LayerSpec, *, key: str | None = None,
+             base: int | None = None) -> None:
         """Record (or replace) the mount at ``mountpoint``, atomically."""
-        body = json.dumps({"mountpoint": mountpoint, "spec": json.loads(spec.to_json())},
-                          sort_keys=True).encode()
+        doc: dict[str, object] = {"mountpoint": mountpoint, "spec": json.loads(spec.to_json())}
+        if key is not None and base is not None:
+            doc["layer"] = {"key": key, "base": base}
+        body = json.dumps(doc, sort_keys=True).encode()
         path = self._path(mountpoint)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -69,7 +76,12 @@ class MountState:
                 mp = data["mountpoint"]
                 if not isinstance(mp, str):
                     raise InvalidArgument("mountpoint is not a string")
-                out.append(MountRecord(mp, spec))
+                layer = data.get("layer") or {}
+                key, base = layer.get("key"), layer.get("base")
+                if not (isinstance(key, str) and key and "/" not in key
+                        and isinstance(base, int) and not isinstance(base, bool) and base > 1):
+                    key, base = None, None
+                out.append(MountRecord(mp, spec, key, base))
             except (OSError, ValueError, KeyError, TypeError, InvalidArgument) as exc:
                 log.error("mount state %s is unreadable, skipped: %s", path, exc)
         return out

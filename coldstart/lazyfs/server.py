@@ -34,7 +34,7 @@ from coldstart.cache.chunks import ChunkCache
 from coldstart.config import Config
 from coldstart.errors import ColdstartError, FailedPrecondition, InvalidArgument
 from coldstart.files import private_dir
-from coldstart.lazyfs import control
+from coldstart.lazyfs import control, handover
 from coldstart.lazyfs.control import error_payload
 from coldstart.lazyfs.fetcher import ChunkFetcher
 from coldstart.lazyfs.fusefs import (
@@ -45,11 +45,12 @@ from coldstart.lazyfs.fusefs import (
     fuse_terminate,
     set_read_ahead,
 )
+from coldstart.lazyfs.handover import Takeover
 from coldstart.lazyfs.layers import LayerTable
 from coldstart.lazyfs.memory import keep_freed_memory
 from coldstart.lazyfs.metrics import FuseMetrics
 from coldstart.lazyfs.mountstate import MountRecord, MountState
-from coldstart.lazyfs.mountsys import lazy_unmount
+from coldstart.lazyfs.mountsys import is_mountpoint, lazy_unmount
 from coldstart.lazyfs.resolver import LayerResolver
 from coldstart.lazyfs.spec import LayerSpec
 from coldstart.oci.keychain import Keychain
@@ -131,6 +132,7 @@ class FuseServer:
                                  record=config.fuse.record,
                                  page_cache=config.fuse.page_cache)
         self._restored: trio.Event | None = None
+        self._clean_stop = False        # a signal asked us to stop (not a crash)
 
     # -- process lifecycle -----------------------------------------------------------------
 
@@ -181,7 +183,6 @@ class FuseServer:
 
     async def _main(self) -> None:
         self._restored = trio.Event()
-        mounted = False
         try:
             if self.metrics_address:  # first: a bad address must not leave a mount behind
                 try:
@@ -190,6 +191,20 @@ class FuseServer:
                     raise FailedPrecondition(f"cannot serve metrics on {self.metrics_address}: "
                                              f"{exc.strerror or exc}") from exc
             records = self.state.load()
+            # a predecessor's connection, kept alive by the holder: serve it, keep its mounts
+            held = handover.fetch(self.root) if is_mountpoint(str(self.fuse_dir)) else None
+        except BaseException:
+            self._stopped(session=False, unmount=False)
+            raise
+        if held is not None:
+            await self._take_over(held, records)
+        else:
+            await self._start(records)
+
+    async def _start(self, records: list[MountRecord]) -> None:
+        """Mount the FUSE file system afresh, restore the recorded layers, serve."""
+        mounted = held = False
+        try:
             for rec in records:  # binds left by a dead predecessor point at a dead connection
                 with contextlib.suppress(ColdstartError, OSError):
                     lazy_unmount(rec.mountpoint)
@@ -208,25 +223,81 @@ class FuseServer:
             mounted = True
             log.info("FUSE server pid %d: %s mounted, control socket %s", os.getpid(),
                      self.fuse_dir, self.socket_path)
+            held = self._hold()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._fuse_task)
                 nursery.start_soon(self._restore, records)
                 nursery.start_soon(self._serve, listener)
-                await self._wait_signal()
-                self._unlink_socket()
-                await self.layers.stop()
-                fuse_terminate()
-                nursery.cancel_scope.cancel()
+                await self._serve_until_signal(nursery)
         finally:
-            self._unlink_socket()
-            self.fetcher.close()
+            # unmount on a stop asked for; after a crash, a connection the holder keeps is
+            # left to the next server, which takes it over
+            self._stopped(session=mounted, unmount=self._clean_stop or not held)
+
+    async def _take_over(self, held: int, records: list[MountRecord]) -> None:
+        """Serve the connection ``held`` that a dead predecessor left: every recorded layer
+        first, under the name and inodes it had (the requests that wait meanwhile stay
+        queued in the kernel), then the connection itself."""
+        taken = False
+        try:
+            log.info("FUSE server pid %d: taking over the connection of %s", os.getpid(),
+                     self.fuse_dir)
+            listener = self._listen()
+            await self.layers.restore(records, takeover=True)
+            takeover = Takeover(self.fs, held)
+            taken = True
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._fuse_task)
+                nursery.start_soon(takeover.switch)
+                assert self._restored is not None
+                self._restored.set()
+                nursery.start_soon(self._serve, listener)
+                await self._serve_until_signal(nursery)
+        finally:
+            if not taken:
+                os.close(held)
+            self._stopped(session=taken, unmount=self._clean_stop)
+            if taken and self._clean_stop:
+                # a session on /dev/fd/N unmounts nothing itself
+                with contextlib.suppress(ColdstartError, OSError):
+                    lazy_unmount(str(self.fuse_dir))
+
+    def _hold(self) -> bool:
+        """Give the holder a copy of our connection (a failure costs only the takeover)."""
+        fd = handover.find_fuse_fd()
+        try:
+            if fd is None:
+                raise FailedPrecondition("no /dev/fuse descriptor found in this process")
+            handover.hold(fd, self.root)
+            return True
+        except (ColdstartError, OSError) as exc:
+            log.warning("the FUSE connection is not held outside this process (%s): if it "
+                        "dies, running containers lose their lazily mounted layers", exc)
+            return False
+
+    async def _serve_until_signal(self, nursery: trio.Nursery) -> None:
+        # SIGUSR2: hand over (an upgrade): leave the mounts and the connection to the next
+        # server, which takes them over; SIGTERM, SIGINT: stop for good (unmount)
+        self._clean_stop = await self._wait_signal() != signal.SIGUSR2
+        self._unlink_socket()
+        await self.layers.stop(unmount=self._clean_stop)
+        fuse_terminate()
+        nursery.cancel_scope.cancel()
+
+    def _stopped(self, *, session: bool, unmount: bool) -> None:
+        """Close what we opened; ``session``: a FUSE session was started, ``unmount``: end
+        it with the mount (else the holder keeps the connection for a successor)."""
+        self._unlink_socket()
+        self.fetcher.close()
+        with contextlib.suppress(Exception):
+            self.cache.close()
+        if session:
             with contextlib.suppress(Exception):
-                self.cache.close()
-            if mounted:
-                with contextlib.suppress(Exception):
-                    fuse_close(unmount=True)
-            with contextlib.suppress(Exception):
-                self.client.close()
+                fuse_close(unmount=unmount)
+            if unmount:
+                handover.release(self.root)      # unmounted: nothing left to hold
+        with contextlib.suppress(Exception):
+            self.client.close()
         log.info("FUSE server stopped")
 
     def _unlink_socket(self) -> None:
@@ -241,11 +312,16 @@ class FuseServer:
     async def _fuse_task(self) -> None:
         await fuse_main()
 
-    async def _wait_signal(self) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                log.info("signal %d: shutting down", signum)
-                return
+    async def _wait_signal(self) -> int:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR2) as sigs:
+            async for signum in sigs:
+                if signum == signal.SIGUSR2:
+                    log.info("signal %d: exiting, the mounts are left to the next server",
+                             signum)
+                else:
+                    log.info("signal %d: shutting down", signum)
+                return int(signum)
+        raise AssertionError("the signal receiver ended")
 
     def _listen(self) -> trio.SocketListener:
         path = self.socket_path

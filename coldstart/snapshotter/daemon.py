@@ -257,7 +257,24 @@ class RespawningMounter:
         self._retry(lambda: self.client.unmount(mountpoint))
 
 
-def make_mounter(cfg: Config) -> LayerMounter | None:
+#: how often the daemon checks that its FUSE server answers (seconds)
+FUSE_WATCH_INTERVAL = 1.0
+
+
+def watch_fuse_server(cfg: Config, mounter: RespawningMounter) -> None:
+    """Start the FUSE server again if it died: the new one takes over its connection, and
+    the reads of running containers, which wait meanwhile, go on (coldstart.lazyfs.handover).
+    Without this, a server that died would be started only by the next lazy pull."""
+    if not cfg.fuse.spawn or mounter.answers():
+        return
+    log.warning("fuse-server does not answer on %s: starting it again", cfg.fuse.socket)
+    try:
+        ensure_fuse_server(cfg, mounter.answers)
+    except ColdstartError as exc:
+        log.error("fuse-server could not be started again: %s", exc)
+
+
+def make_mounter(cfg: Config) -> RespawningMounter:
     """The one wiring place of the LayerMounter: the FUSE server's client."""
     mounter = RespawningMounter(cfg, FuseServerClient(cfg.fuse.socket, cfg.fuse.request_timeout))
     ensure_fuse_server(cfg, mounter.answers)
@@ -290,7 +307,8 @@ def _serve(cfg: Config, root: str, store: Store, ready: threading.Event | None,
             return {k.word: n for k, n in tx.counts().items()}
 
     metrics = ServiceMetrics(counts)
-    snapshotter = Snapshotter(root, store, make_mounter(cfg), on_remote=metrics.remote_layer)
+    mounter = make_mounter(cfg)
+    snapshotter = Snapshotter(root, store, mounter, on_remote=metrics.remote_layer)
     if cfg.metrics_address:
         serve_metrics(cfg.metrics_address, metrics)
         log.info("metrics on http://%s/metrics", cfg.metrics_address)
@@ -304,8 +322,11 @@ def _serve(cfg: Config, root: str, store: Store, ready: threading.Event | None,
         log.info("told systemd we are ready")
     if ready is not None:
         ready.set()
+    last_check = time.monotonic()
     while not stop.wait(0.5):  # a timed wait lets the signal handler run promptly
-        pass
+        if mounter is not None and time.monotonic() - last_check >= FUSE_WATCH_INTERVAL:
+            watch_fuse_server(cfg, mounter)
+            last_check = time.monotonic()
     log.info("stopping: in-flight requests get %.0f s", cfg.shutdown_grace)
     sd_notify("STOPPING=1")
     server.stop(cfg.shutdown_grace).wait()

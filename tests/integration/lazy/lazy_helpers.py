@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import subprocess
 import tarfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,3 +138,39 @@ def in_cache(cache_dir: Path, digest: str) -> bool:
         return digest in cache
     finally:
         cache.close()
+
+
+class ReadLoop:
+    """Reads every file of ``files`` under ``root`` over and over in a thread (each file's
+    page cache dropped first, so every pass reaches the FUSE server), comparing the bytes:
+    what a container that keeps reading sees. ``stop()`` returns (reads, failures)."""
+
+    def __init__(self, root: Path, files: dict[str, bytes]) -> None:
+        self.root, self.files = root, files
+        self.reads = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="read-loop")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for name, data in self.files.items():
+                try:
+                    fd = os.open(self.root / name, os.O_RDONLY)
+                    try:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                        got = b"".join(iter(lambda fd=fd: os.read(fd, 1 << 20), b""))
+                    finally:
+                        os.close(fd)
+                    if got != data:
+                        self.failures.append(f"{name}: wrong bytes")
+                except OSError as exc:
+                    self.failures.append(f"{name}: {exc}")
+                self.reads += 1
+
+    def stop(self, timeout: float = 60.0) -> tuple[int, list[str]]:
+        self._stop.set()
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "a read never returned"
+        return self.reads, self.failures

@@ -11,6 +11,7 @@ import os
 import random
 import signal
 import stat
+import time
 from pathlib import Path
 
 import httpx
@@ -35,6 +36,7 @@ from tests.fixtures.procs import free_port, wait_for
 from tests.fixtures.registry import Registry
 from tests.integration.lazy.lazy_helpers import (
     MTIME,
+    ReadLoop,
     Server,
     SourceTree,
     convert,
@@ -199,12 +201,31 @@ def test_kill_9_then_restart_restores_mounts(tmp_path: Path, registry: Registry,
         digest = layer.resolve("etc/os-release").chunks[0].digest
         wait_for(lambda: in_cache(root / "cache", digest), timeout=30,
                  what="the chunk written to the cache")
+        # a container keeps reading; a second layer is read cold while the server dies
+        # (all but big.so: the third server below reads that one first)
+        loop = ReadLoop(mp, {n: d for n, d in tree.files.items() if n != "usr/lib/big.so"})
+        wait_for(lambda: loop.reads > 20, timeout=30, what="reads before the kill")
+        cold = metadata_tar(big_size=3 << 20, seed=3)
+        cblob, cres = convert(cold.tar, "zstd:chunked")
+        mp_cold = tmp_path / "cold"
+        mp_cold.mkdir()
+        client.mount(str(mp_cold), push_layer(registry.host, "lazy/restore-cold", cblob, cres))
+        cold_loop = ReadLoop(mp_cold, cold.files)
+        time.sleep(0.05)                              # its first fetches are in flight
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
-        with pytest.raises(OSError):
-            os.listdir(mp)                            # the dead connection
+        killed_at = loop.reads
+        time.sleep(1.0)                               # no server at all: reads wait
         with fuse_server(tmp_path, registry_host=registry.host,
                          log_name="fuse-server-2.log") as (proc2, client2, _):
+            # the successor serves the same connection: nothing was unmounted, nothing failed
+            wait_for(lambda: loop.reads > killed_at + 20, timeout=60,
+                     what="reads served by the successor")
+            wait_for(lambda: cold_loop.reads > len(cold.files), timeout=60,
+                     what="the cold layer read whole")
+            assert loop.stop()[1] == [] and cold_loop.stop()[1] == []
+            assert "took over the FUSE connection" in (tmp_path / "fuse-server-2.log").read_text()
+            client2.unmount(str(mp_cold))
             client2.check(str(mp))
             assert (mp / "usr/bin/sudo").read_bytes() == tree.files["usr/bin/sudo"]
             assert [s["mountpoint"] for s in client2.status()] == [str(mp)]
@@ -289,3 +310,34 @@ def test_unmounting_the_last_mount_of_a_layer_gives_its_cache_space_back(
     assert all(in_cache(cache_dir, d) for d in kept)
     for name, data in b.files.items():                    # b reads on, shared file included
         assert (mp_b / name).read_bytes() == data
+
+
+def test_sigusr2_hands_the_mounts_over_to_the_next_server(tmp_path: Path, registry: Registry,
+                                                         tree: SourceTree) -> None:
+    """An upgrade: the old server exits on SIGUSR2 leaving its mounts; the next one takes the
+    connection over; a reader never sees an error. SIGTERM then unmounts, and the descriptor
+    holder exits with the connection."""
+    blob, res = convert(tree.tar, "zstd:chunked")
+    spec = push_layer(registry.host, "lazy/handover", blob, res)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    with fuse_server(tmp_path, registry_host=registry.host) as (proc, client, root):
+        client.mount(str(mp), spec)
+        loop = ReadLoop(mp, tree.files)
+        wait_for(lambda: loop.reads > 20, timeout=30, what="reads before the handover")
+        holder = root / "fuse-holder.sock"
+        assert holder.exists() and stat.S_IMODE(holder.stat().st_mode) == 0o600
+        os.kill(proc.pid, signal.SIGUSR2)
+        assert proc.wait(30) == 0
+        assert is_mountpoint(str(mp))                 # left mounted, for the successor
+        handed_at = loop.reads
+        with fuse_server(tmp_path, registry_host=registry.host,
+                         log_name="fuse-server-2.log") as (proc2, client2, _):
+            wait_for(lambda: loop.reads > handed_at + 20, timeout=60,
+                     what="reads served by the successor")
+            assert loop.stop()[1] == []
+            assert [s["mountpoint"] for s in client2.status()] == [str(mp)]
+            os.kill(proc2.pid, signal.SIGTERM)
+            assert proc2.wait(30) == 0
+            assert not is_mountpoint(str(mp)) and not is_mountpoint(str(root / "fuse"))
+            wait_for(lambda: not holder.exists(), timeout=10, what="the holder gone")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from coldstart.lazyfs.mountstate import MountState
@@ -33,3 +34,17 @@ def test_unreadable_records_are_skipped(tmp_path: Path) -> None:
     (tmp_path / "broken.json").write_text("{not json")
     (tmp_path / "wrong.json").write_text('{"mountpoint": 5, "spec": {}}')
     assert [r.mountpoint for r in st.load()] == ["/mnt/ok"]
+
+
+def test_the_layer_name_and_inodes_are_kept_for_a_takeover(tmp_path: Path) -> None:
+    st = MountState(tmp_path)
+    st.save("/mnt/a", spec(5), key="abcdef0123456789-3", base=4711)
+    st.save("/mnt/b", spec(6))                       # an older server's record: no layer
+    recs = {r.mountpoint: (r.key, r.base) for r in st.load()}
+    assert recs == {"/mnt/a": ("abcdef0123456789-3", 4711), "/mnt/b": (None, None)}
+    for bad in ({"key": "a/x", "base": 9}, {"key": "k-1", "base": True},
+                {"key": "k-1", "base": 1}, {"key": "", "base": 9}, {"key": 3, "base": 9}):
+        (tmp_path / "odd.json").write_text(json.dumps(
+            {"mountpoint": "/mnt/odd", "spec": json.loads(spec(7).to_json()), "layer": bad}))
+        odd = next(r for r in st.load() if r.mountpoint == "/mnt/odd")
+        assert (odd.key, odd.base) == (None, None), bad  # not trusted: a fresh name instead
