@@ -159,6 +159,7 @@ class ChunkCache:
         self._files = FileStore(self.dir / "sha256", self.dir / "wip", durable=durable)
         self._packs = PackStore(self.dir / "packs", self._ix, pack_bytes=self.pack_bytes,
                                 durable=durable)
+        self._reclaim_lock = threading.Lock()      # one reclaim (pack compaction) at a time
         self._pending: dict[str, bytes] = {}       # hex -> data not yet on disk
         self._pending_bytes = 0
         self._pending_cv = threading.Condition(self._lock)
@@ -624,22 +625,25 @@ class ChunkCache:
         verified and appended to a new pack, then the old pack is unlinked. The pack being
         appended to is sealed first, so it is compacted too. A reader that looks for a moved
         chunk in between finds it a moment later, or misses and fetches it again."""
-        self._packs.stop_appending()
-        touched: set[str] = set()
-        removed = 0
-        for digest in digests:
-            hexd = _hex_of(digest)
+        with self._reclaim_lock:
+            present: list[str] = []
+            touched: set[str] = set()
             with self._lock:
-                present = hexd in self._ix.sizes
-                ent = self._ix.packed.get(hexd)
-                if ent is not None and ent[0].own:
-                    touched.add(ent[0].name)
-            if present:
+                for digest in digests:
+                    hexd = _hex_of(digest)
+                    if hexd in self._ix.sizes:
+                        present.append(hexd)
+                        ent = self._ix.packed.get(hexd)
+                        if ent is not None and ent[0].own:
+                            touched.add(ent[0].name)
+                wpack = self._ix.wpack
+            if wpack is not None and wpack.name in touched:
+                self._packs.stop_appending()
+            for hexd in present:
                 self._drop(hexd)
-                removed += 1
-        for name in touched:
-            self._compact_pack(name)
-        return removed
+            for name in touched:
+                self._compact_pack(name)
+            return len(present)
 
     def _compact_pack(self, name: str) -> None:
         """Move the chunks pack ``name`` still indexes to the current pack, then unlink it."""

@@ -225,8 +225,13 @@ class LayerTree:
         if self._type(slot) == "dir":
             n = self._nlink.get(slot)
             if n is None:
-                self.kids(self.base + slot)
-                n = self._nlink[slot]
+                # counted, not built: readdir asks it of every subdirectory it lists, and
+                # building their children would push the listed directory's out of the cache
+                dirname = self._names[slot - 1] if slot else ""
+                n = 2 + sum(1 for s in self._by_parent().get(dirname, ())
+                            if s not in self._hidden and s not in self._whiteouts
+                            and self._types[s - 1] == "dir")
+                self._nlink[slot] = n
             return n
         return 1 + self._extra_links.get(slot, 0)
 
@@ -418,6 +423,11 @@ class FuseFS(pyfuse3.Operations):
         self._root_attr = self._make_root_attr()
 
     # -- layer table -----------------------------------------------------------------------
+
+    def reserve(self, end: int) -> None:
+        """Never allocate below ``end`` (inode ranges a predecessor used)."""
+        with self._alloc_lock:
+            self._next_base = max(self._next_base, end)
 
     def allocate(self, count: int, base: int | None = None) -> int:
         """Reserve ``count`` inode numbers for a new layer (never reused): the next free ones,

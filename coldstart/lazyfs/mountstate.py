@@ -31,6 +31,7 @@ class MountRecord:
     #: that takes over the connection must answer for the same ones); None in old records
     key: str | None = None
     base: int | None = None
+    end: int | None = None
 
 
 class MountState:
@@ -44,11 +45,12 @@ class MountState:
         return self.dir / (hashlib.sha256(mountpoint.encode()).hexdigest()[:32] + ".json")
 
     def save(self, mountpoint: str, spec: LayerSpec, *, key: str | None = None,
-             base: int | None = None) -> None:
-        """Record (or replace) the mount at ``mountpoint``, atomically."""
+             base: int | None = None, end: int | None = None) -> None:
+        """Record (or replace) the mount at ``mountpoint``, atomically (``key``, ``base``,
+        ``end``: the layer's name in the FUSE mount and its inode range)."""
         doc: dict[str, object] = {"mountpoint": mountpoint, "spec": json.loads(spec.to_json())}
-        if key is not None and base is not None:
-            doc["layer"] = {"key": key, "base": base}
+        if key is not None and base is not None and end is not None:
+            doc["layer"] = {"key": key, "base": base, "end": end}
         body = json.dumps(doc, sort_keys=True).encode()
         path = self._path(mountpoint)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -77,11 +79,12 @@ class MountState:
                 if not isinstance(mp, str):
                     raise InvalidArgument("mountpoint is not a string")
                 layer = data.get("layer") or {}
-                key, base = layer.get("key"), layer.get("base")
-                if not (isinstance(key, str) and key and "/" not in key
-                        and isinstance(base, int) and not isinstance(base, bool) and base > 1):
-                    key, base = None, None
-                out.append(MountRecord(mp, spec, key, base))
+                key, base, end = layer.get("key"), layer.get("base"), layer.get("end")
+                if (isinstance(key, str) and key and "/" not in key
+                        and type(base) is int and type(end) is int and 1 < base < end):
+                    out.append(MountRecord(mp, spec, key, base, end))
+                else:
+                    out.append(MountRecord(mp, spec))
             except (OSError, ValueError, KeyError, TypeError, InvalidArgument) as exc:
                 log.error("mount state %s is unreadable, skipped: %s", path, exc)
         return out

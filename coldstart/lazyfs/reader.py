@@ -819,21 +819,18 @@ class LayerReader:
         return fetched
 
     def _fits_in_cache(self, todo: list[Chunk], what: str = "background fill") -> bool:
-        """Whether the chunks not yet local fit beside what the cache holds: a fill (or a
-        file's stream) that does not would evict the start-up's own chunks, or the file's,
-        and never end (it is skipped)."""
+        """Whether ``todo`` (a layer's or a file's chunks) fits in the cache at all: a fill
+        (or a file's stream) that does not would evict its own chunks and never end (it is
+        skipped). Older chunks of other layers are evicted as usual (LRU)."""
         cache = self.cache
         limit = getattr(cache, "max_bytes", None)
-        used = getattr(cache, "total_bytes", None)     # ChunkCache's is a property
-        if callable(used):
-            used = used()
-        if cache is None or not isinstance(limit, int) or not isinstance(used, int):
+        if cache is None or not isinstance(limit, int):
             return True
-        missing = sum(c.chunk_size for c in todo if not self._is_cached(c))
-        if used + missing <= limit:
+        total = sum(c.chunk_size for c in todo if not c.zeros)
+        if total <= limit:
             return True
-        log.warning("layer %s: %s skipped: %d more bytes do not fit in the chunk cache "
-                    "(%d of cache.max_bytes %d used)", self.digest, what, missing, used, limit)
+        log.warning("layer %s: %s skipped: its %d bytes do not fit in the chunk cache "
+                    "(cache.max_bytes %d)", self.digest, what, total, limit)
         self.stats.record_error(f"{what} skipped: it does not fit in the chunk cache "
                                 "(raise cache.max_bytes)")
         return False

@@ -133,6 +133,7 @@ class FuseServer:
                                  page_cache=config.fuse.page_cache)
         self._restored: trio.Event | None = None
         self._clean_stop = False        # a signal asked us to stop (not a crash)
+        self._held = False              # the holder has our connection
 
     # -- process lifecycle -----------------------------------------------------------------
 
@@ -203,7 +204,7 @@ class FuseServer:
 
     async def _start(self, records: list[MountRecord]) -> None:
         """Mount the FUSE file system afresh, restore the recorded layers, serve."""
-        mounted = held = False
+        mounted = False
         try:
             for rec in records:  # binds left by a dead predecessor point at a dead connection
                 with contextlib.suppress(ColdstartError, OSError):
@@ -223,7 +224,6 @@ class FuseServer:
             mounted = True
             log.info("FUSE server pid %d: %s mounted, control socket %s", os.getpid(),
                      self.fuse_dir, self.socket_path)
-            held = self._hold()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._fuse_task)
                 nursery.start_soon(self._restore, records)
@@ -232,7 +232,7 @@ class FuseServer:
         finally:
             # unmount on a stop asked for; after a crash, a connection the holder keeps is
             # left to the next server, which takes it over
-            self._stopped(session=mounted, unmount=self._clean_stop or not held)
+            self._stopped(session=mounted, unmount=self._clean_stop or not self._held)
 
     async def _take_over(self, held: int, records: list[MountRecord]) -> None:
         """Serve the connection ``held`` that a dead predecessor left: every recorded layer
@@ -243,12 +243,23 @@ class FuseServer:
             log.info("FUSE server pid %d: taking over the connection of %s", os.getpid(),
                      self.fuse_dir)
             listener = self._listen()
-            await self.layers.restore(records, takeover=True)
+            # the layers whose binds are still there, under the names and inodes the kernel
+            # knows; nothing may touch the mount before it is served (that would wait for
+            # us), so the rest are restored afresh once it is
+            ends = [rec.end for rec in records if rec.end is not None]
+            self.fs.reserve(max(ends, default=0))     # never reuse a recorded inode range
+            bound = [rec for rec in records if rec.key is not None and rec.base is not None
+                     and rec.end is not None and is_mountpoint(rec.mountpoint)]
+            await self.layers.restore(bound, takeover=True)
             takeover = Takeover(self.fs, held)
-            taken = True
+            taken = self._held = True
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._fuse_task)
                 nursery.start_soon(takeover.switch)
+                taken_ids = {id(rec) for rec in bound}
+                rest = [rec for rec in records if id(rec) not in taken_ids]
+                if rest:
+                    await self.layers.restore(rest)
                 assert self._restored is not None
                 self._restored.set()
                 nursery.start_soon(self._serve, listener)
@@ -356,6 +367,8 @@ class FuseServer:
             # The kernel caps read-ahead at what FUSE_INIT negotiated (128 KiB); once INIT is
             # done (a stat of the mount waits for it), the bdi setting may be raised.
             await trio.to_thread.run_sync(os.stat, self.fuse_dir)
+            # only now: a successor must never see a connection whose INIT is not done
+            self._held = self._hold()
             if not set_read_ahead(str(self.fuse_dir), self.config.fuse.read_ahead_kb):
                 log.warning("read_ahead_kb of %s not set", self.fuse_dir)
             await self.layers.restore(records)

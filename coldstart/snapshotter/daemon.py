@@ -261,17 +261,18 @@ class RespawningMounter:
 FUSE_WATCH_INTERVAL = 1.0
 
 
-def watch_fuse_server(cfg: Config, mounter: RespawningMounter) -> None:
+def watch_fuse_server(cfg: Config, mounter: RespawningMounter) -> bool:
     """Start the FUSE server again if it died: the new one takes over its connection, and
     the reads of running containers, which wait meanwhile, go on (coldstart.lazyfs.handover).
     Without this, a server that died would be started only by the next lazy pull."""
     if not cfg.fuse.spawn or mounter.answers():
-        return
+        return True
     log.warning("fuse-server does not answer on %s: starting it again", cfg.fuse.socket)
     try:
-        ensure_fuse_server(cfg, mounter.answers)
-    except ColdstartError as exc:
-        log.error("fuse-server could not be started again: %s", exc)
+        return ensure_fuse_server(cfg, mounter.answers)
+    except Exception as exc:      # a full disk, no more processes: tried again later
+        log.error("fuse-server could not be started again: %s: %s", type(exc).__name__, exc)
+        return False
 
 
 def make_mounter(cfg: Config) -> RespawningMounter:
@@ -322,10 +323,12 @@ def _serve(cfg: Config, root: str, store: Store, ready: threading.Event | None,
         log.info("told systemd we are ready")
     if ready is not None:
         ready.set()
-    last_check = time.monotonic()
+    last_check, interval = time.monotonic(), FUSE_WATCH_INTERVAL
     while not stop.wait(0.5):  # a timed wait lets the signal handler run promptly
-        if mounter is not None and time.monotonic() - last_check >= FUSE_WATCH_INTERVAL:
-            watch_fuse_server(cfg, mounter)
+        if time.monotonic() - last_check >= interval:
+            ok = watch_fuse_server(cfg, mounter)
+            # a server that fails to start is tried again less and less often (up to 1 min)
+            interval = FUSE_WATCH_INTERVAL if ok else min(60.0, interval * 2)
             last_check = time.monotonic()
     log.info("stopping: in-flight requests get %.0f s", cfg.shutdown_grace)
     sd_notify("STOPPING=1")

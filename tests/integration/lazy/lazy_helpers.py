@@ -12,6 +12,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from coldstart.cache import ChunkCache
 from coldstart.format.writer import LayerResult, convert_layer
 from coldstart.lazyfs.client import FuseServerClient
@@ -174,3 +176,15 @@ class ReadLoop:
         self._thread.join(timeout)
         assert not self._thread.is_alive(), "a read never returned"
         return self.reads, self.failures
+
+
+def _kernel() -> tuple[int, int]:
+    major, minor = [*os.uname().release.split("."), "0"][:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+#: a successor that takes over a dead FUSE server's connection needs the kernel to resend
+#: the requests the dead one had taken (FUSE_NOTIFY_RESEND, Linux 6.9); before that, a read
+#: in flight at the kill waits until interrupted
+needs_resend = pytest.mark.skipif(_kernel() < (6, 9),
+                                  reason="needs Linux >= 6.9 (FUSE_NOTIFY_RESEND)")

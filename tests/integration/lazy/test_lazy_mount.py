@@ -28,7 +28,7 @@ from coldstart.lazyfs.metrics import (
     LAYER_FETCHED_BYTES,
     READ_SECONDS,
 )
-from coldstart.lazyfs.mountsys import is_mountpoint
+from coldstart.lazyfs.mountsys import is_mountpoint, lazy_unmount
 from coldstart.lazyfs.reader import NEIGHBOR_BYTES
 from coldstart.lazyfs.reclaim import chunk_digests
 from coldstart.lazyfs.spec import LayerSpec
@@ -43,6 +43,7 @@ from tests.integration.lazy.lazy_helpers import (
     fuse_server,
     in_cache,
     metadata_tar,
+    needs_resend,
     push_layer,
     tar_of,
 )
@@ -188,6 +189,7 @@ def test_unmount_and_check(server: Server, proxy: Proxy, tree: SourceTree) -> No
         client.unmount(str(mp))
 
 
+@needs_resend
 def test_kill_9_then_restart_restores_mounts(tmp_path: Path, registry: Registry,
                                              tree: SourceTree) -> None:
     blob, res = convert(tree.tar, "zstd:chunked")
@@ -210,10 +212,16 @@ def test_kill_9_then_restart_restores_mounts(tmp_path: Path, registry: Registry,
         mp_cold = tmp_path / "cold"
         mp_cold.mkdir()
         client.mount(str(mp_cold), push_layer(registry.host, "lazy/restore-cold", cblob, cres))
+        mp_gone = tmp_path / "gone"                  # the same layer, mounted twice
+        mp_gone.mkdir()
+        client.mount(str(mp_gone), spec)
         cold_loop = ReadLoop(mp_cold, cold.files)
         time.sleep(0.05)                              # its first fetches are in flight
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+        # a bind detached while no server runs (the snapshotter's own umount -l does that):
+        # the successor must not touch it before it serves, and binds it again after
+        lazy_unmount(str(mp_gone))
         killed_at = loop.reads
         time.sleep(1.0)                               # no server at all: reads wait
         with fuse_server(tmp_path, registry_host=registry.host,
@@ -225,6 +233,9 @@ def test_kill_9_then_restart_restores_mounts(tmp_path: Path, registry: Registry,
                      what="the cold layer read whole")
             assert loop.stop()[1] == [] and cold_loop.stop()[1] == []
             assert "took over the FUSE connection" in (tmp_path / "fuse-server-2.log").read_text()
+            wait_for(lambda: is_mountpoint(str(mp_gone)), timeout=30, what="the bind restored")
+            assert (mp_gone / "etc/os-release").read_bytes() == tree.files["etc/os-release"]
+            client2.unmount(str(mp_gone))
             client2.unmount(str(mp_cold))
             client2.check(str(mp))
             assert (mp / "usr/bin/sudo").read_bytes() == tree.files["usr/bin/sudo"]
@@ -312,6 +323,7 @@ def test_unmounting_the_last_mount_of_a_layer_gives_its_cache_space_back(
         assert (mp_b / name).read_bytes() == data
 
 
+@needs_resend
 def test_sigusr2_hands_the_mounts_over_to_the_next_server(tmp_path: Path, registry: Registry,
                                                          tree: SourceTree) -> None:
     """An upgrade: the old server exits on SIGUSR2 leaving its mounts; the next one takes the

@@ -22,7 +22,7 @@ from coldstart.lazyfs.client import FuseServerClient
 from tests.fixtures.containerd import Containerd, SnapshotterDaemon, wait_gone
 from tests.fixtures.procs import wait_for
 from tests.fixtures.registry import Registry
-from tests.integration.lazy.lazy_helpers import ReadLoop
+from tests.integration.lazy.lazy_helpers import ReadLoop, needs_resend
 from tests.integration.snapshotter.remote_layers import (
     chain_id,
     push_files,
@@ -127,6 +127,7 @@ def test_kill_9_of_the_grpc_process_fails_no_read(
     snap.close()
 
 
+@needs_resend
 def test_a_killed_fuse_server_is_started_again_and_restores_its_mounts(
         containerd: Containerd, coldstart_snapshotter: SnapshotterDaemon, registry: Registry,
         fuse_server_up: FuseServerClient, tmp_path: Path) -> None:

@@ -38,13 +38,15 @@ def test_unreadable_records_are_skipped(tmp_path: Path) -> None:
 
 def test_the_layer_name_and_inodes_are_kept_for_a_takeover(tmp_path: Path) -> None:
     st = MountState(tmp_path)
-    st.save("/mnt/a", spec(5), key="abcdef0123456789-3", base=4711)
+    st.save("/mnt/a", spec(5), key="abcdef0123456789-3", base=4711, end=4800)
     st.save("/mnt/b", spec(6))                       # an older server's record: no layer
-    recs = {r.mountpoint: (r.key, r.base) for r in st.load()}
-    assert recs == {"/mnt/a": ("abcdef0123456789-3", 4711), "/mnt/b": (None, None)}
-    for bad in ({"key": "a/x", "base": 9}, {"key": "k-1", "base": True},
-                {"key": "k-1", "base": 1}, {"key": "", "base": 9}, {"key": 3, "base": 9}):
+    recs = {r.mountpoint: (r.key, r.base, r.end) for r in st.load()}
+    assert recs == {"/mnt/a": ("abcdef0123456789-3", 4711, 4800), "/mnt/b": (None, None, None)}
+    for bad in ({"key": "a/x", "base": 9, "end": 20}, {"key": "k-1", "base": True, "end": 20},
+                {"key": "k-1", "base": 1, "end": 20}, {"key": "", "base": 9, "end": 20},
+                {"key": 3, "base": 9, "end": 20}, {"key": "k-1", "base": 9},
+                {"key": "k-1", "base": 9, "end": 9}):
         (tmp_path / "odd.json").write_text(json.dumps(
             {"mountpoint": "/mnt/odd", "spec": json.loads(spec(7).to_json()), "layer": bad}))
         odd = next(r for r in st.load() if r.mountpoint == "/mnt/odd")
-        assert (odd.key, odd.base) == (None, None), bad  # not trusted: a fresh name instead
+        assert (odd.key, odd.base, odd.end) == (None, None, None), bad  # a fresh name instead
