@@ -9,6 +9,7 @@ import os
 import subprocess
 import tarfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,6 +171,15 @@ class ReadLoop:
                 except OSError as exc:
                     self.failures.append(f"{name}: {exc}")
                 self.reads += 1
+
+    def wait_reads(self, n: int, timeout: float = 60.0) -> None:
+        """Until ``n`` more reads are done (AssertionError if they stall)."""
+        target = self.reads + n
+        deadline = time.monotonic() + timeout
+        while self.reads < target:
+            assert time.monotonic() < deadline, f"reads stalled at {self.reads}"
+            assert self._thread.is_alive()
+            time.sleep(0.02)
 
     def stop(self, timeout: float = 60.0) -> tuple[int, list[str]]:
         self._stop.set()

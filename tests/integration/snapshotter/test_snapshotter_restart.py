@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -20,7 +19,6 @@ import pytest
 from coldstart._proto.containerd.services.snapshots.v1 import snapshots_pb2 as pb
 from coldstart.lazyfs.client import FuseServerClient
 from tests.fixtures.containerd import Containerd, SnapshotterDaemon, wait_gone
-from tests.fixtures.procs import wait_for
 from tests.fixtures.registry import Registry
 from tests.integration.lazy.lazy_helpers import ReadLoop, needs_resend
 from tests.integration.snapshotter.remote_layers import (
@@ -32,40 +30,6 @@ from tests.integration.snapshotter.remote_layers import (
 from tests.integration.snapshotter.snapclient import SnapClient, code_of, mounted
 
 pytestmark = pytest.mark.integration
-
-
-class Reader(threading.Thread):
-    def __init__(self, root: Path, files: dict[str, bytes]) -> None:
-        super().__init__(daemon=True)
-        self.root, self.files = root, files
-        self.reads = 0
-        self.failures: list[str] = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            for name, data in self.files.items():
-                try:
-                    fd = os.open(self.root / name, os.O_RDONLY)
-                    try:
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                        got = os.pread(fd, len(data) + 1, 0)
-                    finally:
-                        os.close(fd)
-                    if got != data:
-                        self.failures.append(f"{name}: {len(got)} bytes differ")
-                except OSError as exc:
-                    self.failures.append(f"{name}: {exc}")
-                self.reads += 1
-
-
-def wait_reads(reader: Reader, n: int, timeout: float = 60.0) -> None:
-    target = reader.reads + n
-    deadline = time.monotonic() + timeout
-    while reader.reads < target:
-        assert time.monotonic() < deadline, f"reader stalled at {reader.reads} reads"
-        assert reader.is_alive()
-        time.sleep(0.02)
 
 
 def list_when_reconnected(snap: SnapClient, flt: str, timeout: float = 60.0) -> list[str]:
@@ -95,20 +59,18 @@ def test_kill_9_of_the_grpc_process_fails_no_read(
     assert fuse_pid is not None
 
     with mounted(snap.view("v", chain), tmp_path / "v") as root:
-        reader = Reader(root, layer.files)
-        reader.start()
+        reader = ReadLoop(root, layer.files)
         try:
-            wait_reads(reader, len(layer.files))
+            reader.wait_reads(len(layer.files))
             coldstart_snapshotter.kill(signal.SIGKILL)
             before = reader.reads
-            wait_reads(reader, 3 * len(layer.files))  # served while no gRPC process exists
+            reader.wait_reads(3 * len(layer.files))  # served while no gRPC process exists
             during_outage = reader.reads - before
             coldstart_snapshotter.start()
-            wait_reads(reader, len(layer.files))
+            reader.wait_reads(len(layer.files))
         finally:
-            reader.stop.set()
-            reader.join(30)
-    assert reader.failures == []
+            failures = reader.stop()[1]
+    assert failures == []
     assert during_outage >= 3 * len(layer.files)
     assert coldstart_snapshotter.fuse_pid == fuse_pid  # the same FUSE server, never restarted
     os.kill(fuse_pid, 0)
@@ -158,8 +120,7 @@ def test_a_killed_fuse_server_is_started_again_and_restores_its_mounts(
     with mounted(snap.view("vb", cb), tmp_path / "vb") as root:
         for n, d in second.files.items():
             assert (root / n).read_bytes() == d
-    reads = loop.reads
-    wait_for(lambda: loop.reads > reads + 10, timeout=30, what="reads after the takeover")
+    loop.wait_reads(10, timeout=30)                   # after the takeover
     assert loop.stop()[1] == []
     assert (Path(view.source) / name).read_bytes() == data
     snap.close()
