@@ -46,9 +46,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from coldstart.lazyfs.client import FuseServerClient  # noqa: E402
-from coldstart.oci.registry import RegistryClient  # noqa: E402
 from coldstart.stack.containerd import start_containerd  # noqa: E402
-from coldstart.stack.images import Entry, busybox_entries  # noqa: E402
+from coldstart.stack.images import Entry  # noqa: E402
 from coldstart.stack.mounts import unmount_under  # noqa: E402
 from coldstart.stack.procs import coldstart_cli  # noqa: E402
 from coldstart.stack.registry import push_layer, start_registry  # noqa: E402
@@ -62,7 +61,7 @@ from tests.integration.lazy.lazy_faults import (  # noqa: E402
 )
 from tests.integration.lazy.lazy_helpers import convert, tar_of  # noqa: E402
 from tests.integration.lazy.lazy_proxy import FAULT_KINDS, FaultMix, Proxy, proxy_for  # noqa: E402
-from tests.integration.pull.pull_env import push_image  # noqa: E402
+from tests.integration.pull.pull_env import push_converted_app  # noqa: E402
 
 DEFAULT_MIXES = ("none", "5xx=0.1", "reset=0.1", "stall=0.02", "truncate=0.1", "corrupt=0.1",
                  "all=0.03")
@@ -125,18 +124,8 @@ def push_container_image(registry_host: str, args: argparse.Namespace
     """Push a busybox image with a data layer (gzip), convert it with ``coldstart convert``;
     the converted image's repository:tag and the SHA-256 of each data file (``./path``)."""
     files = fault_tree(args.seed + 77, small=args.small, big=2, big_size=args.big_kib << 10)
-    dirs = sorted({"/".join(n.split("/")[:k]) for n in files for k in range(1, n.count("/") + 1)})
-    data = [Entry("data", "dir", mode=0o755), *(Entry(f"data/{d}", "dir", mode=0o755)
-                                                for d in dirs),
-            *(Entry(f"data/{n}", data=b) for n, b in files.items())]
-    src = f"{registry_host}/bench-faults/app:gzip"
-    with RegistryClient(insecure_hosts=[registry_host]) as client:
-        push_image(client, src, [busybox_entries(), [Entry("run.sh", data=SCRIPT, mode=0o755)],
-                                 data])
-    dst = f"{registry_host}/bench-faults/app:zstd"
-    proc = coldstart_cli("convert", src, dst, "--format", "zstd-chunked", timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"coldstart convert failed:\n{proc.stderr[-3000:]}")
+    push_converted_app(registry_host, "bench-faults/app", files,
+                       [Entry("run.sh", data=SCRIPT, mode=0o755)])
     return "bench-faults/app:zstd", {f"./{n}": hashlib.sha256(b).hexdigest()
                                      for n, b in files.items()}
 

@@ -42,15 +42,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from coldstart.lazyfs.client import FuseServerClient  # noqa: E402
-from coldstart.oci.registry import RegistryClient  # noqa: E402
 from coldstart.stack.containerd import start_containerd  # noqa: E402
-from coldstart.stack.images import Entry, busybox_entries  # noqa: E402
+from coldstart.stack.images import Entry  # noqa: E402
 from coldstart.stack.mounts import unmount_under  # noqa: E402
 from coldstart.stack.procs import coldstart_cli  # noqa: E402
 from coldstart.stack.registry import start_registry  # noqa: E402
 from coldstart.stack.snapshotter import SnapshotterDaemon, missing_tools, start_snapshotter  # noqa: E402
 from tests.integration.lazy.lazy_faults import fault_tree  # noqa: E402
-from tests.integration.pull.pull_env import push_image  # noqa: E402
+from tests.integration.pull.pull_env import push_converted_app  # noqa: E402
 
 SCENARIOS = ("grpc", "fuse", "both", "cold", "fill")
 SCRIPT = b"""#!/bin/sh
@@ -67,21 +66,11 @@ def push_app(host: str, seed: int) -> tuple[str, int]:
     """A busybox image with a data layer and its sums, converted to zstd:chunked; its
     reference and the number of data files."""
     files = fault_tree(seed, small=300, big=4, big_size=2 << 20)
-    dirs = sorted({"/".join(n.split("/")[:k]) for n in files for k in range(1, n.count("/") + 1)})
     sums = "".join(f"{hashlib.sha256(b).hexdigest()}  data/{n}\n" for n, b in files.items())
-    data = [Entry("data", "dir", mode=0o755),
-            *(Entry(f"data/{d}", "dir", mode=0o755) for d in dirs),
-            *(Entry(f"data/{n}", data=b) for n, b in files.items())]
-    src = f"{host}/bench-kill/app:gzip"
-    with RegistryClient(insecure_hosts=[host]) as client:
-        push_image(client, src, [busybox_entries(),
-                                 [Entry("run.sh", data=SCRIPT, mode=0o755),
-                                  Entry("sums.txt", data=sums.encode())], data])
-    dst = f"{host}/bench-kill/app:zstd"
-    proc = coldstart_cli("convert", src, dst, "--format", "zstd-chunked", timeout=600)
-    if proc.returncode != 0:
-        raise SystemExit(f"coldstart convert failed:\n{proc.stderr[-3000:]}")
-    return dst, len(files)
+    ref = push_converted_app(host, "bench-kill/app", files,
+                             [Entry("run.sh", data=SCRIPT, mode=0o755),
+                              Entry("sums.txt", data=sums.encode())])
+    return ref, len(files)
 
 
 def _drop_caches(stop: threading.Event) -> None:

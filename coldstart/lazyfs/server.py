@@ -368,7 +368,7 @@ class FuseServer:
             # done (a stat of the mount waits for it), the bdi setting may be raised.
             await trio.to_thread.run_sync(os.stat, self.fuse_dir)
             # only now: a successor must never see a connection whose INIT is not done
-            self._held = self._hold()
+            self._held = await trio.to_thread.run_sync(self._hold)   # starts a process
             if not set_read_ahead(str(self.fuse_dir), self.config.fuse.read_ahead_kb):
                 log.warning("read_ahead_kb of %s not set", self.fuse_dir)
             await self.layers.restore(records)

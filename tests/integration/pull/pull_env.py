@@ -97,6 +97,24 @@ def push_image(client: RegistryClient, ref: str, layers: Sequence[Sequence[Entry
                        diff_ids=tuple(diff_ids))
 
 
+def push_converted_app(host: str, repo: str, files: dict[str, bytes],
+                       app: Sequence[Entry]) -> str:
+    """Push ``host/repo:gzip``: busybox, a layer of ``app`` entries, a layer of ``files``
+    under ``/data``; convert it to ``host/repo:zstd`` with ``coldstart convert`` and return
+    that reference."""
+    dirs = sorted({"/".join(n.split("/")[:k]) for n in files for k in range(1, n.count("/") + 1)})
+    data = [Entry("data", "dir", mode=0o755),
+            *(Entry(f"data/{d}", "dir", mode=0o755) for d in dirs),
+            *(Entry(f"data/{n}", data=b) for n, b in files.items())]
+    src, dst = f"{host}/{repo}:gzip", f"{host}/{repo}:zstd"
+    with RegistryClient(insecure_hosts=[host]) as client:
+        push_image(client, src, [busybox_entries(), list(app), data])
+    proc = coldstart_cli("convert", src, dst, "--format", "zstd-chunked", timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"coldstart convert failed:\n{proc.stderr[-3000:]}")
+    return dst
+
+
 def push_index(client: RegistryClient, ref: str, image: PushedImage) -> str:
     """Push an OCI index naming ``image``'s manifest (linux/amd64) plus a foreign-platform
     entry, under ``ref``; return the index digest."""

@@ -117,13 +117,18 @@ def decompress(blob: bytes, fmt: str) -> bytes:
 
 
 def tar_members(tar: bytes) -> list[tuple[tarfile.TarInfo, bytes | None]]:
+    return tar_members_and_end(tar)[0]
+
+
+def tar_members_and_end(tar: bytes) -> tuple[list[tuple[tarfile.TarInfo, bytes | None]], int]:
+    """Each member with its data (regular files), and the offset where tarfile stopped."""
     out = []
     with tarfile.open(fileobj=io.BytesIO(tar), mode="r:", encoding="utf-8",
                       errors="surrogateescape") as tf:
         for m in tf:
             f = tf.extractfile(m) if m.isreg() else None
             out.append((m, f.read() if f else None))
-    return out
+        return out, tf.offset
 
 
 KINDS = {tarfile.REGTYPE: "reg", tarfile.AREGTYPE: "reg", tarfile.GNUTYPE_SPARSE: "reg",

@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from coldstart.errors import ColdstartError, FormatError
 from coldstart.format import BytesReadAt, convert_layer, open_layer
 from coldstart.format.toc import normalize_name
-from tests.unit.format.layers import KINDS, decompress
+from tests.unit.format.layers import KINDS, decompress, tar_members_and_end
 from tests.unit.fuzz.common import (
     Mutation,
     Property,
@@ -314,16 +314,6 @@ def decoded_prefix(data: bytes) -> bytes:
     return data
 
 
-def _members(tar: bytes) -> tuple[list[tuple[tarfile.TarInfo, bytes | None]], int]:
-    out = []
-    with tarfile.open(fileobj=io.BytesIO(tar), mode="r:", encoding="utf-8",
-                      errors="surrogateescape") as tf:
-        for m in tf:
-            f = tf.extractfile(m) if m.isreg() else None
-            out.append((m, f.read() if f else None))
-        return out, tf.offset
-
-
 def check_same_tree(layer: Any, members: list[tuple[tarfile.TarInfo, bytes | None]],
                     *, ordered: bool, what: str) -> None:
     """``layer``'s entries are ``members`` (artifacts aside): names, kinds, links, bytes."""
@@ -369,9 +359,9 @@ def check_convert(case: TarCase) -> None:
         check_reads(layer, (3, 5000))
         unpacked = decompress(blob, case.format)
         assert result.diff_id == "sha256:" + hashlib.sha256(unpacked).hexdigest()
-        check_same_tree(layer, _members(unpacked)[0], ordered=True, what="unpacked")
+        check_same_tree(layer, tar_members_and_end(unpacked)[0], ordered=True, what="unpacked")
         tar = decoded_prefix(src)
-        members, end = _members(tar)
+        members, end = tar_members_and_end(tar)
         assert tar[end : end + _BLOCK] == bytes(_BLOCK), \
             f"the input's tar stops at {end} on a block that is not an end-of-archive marker"
         check_same_tree(layer, members, ordered=not case.prefetch, what="input")
