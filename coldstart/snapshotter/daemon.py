@@ -131,7 +131,18 @@ def spawn_fuse_server(cfg: Config) -> subprocess.Popen[bytes]:
     return proc
 
 
+#: one start at a time: the watchdog and a Prepare that found the server gone must not both
+#: spawn one (the loser's pid could end up in the pidfile, and the winner outlive a stop)
+_ENSURE_LOCK = threading.Lock()
+
+
 def ensure_fuse_server(cfg: Config, answers: Callable[[], bool] | None = None) -> bool:
+    """:func:`_ensure_fuse_server`, one caller at a time."""
+    with _ENSURE_LOCK:
+        return _ensure_fuse_server(cfg, answers)
+
+
+def _ensure_fuse_server(cfg: Config, answers: Callable[[], bool] | None = None) -> bool:
     """True when a FUSE server answers on ``cfg.fuse.socket`` (spawning one if allowed).
 
     ``answers`` asks the server (default: something accepts connections on the socket). A

@@ -117,6 +117,9 @@ def test_a_killed_fuse_server_is_started_again_and_restores_its_mounts(
     new = coldstart_snapshotter.fuse_pid
     assert new is not None and new != old
     os.kill(new, 0)
+    # the watchdog and this Prepare both found it gone: one server was started, and the
+    # pidfile names it (the fixture stops it by that pid)
+    assert _fuse_servers(coldstart_snapshotter.root) == [new]
     with mounted(snap.view("vb", cb), tmp_path / "vb") as root:
         for n, d in second.files.items():
             assert (root / n).read_bytes() == d
@@ -124,3 +127,18 @@ def test_a_killed_fuse_server_is_started_again_and_restores_its_mounts(
     assert loop.stop()[1] == []
     assert (Path(view.source) / name).read_bytes() == data
     snap.close()
+
+
+def _fuse_servers(root: Path) -> list[int]:
+    """The pids of the FUSE servers running on ``root``'s config."""
+    config = str(root / "fuse-server.toml").encode()
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"fuse-server" in argv and config in argv:
+                out.append(int(entry.name))
+    return out
