@@ -24,6 +24,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "completion": ("coldstart.commands.completion", "completion"),
     "demo": ("coldstart.commands.demo", "demo"),
     "convert": ("coldstart.commands.convert", "convert"),
+    "index": ("coldstart.commands.index", "index"),
     "pull": ("coldstart.commands.pull", "pull"),
     "optimize": ("coldstart.commands.optimize", "optimize"),
     "snapshotter": ("coldstart.commands.snapshotter", "snapshotter"),

@@ -36,6 +36,7 @@ __all__ = [
     "Config",
     "FetchConfig",
     "FuseConfig",
+    "IndexConfig",
     "ProbeTimingConfig",
     "RegistryConfig",
     "SourceConfig",
@@ -135,6 +136,30 @@ class CacheConfig(_Checked):
         if self.verify not in CACHE_VERIFY_MODES:
             raise InvalidArgument(f"config: cache.verify must be one of "
                                   f"{', '.join(CACHE_VERIFY_MODES)}, not {self.verify!r}")
+
+
+#: values of ``index.trust``
+INDEX_TRUST_MODES = ("pinned", "repository", "off")
+
+
+@dataclass(frozen=True)
+class IndexConfig(_Checked):
+    # which gzip indexes (`coldstart index IMAGE --push`) mount plain gzip layers lazily:
+    # "pinned": only an index whose artifact digest is in `trusted` or in `trusted_file`;
+    # "repository": any index pushed to the image's repository (whoever may push there then
+    # decides what the layer's files are); "off": plain gzip layers are always pulled in full
+    trust: str = "pinned"
+    # artifact digests of trusted indexes (what `coldstart index --push` prints)
+    trusted: tuple[str, ...] = ()
+    # more trusted digests, one per line (# comments), read on every lookup; "" means
+    # <root>/trusted-indexes
+    trusted_file: str = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.trust not in INDEX_TRUST_MODES:
+            raise InvalidArgument(f"config: index.trust must be one of "
+                                  f"{', '.join(INDEX_TRUST_MODES)}, not {self.trust!r}")
 
 
 @dataclass(frozen=True)
@@ -251,6 +276,7 @@ class Config(_Checked):
     fetch: FetchConfig = field(default_factory=FetchConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     fuse: FuseConfig = field(default_factory=FuseConfig)
+    index: IndexConfig = field(default_factory=IndexConfig)
     source: SourceConfig = field(default_factory=SourceConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     probe: ProbeTimingConfig = field(default_factory=ProbeTimingConfig)

@@ -172,6 +172,9 @@ class SeekableLayer:
                 raise IntegrityError(f"{what}: digest {got} does not match {chunk.digest}")
         return data
 
+    def chunk_failed(self, chunk: Chunk, exc: BaseException) -> None:
+        """Told when ``chunk`` failed to decode or verify for good (after any refetch)."""
+
     def read_chunks(self, chunks: list[Chunk]) -> list[bytes]:
         """Fetch (coalescing adjacent ranges into one read) and decode ``chunks``."""
         out: list[bytes] = []

@@ -666,6 +666,7 @@ class ChunkFetcher:
                 return False
             msg = self._report(target, kind, f"layer {target.digest}: {kind}: {exc} (chunk "
                                f"{c.digest or '-'} at blob offset {c.offset}); not cached")
+            target.layer.chunk_failed(c, exc)
             res = type(exc)(msg) if isinstance(exc, ColdstartError) else Unavailable(msg)
         else:
             if c.digest and self.cache is not None:

@@ -28,6 +28,7 @@ import trio
 
 from coldstart.cache import ChunkCache
 from coldstart.errors import AlreadyExists, ColdstartError, FailedPrecondition, NotFound
+from coldstart.format.gzindex import INDEX_FORMAT
 from coldstart.format.toc import TOC
 from coldstart.lazyfs.fetcher import lower_priority
 from coldstart.lazyfs.fusefs import FuseFS, LayerTree, build_tree, store_pages
@@ -127,8 +128,10 @@ class LayerTable:
             created = False
             if layer is not None:
                 # the layer is served already: this spec must vouch for the same TOC
-                await trio.to_thread.run_sync(self.resolver.check_same_toc, spec,
-                                              layer.tree.reader.layer.toc_digest)
+                served = layer.tree.reader.layer
+                await trio.to_thread.run_sync(functools.partial(
+                    self.resolver.check_same_toc, spec, served.toc_digest,
+                    indexed=served.format == INDEX_FORMAT))
             else:
                 reader = await trio.to_thread.run_sync(self.resolver.open, spec)
                 if key is None or base is None:

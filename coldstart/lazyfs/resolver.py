@@ -28,10 +28,18 @@ from coldstart.errors import (
     IntegrityError,
     NotFound,
 )
-from coldstart.format.layer import ESTARGZ_TOC_DIGEST, ZSTD_CHUNKED_MANIFEST_CHECKSUM, open_layer
+from coldstart.format.gzindex import IndexedLayer, open_indexed_layer
+from coldstart.format.layer import (
+    ESTARGZ_TOC_DIGEST,
+    MEDIA_TYPE_GZIP,
+    ZSTD_CHUNKED_MANIFEST_CHECKSUM,
+    SeekableLayer,
+    open_layer,
+)
 from coldstart.lazyfs.fetcher import ChunkFetcher
+from coldstart.lazyfs.indexes import IndexFinder
 from coldstart.lazyfs.reader import LayerReader
-from coldstart.lazyfs.spec import LayerSpec
+from coldstart.lazyfs.spec import NO_INDEX, LayerSpec
 from coldstart.oci.manifest import parse_manifest
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
@@ -44,6 +52,9 @@ log = logging.getLogger(__name__)
 
 #: the neighbour-window defaults, from the one config tree
 _FETCH = FetchConfig()
+
+#: layer media types that may be plain gzip (the CRI's labels name none: "")
+_GZIP_MEDIA = (MEDIA_TYPE_GZIP, "application/vnd.docker.image.rootfs.diff.tar.gzip", "")
 
 #: annotations that carry a layer's TOC digest (eStargz; zstd:chunked, both spellings)
 TOC_KEYS = (ESTARGZ_TOC_DIGEST, ZSTD_CHUNKED_MANIFEST_CHECKSUM,
@@ -63,7 +74,8 @@ class LayerResolver:
     def __init__(self, client: RegistryClient, fetcher: ChunkFetcher, *,
                  request_timeout: float, read_deadline: float, background_rate: int,
                  allow_unverified: bool, neighbor_bytes: int = _FETCH.neighbor_bytes,
-                 neighbor_max_bytes: int = _FETCH.neighbor_max_bytes) -> None:
+                 neighbor_max_bytes: int = _FETCH.neighbor_max_bytes,
+                 indexes: IndexFinder | None = None) -> None:
         # every value from the one config tree (FetchConfig, Config.allow_unverified)
         self.client = client
         self.fetcher = fetcher
@@ -73,6 +85,8 @@ class LayerResolver:
         self.neighbor_bytes = neighbor_bytes
         self.neighbor_max_bytes = neighbor_max_bytes
         self.allow_unverified = allow_unverified
+        #: gzip indexes for layers without a TOC (None: such layers are pulled in full)
+        self.indexes = indexes
 
     def annotations(self, spec: LayerSpec) -> dict[str, str]:
         """The layer's annotations: the spec's, or its manifest's (fetched, verified)."""
@@ -95,6 +109,44 @@ class LayerResolver:
         annotations = self.annotations(spec)
         source = RegistryBlob(self.client, ref, spec.digest, spec.size if spec.size >= 0 else None,
                               timeout=self.request_timeout)
+        layer: SeekableLayer
+        if (self.indexes is not None and spec.media_type in _GZIP_MEDIA
+                and not any(k in annotations for k in TOC_KEYS)):
+            try:
+                layer = self._open_indexed(spec, source)
+            except FailedPrecondition as exc:
+                if not self.allow_unverified or NO_INDEX not in str(exc):
+                    raise
+                # no index: an eStargz layer that lost its annotations, mounted unverified
+                layer = self._open_seekable(spec, source, annotations)
+        else:
+            layer = self._open_seekable(spec, source, annotations)
+        reader = LayerReader(spec.digest, layer, source, self.fetcher,
+                             read_deadline=self.read_deadline,
+                             background_rate=self.background_rate,
+                             neighbor_bytes=self.neighbor_bytes,
+                             neighbor_max_bytes=self.neighbor_max_bytes)
+        # the spec's or the manifest's: which chunks the recorded start-up touched
+        reader.prefetch_ranges = _prefetch_ranges(spec.digest, annotations)
+        return reader
+
+    def _open_indexed(self, spec: LayerSpec, source: RegistryBlob) -> IndexedLayer:
+        """A plain gzip layer through its (trusted) index; FailedPrecondition without one."""
+        assert self.indexes is not None
+        finder = self.indexes
+        blob, artifact = finder.find(spec)
+        try:
+            layer = open_indexed_layer(source, blob, layer=spec.digest)
+        except FormatError as exc:
+            finder.mark_bad(spec.digest, artifact, str(exc))
+            raise
+        layer.on_bad = lambda why: finder.mark_bad(spec.digest, artifact, why)
+        log.info("layer %s: mounting through gzip index %s (artifact %s, %d checkpoints)",
+                 spec.digest, layer.toc_digest, artifact, len(layer.index.checkpoints))
+        return layer
+
+    def _open_seekable(self, spec: LayerSpec, source: RegistryBlob,
+                       annotations: dict[str, str]) -> SeekableLayer:
         try:
             layer = open_layer(source, annotations=annotations,
                                allow_unverified=self.allow_unverified)
@@ -107,17 +159,18 @@ class LayerResolver:
                         "on the way fails so)", spec.digest, exc)
             layer = open_layer(source, annotations=annotations,
                                allow_unverified=self.allow_unverified)
-        reader = LayerReader(spec.digest, layer, source, self.fetcher,
-                             read_deadline=self.read_deadline,
-                             background_rate=self.background_rate,
-                             neighbor_bytes=self.neighbor_bytes,
-                             neighbor_max_bytes=self.neighbor_max_bytes)
-        # the spec's or the manifest's: which chunks the recorded start-up touched
-        reader.prefetch_ranges = _prefetch_ranges(spec.digest, annotations)
-        return reader
+        return layer
 
-    def check_same_toc(self, spec: LayerSpec, toc_digest: str) -> None:
-        """Raise unless ``spec`` vouches for the TOC ``toc_digest`` of the layer served already."""
+    def check_same_toc(self, spec: LayerSpec, toc_digest: str, *, indexed: bool = False) -> None:
+        """Raise unless ``spec`` vouches for the TOC ``toc_digest`` of the layer served already.
+        A layer served through a gzip index (``indexed``: trusted when it was mounted; the blob
+        is the same by its digest) is served again unless its index proved wrong since."""
+        if indexed:
+            why = self.indexes.bad(spec.digest) if self.indexes is not None else None
+            if why is not None:
+                raise FailedPrecondition(f"layer {spec.digest}: its gzip index proved wrong "
+                                         f"({why})")
+            return
         check_same_toc(self.annotations(spec), toc_digest, self.allow_unverified, spec.digest)
 
 

@@ -46,6 +46,7 @@ from coldstart.lazyfs.fusefs import (
     set_read_ahead,
 )
 from coldstart.lazyfs.handover import Takeover
+from coldstart.lazyfs.indexes import IndexFinder
 from coldstart.lazyfs.layers import LayerTable
 from coldstart.lazyfs.memory import keep_freed_memory
 from coldstart.lazyfs.metrics import FuseMetrics
@@ -127,7 +128,8 @@ class FuseServer:
                                       background_rate=f.background_rate,
                                       neighbor_bytes=f.neighbor_bytes,
                                       neighbor_max_bytes=f.neighbor_max_bytes,
-                                      allow_unverified=config.allow_unverified)
+                                      allow_unverified=config.allow_unverified,
+                                      indexes=self._index_finder(config))
         self.layers = LayerTable(self.fs, self.fuse_dir, self.resolver, self.state,
                                  record=config.fuse.record,
                                  page_cache=config.fuse.page_cache)
@@ -136,6 +138,15 @@ class FuseServer:
         self._held = False              # the holder has our connection
 
     # -- process lifecycle -----------------------------------------------------------------
+
+    def _index_finder(self, config: Config) -> IndexFinder | None:
+        """Gzip indexes for plain gzip layers, as ``[index]`` trusts them (None: off)."""
+        ix = config.index
+        if ix.trust == "off":
+            return None
+        return IndexFinder(self.client, trust=ix.trust, trusted=ix.trusted,
+                           trusted_file=Path(ix.trusted_file or self.root / "trusted-indexes"),
+                           bad_file=self.root / "bad-indexes.json")
 
     def run(self) -> None:
         """Mount, restore, serve until a signal; then unmount and return."""

@@ -37,6 +37,12 @@ REMOTE_MANIFEST_DIGEST = _OURS + "manifest-digest"
 # SNAPSHOT_PREFIX (the zstd:chunked ones, io.github.containers.zstd-chunked.*)
 REMOTE_ANNOTATIONS = _OURS + "annotations"
 
+# words in the FUSE server's refusal of a plain gzip layer, which the snapshotter's fallback
+# reasons look for (snapshotter.fallback_reason): no index, an untrusted one, a bad one
+NO_INDEX = "no gzip index"
+UNTRUSTED = "gzip index not trusted"
+BAD_INDEX = "gzip index proved wrong"
+
 # containerd limits one label's key + value to this many bytes
 LABEL_LIMIT = 4096
 

@@ -53,6 +53,7 @@ from coldstart.oci.hosts import Endpoint, HostsConfig
 from coldstart.oci.keychain import Keychain
 from coldstart.oci.manifest import (
     ALL_MANIFEST_TYPES,
+    OCI_INDEX,
     Descriptor,
     Index,
     Manifest,
@@ -665,6 +666,17 @@ class RegistryClient:
     def push_manifest(self, ref: Reference, body: bytes, media_type: str, *,
                       timeout: float | None = None) -> str:
         """PUT a manifest or index under ``ref``'s tag (or digest); return its digest."""
+        return self._put_manifest(ref, body, media_type, timeout=timeout)[0]
+
+    def push_artifact(self, ref: Reference, body: bytes, media_type: str, *,
+                      timeout: float | None = None) -> tuple[str, bool]:
+        """PUT a manifest that names a ``subject``: its digest, and whether the registry took
+        the subject (OCI 1.1: the ``OCI-Subject`` header; else the caller keeps the fallback
+        tag up to date, see :mod:`coldstart.oci.referrers`)."""
+        return self._put_manifest(ref, body, media_type, timeout=timeout)
+
+    def _put_manifest(self, ref: Reference, body: bytes, media_type: str, *,
+                      timeout: float | None = None) -> tuple[str, bool]:
         digest = digest_of(body)
         target = ref.tag if ref.tag and not ref.digest else digest
         if ref.digest and ref.digest != digest:
@@ -677,7 +689,24 @@ class RegistryClient:
         echoed = resp.headers.get("Docker-Content-Digest")
         if echoed and echoed != digest:
             raise IntegrityError(f"push manifest {ref}: registry stored {echoed}, sent {digest}")
-        return digest
+        return digest, "OCI-Subject" in resp.headers
+
+    def get_referrers(self, ref: Reference, subject: str, artifact_type: str = "", *,
+                      timeout: float | None = None) -> bytes:
+        """The referrers API (OCI distribution 1.1): the index of manifests whose ``subject``
+        is ``subject``. NotFound where the registry has no such API (the caller then reads the
+        fallback tag, ``sha256-<hex>``)."""
+        validate_digest(subject)
+        params = [("artifactType", artifact_type)] if artifact_type else []
+        resp = self._request(ref, "GET", f"/referrers/{subject}", capability="pull",
+                             params=params, headers={"Accept": OCI_INDEX}, timeout=timeout,
+                             what=f"referrers of {subject[:19]} in {ref.name}")
+        if not resp.headers.get("Content-Type", "").startswith(OCI_INDEX):
+            # a registry (or a proxy in front of it) that answers an unknown route with a page
+            raise NotFound(f"{ref.name}: the registry has no referrers API")
+        if len(resp.content) > MAX_MANIFEST_BYTES:
+            raise InvalidArgument(f"referrers of {subject} are over {MAX_MANIFEST_BYTES} bytes")
+        return resp.content
 
     # -- blobs: reading --------------------------------------------------------------------
 

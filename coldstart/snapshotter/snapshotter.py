@@ -50,14 +50,17 @@ from coldstart.errors import (
 )
 from coldstart.lazyfs.client import FuseServerUnreachable
 from coldstart.lazyfs.spec import (
+    BAD_INDEX,
     CRI_IMAGE_REF,
     CRI_LAYER_DIGEST,
     LABEL_LIMIT,
+    NO_INDEX,
     REMOTE_DIGEST,
     REMOTE_REFERENCE,
     REMOTE_SNAPSHOT,
     REMOTE_SNAPSHOT_VALUE,
     TARGET_SNAPSHOT_REF,
+    UNTRUSTED,
     LayerSpec,
     layer_spec_from_labels,
 )
@@ -97,8 +100,11 @@ IMAGE_LABEL = OUR_LABEL_PREFIX + "image"        # the image reference, as the la
 # why a layer offered for lazy pulling was pulled normally (metric label values, snapshot labels)
 FALLBACK_REASONS = (
     "not-seekable",    # the blob is no eStargz/zstd:chunked layer (no footer, corrupt TOC)
-    "no-toc-digest",   # no TOC digest annotation (a plain gzip layer, or one that lost it) and
-                       # allow_unverified is off
+    "no-toc-digest",   # no TOC digest annotation (a layer that lost it) and allow_unverified
+                       # is off
+    "no-index",        # a plain gzip layer without a TOC, and no gzip index for its image
+    "index-untrusted", # a gzip index exists, but index.trust does not trust it
+    "index-failed",    # the layer's gzip index proved wrong once: never used again
     "integrity",       # the TOC does not match its annotated digest
     "unavailable",     # the registry or the FUSE server failed or timed out
     "not-found",       # the registry has no such blob or manifest
@@ -125,6 +131,12 @@ def fallback_reason(exc: BaseException) -> str:
         return "integrity"
     if isinstance(exc, Unavailable):            # DeadlineExceeded too
         return "unavailable"
+    if isinstance(exc, FailedPrecondition) and BAD_INDEX in str(exc):
+        return "index-failed"
+    if isinstance(exc, FailedPrecondition) and UNTRUSTED in str(exc):
+        return "index-untrusted"
+    if isinstance(exc, FailedPrecondition) and NO_INDEX in str(exc):
+        return "no-index"
     if isinstance(exc, FailedPrecondition) and "TOC digest annotation" in str(exc):
         return "no-toc-digest"
     if isinstance(exc, FormatError):

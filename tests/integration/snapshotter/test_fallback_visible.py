@@ -97,7 +97,7 @@ def test_each_fallback_says_why_everywhere(
     before = fallbacks(coldstart_snapshotter)
     cases = {
         # no TOC digest annotation (allow_unverified is off): containerd pulls it
-        "no-toc-digest": plain_gzip_labels(registry, sample_files(8, n=2)),
+        "no-index": plain_gzip_labels(registry, sample_files(8, n=2)),
         "integrity": lying_toc_labels(registry),
     }
     log_start = coldstart_snapshotter.log.stat().st_size

@@ -54,7 +54,8 @@ RULES: dict[str, Rule] = {
     # msgspec: the TOC's JSON decode only (pure decoding, no I/O; twice json's speed)
     "format": rule("errors", "zstandard msgspec@format.tocjson"),
     "remote": rule("errors config format", "httpx boto3 botocore"),
-    "oci": rule("errors config format remote prefetch progress files", "httpx zstandard"),
+    "oci": rule("errors config format remote prefetch progress files",
+                "httpx zstandard indexed_gzip@oci.gzindex"),
     "cache": rule("errors config format files"),
     "prefetch": rule("errors config format"),
     "lazyfs": rule("errors config format remote oci cache prefetch unixsock files",

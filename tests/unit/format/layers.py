@@ -197,3 +197,27 @@ def with_toc(c: Converted, doc: dict[str, Any] | bytes, data: bytes | None = Non
     blob += zstd_chunked_footer(len(body) + 8, len(comp), len(toc_json), 0, 0, 0)
     return blob, {ZSTD_CHUNKED_MANIFEST_CHECKSUM: "sha256:" + hashlib.sha256(comp).hexdigest()}
 
+
+
+def raw_index(index: bytes) -> bytes:
+    """A gzip index blob (coldstart.format.gzindex), decompressed."""
+    return zstandard.ZstdDecompressor().decompressobj().decompress(index)
+
+
+def rewrite_index(index: bytes, *, meta: Any = None, toc: Any = None) -> bytes:
+    """A gzip index blob with its metadata and TOC (parsed JSON) passed through ``meta`` and
+    ``toc`` (functions that change them in place): a lying index for the tests."""
+    import struct
+    raw = raw_index(index)
+    (mlen,) = struct.unpack_from("<Q", raw, 8)
+    m = json.loads(raw[16 : 16 + mlen])
+    (tlen,) = struct.unpack_from("<Q", raw, 16 + mlen)
+    t = json.loads(raw[24 + mlen : 24 + mlen + tlen])
+    windows = raw[24 + mlen + tlen :]
+    if meta:
+        meta(m)
+    if toc:
+        toc(t)
+    mj, tj = json.dumps(m).encode(), json.dumps(t).encode()
+    out = raw[:8] + struct.pack("<Q", len(mj)) + mj + struct.pack("<Q", len(tj)) + tj + windows
+    return zstandard.ZstdCompressor().compress(out)

@@ -51,6 +51,11 @@ LAYER = "sha256:" + "a" * 64
     # what open_layer / the resolver / the client raise, by case
     (FailedPrecondition("layer has no TOC digest annotation: cannot verify its TOC"),
      "no-toc-digest"),
+    (FailedPrecondition("layer sha256:1: no TOC digest annotation and no gzip index for "
+                        "image sha256:2"), "no-index"),
+    (FailedPrecondition("layer sha256:1: gzip index not trusted: sha256:3"), "index-untrusted"),
+    (FailedPrecondition("layer sha256:1: its gzip index proved wrong (digest ...)"),
+     "index-failed"),
     (FormatError("no eStargz or zstd:chunked footer at the end of the blob"), "not-seekable"),
     (IntegrityError("TOC digest sha256:1 does not match the annotation"), "integrity"),
     (Unavailable("registry answered 503"), "unavailable"),

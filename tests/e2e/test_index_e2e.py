@@ -1,0 +1,167 @@
+"""Issue 14 end to end: images nobody converted, lazily pulled through a gzip index.
+
+An image of plain gzip layers (busybox and a tree with every kind of entry: modes, owners,
+links, xattrs, whiteouts, an opaque dir) is indexed by ``coldstart index --push`` (an OCI
+artifact found through the fallback tag: Debian's registry has no referrers API). A node that
+does not trust the index pulls it in full and says why; one that pins the artifact's digest
+mounts every layer lazily, runs the image without downloading its blobs, and its root file
+system equals containerd's own unpack file by file. An index that lies about one file makes
+that file's read fail (EIO), caches nothing, and the layer is pulled in full from then on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from coldstart.containerd import Containerd
+from coldstart.containerd.pull import chain_ids
+from coldstart.oci.gzindex import LayerIndex, index_image, push_image_index
+from coldstart.oci.reference import Reference
+from coldstart.oci.registry import RegistryClient
+from tests.fixtures.registry import Registry
+from tests.integration.pull.pull_env import (
+    WORKLOAD,
+    AccessLog,
+    Entry,
+    LazyStack,
+    PushedImage,
+    coldstart_cli,
+    lazy_stack,
+    mounted_view,
+    push_image,
+    rich_layers,
+    walk_tree,
+    workload_expected,
+)
+from tests.unit.format.layers import rewrite_index
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+def _layers(tag: str) -> list[list[Entry]]:
+    # a marker file per layer: chain IDs of their own, so no other image's snapshot stands in
+    return [[*layer, Entry(f"etc/index-{tag}-{i}", data=b"marker\n")]
+            for i, layer in enumerate(rich_layers())]
+
+
+@pytest.fixture(scope="module")
+def stack(registry: Registry) -> Iterator[LazyStack]:
+    with lazy_stack() as st:
+        yield st
+
+
+@pytest.fixture(scope="module")
+def indexed(registry: Registry) -> tuple[PushedImage, str]:
+    with RegistryClient() as reg:
+        image = push_image(reg, f"{registry.host}/e2e-index/app:gzip", _layers("app"))
+    proc = coldstart_cli("index", image.ref, "--push", "--span", "256KiB", "-o", "json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["pushed"] and all(la["indexed"] for la in doc["layers"]), doc
+    assert doc["manifest"] == image.manifest_digest
+    return image, doc["artifact"]
+
+
+def _trust(stack: LazyStack, digest: str) -> None:
+    with open(stack.snapshotter.root / "trusted-indexes", "a") as f:
+        f.write(f"{digest}  # test\n")
+
+
+def _pull(stack: LazyStack, ref: str, namespace: str) -> str:
+    proc = coldstart_cli("pull", "--address", stack.ctd.address, "--namespace", namespace, ref)
+    assert proc.returncode == 0, f"{proc.stderr}\n--- FUSE server log:\n" \
+        f"{stack.fuse_log.read_text()[-3000:]}"
+    return proc.stderr
+
+
+def test_an_untrusted_index_is_not_used(stack: LazyStack,
+                                        indexed: tuple[PushedImage, str]) -> None:
+    image, _ = indexed
+    out = _pull(stack, image.ref, "untrusted")
+    assert "3 layers: 0 lazy, 3 downloaded" in out, out
+    log = stack.snapshotter.log.read_text()
+    assert "reason index-untrusted" in log and "index.trust is pinned" in log
+
+
+def test_a_pinned_index_mounts_every_layer_lazily(stack: LazyStack, registry: Registry,
+                                                  indexed: tuple[PushedImage, str]) -> None:
+    image, artifact = indexed
+    _trust(stack, artifact)
+    log = AccessLog(registry.access_log)
+    out = _pull(stack, image.ref, "indexed")
+    assert "3 layers: 3 lazy, 0 downloaded" in out, out
+    run = stack.ctd.ctr("run", "--rm", "--snapshotter", "coldstart", image.ref, "run-indexed",
+                        "/bin/sh", "-c", WORKLOAD, namespace="indexed")
+    assert run.stdout == workload_expected(_layers("app"))
+    # the top layer's 3 MiB file nobody reads stayed in the registry
+    top, size = image.layer_digests[-1], image.layer_sizes[-1]
+    assert log.blob_bytes(top) < size - (2 << 20), (log.blob_bytes(top), size)
+
+
+def test_the_indexed_rootfs_is_what_containerd_unpacks(
+        stack: LazyStack, indexed: tuple[PushedImage, str]) -> None:
+    image, artifact = indexed
+    _trust(stack, artifact)
+    stack.ctd.ctr("images", "pull", "--plain-http", image.ref, namespace="reference",
+                  timeout=180)
+    with Containerd(stack.ctd.address, "reference") as client, \
+            mounted_view(client, "overlayfs", chain_ids(image.diff_ids)[-1]) as root:
+        reference = dict(walk_tree(root))
+    assert "data/link-to-b" in reference and "etc/gone.txt" not in reference
+    out = _pull(stack, image.ref, "tree")
+    assert "3 lazy" in out
+    with Containerd(stack.ctd.address, "tree") as client:
+        image_rec = client.get_image(image.ref)
+        config = client.content_info(image_rec.target.digest).labels[
+            "containerd.io/gc.ref.content.config"]
+        top = client.content_info(config).labels["containerd.io/gc.ref.snapshot.coldstart"]
+        with mounted_view(client, "coldstart", top) as root:
+            tree = dict(walk_tree(root))
+    missing = sorted(set(reference) - set(tree))
+    extra = sorted(set(tree) - set(reference))
+    differ = sorted(p for p in set(tree) & set(reference) if tree[p] != reference[p])
+    assert (missing, extra, [(p, tree[p], reference[p]) for p in differ]) == ([], [], [])
+
+
+def test_a_lying_index_fails_the_read_then_the_layer_is_pulled_in_full(
+        stack: LazyStack, registry: Registry) -> None:
+    with RegistryClient() as reg:
+        image = push_image(reg, f"{registry.host}/e2e-index/lying:gzip", _layers("lying"))
+        with tempfile.TemporaryDirectory() as tmp:
+            ix = index_image(reg, Reference.parse(image.ref), span=256 << 10, workdir=Path(tmp))
+
+        def lie(t: dict) -> None:      # the top layer's small.txt: a digest of other bytes
+            e = next(e for e in t["entries"] if e["name"] == "data/small.txt")
+            e["chunkDigest"] = "sha256:" + "1" * 64
+
+        top = ix.layers[-1]
+        lying = dataclasses.replace(ix, layers=(*ix.layers[:-1], LayerIndex(
+            top.digest, top.size, blob=rewrite_index(top.blob, toc=lie))))
+        artifact = push_image_index(reg, lying)
+    _trust(stack, artifact)
+    assert "3 layers: 3 lazy" in _pull(stack, image.ref, "lying")
+    run = stack.ctd.ctr("run", "--rm", "--snapshotter", "coldstart", image.ref, "run-lying",
+                        "/bin/sh", "-c", "cat /etc/hello.txt; cat /data/small.txt",
+                        namespace="lying", check=False)
+    assert run.returncode != 0 and "Input/output error" in run.stdout + run.stderr, run
+    fuse_log = stack.fuse_log.read_text()
+    assert f"layer {top.digest}" in fuse_log and "gzip index proved wrong" in fuse_log
+    bad = json.loads((stack.snapshotter.root / "bad-indexes.json").read_text())
+    assert top.digest in bad and bad[top.digest]["index"] == artifact
+    # removed (so that no snapshot of it is adopted), then pulled again: from now on that
+    # layer is pulled in full (the others stay lazy), and the file reads
+    stack.ctd.ctr("images", "rm", "--sync", image.ref, namespace="lying")
+    out = _pull(stack, image.ref, "lying-again")
+    assert "3 layers: 2 lazy, 1 downloaded" in out, out
+    assert "reason index-failed" in stack.snapshotter.log.read_text()
+    run = stack.ctd.ctr("run", "--rm", "--snapshotter", "coldstart", image.ref, "run-again",
+                        "/bin/sh", "-c", "cat /data/small.txt", namespace="lying-again",
+                        check=False)
+    small = next(e for e in _layers("lying")[2] if e.path == "data/small.txt").data
+    assert run.returncode == 0 and run.stdout == small.decode(), run

@@ -1,0 +1,183 @@
+"""The seekable index of a plain gzip layer (coldstart.format.gzindex, coldstart.oci.gzindex):
+built from real gzip streams, every file read back through it equals the tar's; a malformed
+index is refused when opened; an index that describes chunks wrongly never yields their bytes."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import random
+import tarfile
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from coldstart.errors import FormatError, IntegrityError
+from coldstart.format import BytesReadAt
+from coldstart.format.gzindex import (
+    INDEX_FORMAT,
+    Checkpoint,
+    encode_index,
+    open_indexed_layer,
+    parse_index,
+)
+from coldstart.oci.gzindex import find_checkpoints, index_blob_file
+from tests.unit.format.layers import (
+    add,
+    assert_same_as_tar,
+    every_kind_tar,
+    raw_index,
+    rewrite_index,
+)
+
+SPAN = 64 << 10
+
+
+def _digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _big_tar() -> bytes:
+    """Many small files and a few large ones, over many spans (64 KiB spans)."""
+    import io
+    rnd = random.Random(5)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        add(tf, "./", type=tarfile.DIRTYPE, mode=0o755)
+        for i in range(400):
+            words = " ".join(rnd.choice(["torch", "cuda", "lib", "so", "py"])
+                             for _ in range(rnd.randrange(5, 400)))
+            add(tf, f"./pkg/m{i:03d}.py", words.encode())
+        add(tf, "./pkg/big.bin", rnd.randbytes(300_000) + bytes(200_000))
+        add(tf, "./pkg/after", b"after the big one\n")
+    return buf.getvalue()
+
+
+def _indexed(tmp_path: Path, tar: bytes, level: int = 6):
+    blob = gzip.compress(tar, compresslevel=level, mtime=0)
+    path = tmp_path / "layer.tar.gz"
+    path.write_bytes(blob)
+    digest = _digest(blob)
+    index, diff_id, files = index_blob_file(path, layer=digest, span=SPAN)
+    return blob, digest, index, diff_id, files
+
+
+@pytest.mark.parametrize("tar_of", ["every-kind", "big"])
+def test_every_file_reads_back_through_the_index(tmp_path: Path, tar_of: str) -> None:
+    tar = every_kind_tar(portable=False) if tar_of == "every-kind" else _big_tar()
+    blob, digest, index, diff_id, _ = _indexed(tmp_path, tar)
+    assert diff_id == _digest(tar)
+    layer = open_indexed_layer(BytesReadAt(blob), index, layer=digest)
+    assert layer.format == INDEX_FORMAT
+    assert_same_as_tar(layer, tar)
+    if tar_of == "big":
+        assert len(layer.index.checkpoints) > 5
+        big = layer.toc.entries["pkg/big.bin"]
+        assert len(big.chunks) > 1           # cut at the checkpoints
+
+
+def test_a_multi_member_gzip_reads_back_or_is_refused(tmp_path: Path) -> None:
+    # indexed_gzip puts a checkpoint where each member's deflate data starts; one dropped (too
+    # close to the last) leaves a span that ends early, which the build refuses
+    tar = _big_tar()
+    half = len(tar) // 2
+    blob = gzip.compress(tar[:half], mtime=0) + gzip.compress(tar[half:], mtime=0)
+    path = tmp_path / "two.gz"
+    path.write_bytes(blob)
+    index, diff_id, _ = index_blob_file(path, layer=_digest(blob), span=SPAN)
+    assert diff_id == _digest(tar)
+    assert_same_as_tar(open_indexed_layer(BytesReadAt(blob), index, layer=_digest(blob)), tar)
+    with pytest.raises(FormatError, match="several members"):
+        index_blob_file(path, layer=_digest(blob), span=half + 1000)
+
+
+def test_a_stream_that_ends_early_is_refused(tmp_path: Path) -> None:
+    blob = gzip.compress(_big_tar(), mtime=0)
+    path = tmp_path / "short.gz"
+    path.write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(FormatError):
+        index_blob_file(path, layer=_digest(blob), span=SPAN)
+
+
+def test_a_malformed_index_is_refused_when_opened(tmp_path: Path) -> None:
+    blob, digest, index, _, _ = _indexed(tmp_path, _big_tar())
+    src = BytesReadAt(blob)
+    bad = {
+        "not zstd": b"GZIDX" + index,
+        "truncated": zstandard.ZstdCompressor().compress(raw_index(index)[:-100]),
+        "another layer": rewrite_index(index, meta=lambda m: m.update(layer="sha256:" + "0" * 64)),
+        "another size": rewrite_index(index, meta=lambda m: m.update(size=m["size"] + 1)),
+        "out of order": rewrite_index(index, meta=lambda m: m["checkpoints"].reverse()),
+        "past the blob": rewrite_index(index, meta=lambda m: m["checkpoints"][-1].__setitem__(
+            0, len(blob) + 10)),
+        "bits": rewrite_index(index, meta=lambda m: m["checkpoints"][1].__setitem__(1, 9)),
+        "window size": rewrite_index(index, meta=lambda m: m["checkpoints"][1].__setitem__(3, 5)),
+        "escaping name": rewrite_index(index, toc=lambda t: t["entries"][1].update(
+            name="../../etc/passwd")),
+        "chunk outside": rewrite_index(index, toc=lambda t: next(
+            e for e in t["entries"] if e.get("offset")).update(offset=len(blob) + 1)),
+    }
+    for what, data in bad.items():
+        with pytest.raises(FormatError):
+            open_indexed_layer(src, data, layer=digest)
+            pytest.fail(what)
+
+
+def test_an_index_that_lies_about_a_chunk_never_yields_its_bytes(tmp_path: Path) -> None:
+    blob, digest, index, _, _ = _indexed(tmp_path, _big_tar())
+
+    def lie_digest(t: dict) -> None:
+        e = next(e for e in t["entries"] if e["name"] == "pkg/m010.py")
+        e["chunkDigest"] = "sha256:" + "1" * 64
+
+    def lie_offset(t: dict) -> None:
+        # the file's bytes claimed to be 100 bytes further into the span
+        e = next(e for e in t["entries"] if e["name"] == "pkg/m200.py")
+        e["innerOffset"] = e.get("innerOffset", 0) + 100
+
+    moved: list[str] = []
+
+    def lie_span(t: dict) -> None:
+        # a file's first chunk pointed at the previous checkpoint's span: other bytes, other
+        # window (the first file that starts in the second span)
+        entries = [e for e in t["entries"] if e.get("offset") and e["type"] == "reg"]
+        spans = sorted({(e["offset"], e["endOffset"]) for e in entries})
+        e = next(e for e in entries if e["offset"] == spans[1][0])
+        e["offset"], e["endOffset"] = spans[0]
+        moved.append(e["name"])
+
+    for lie in (lie_digest, lie_offset, lie_span):
+        layer = open_indexed_layer(BytesReadAt(blob), rewrite_index(index, toc=lie), layer=digest)
+        told: list[str] = []
+        layer.on_bad = told.append
+        name = {lie_digest: "pkg/m010.py", lie_offset: "pkg/m200.py"}.get(lie) or moved[0]
+        with pytest.raises((IntegrityError, FormatError)):
+            layer.read_file(name)
+        entry = layer.toc.entries[name]
+        layer.chunk_failed(entry.chunks[0], IntegrityError("x"))
+        assert told and "IntegrityError" in told[0]
+
+
+def test_checkpoints_match_a_sequential_inflate(tmp_path: Path) -> None:
+    tar = _big_tar()
+    blob = gzip.compress(tar, mtime=0)
+    path = tmp_path / "l.gz"
+    path.write_bytes(blob)
+    points, usize = find_checkpoints(path, SPAN)
+    assert usize == len(tar)
+    assert points[0].out == 0 and points[0].window == b""
+    for p in points[1:]:
+        assert p.window == tar[p.out - len(p.window) : p.out]
+
+
+def test_encode_parse_round_trip() -> None:
+    points = (Checkpoint(10, 0, 0, b""), Checkpoint(500, 0, 40_000, b"w" * 32768))
+    toc = json.dumps({"version": 1, "entries": []}).encode()
+    blob = encode_index(layer="sha256:" + "a" * 64, size=1000, uncompressed_size=50_000,
+                        diff_id="sha256:" + "b" * 64, span=SPAN, checkpoints=points,
+                        toc_json=toc)
+    got = parse_index(blob, layer="sha256:" + "a" * 64, size=1000)
+    assert got.checkpoints == points and got.toc_json == toc
+    assert got.span_end(0) == (500, 40_000) and got.span_end(1) == (1000, 50_000)
