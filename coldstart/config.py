@@ -38,6 +38,7 @@ __all__ = [
     "FuseConfig",
     "IndexConfig",
     "ProbeTimingConfig",
+    "PullConfig",
     "RegistryConfig",
     "SourceConfig",
     "WeightsConfig",
@@ -136,6 +137,30 @@ class CacheConfig(_Checked):
         if self.verify not in CACHE_VERIFY_MODES:
             raise InvalidArgument(f"config: cache.verify must be one of "
                                   f"{', '.join(CACHE_VERIFY_MODES)}, not {self.verify!r}")
+
+
+#: values of ``pull.mode``
+PULL_MODES = ("auto", "lazy", "full")
+
+
+@dataclass(frozen=True)
+class PullConfig(_Checked):
+    # per layer: "auto": lazily when it has a TOC or a trusted gzip index, else pulled in full
+    # by coldstart (parallel range requests, inflated on every core); "lazy": never pulled in
+    # full by coldstart (a layer it cannot mount lazily is pulled by containerd, one stream);
+    # "full": never lazily (every layer pulled in full by coldstart)
+    mode: str = "auto"
+    # a full pull: range requests in flight, and the bytes of each
+    jobs: int = 4
+    part_bytes: int = 16 * MiB
+    # deadline of one layer's full pull, seconds (fetch, inflate and unpack)
+    timeout: float = 1800.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mode not in PULL_MODES:
+            raise InvalidArgument(f"config: pull.mode must be one of {', '.join(PULL_MODES)}, "
+                                  f"not {self.mode!r}")
 
 
 #: values of ``index.trust``
@@ -277,6 +302,7 @@ class Config(_Checked):
     cache: CacheConfig = field(default_factory=CacheConfig)
     fuse: FuseConfig = field(default_factory=FuseConfig)
     index: IndexConfig = field(default_factory=IndexConfig)
+    pull: PullConfig = field(default_factory=PullConfig)
     source: SourceConfig = field(default_factory=SourceConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     probe: ProbeTimingConfig = field(default_factory=ProbeTimingConfig)

@@ -33,6 +33,8 @@ from coldstart.errors import (
 )
 from coldstart.lazyfs.spec import (
     LABEL_LIMIT,
+    PULLED_LABEL,
+    REASON_LABEL,
     REMOTE_ANNOTATIONS,
     REMOTE_DIGEST,
     REMOTE_MANIFEST_DIGEST,
@@ -65,7 +67,8 @@ Progress = Callable[[str], None]
 @dataclass(frozen=True)
 class LayerResult:
     """What happened to one layer: ``present`` (snapshot existed), ``lazy`` (the snapshotter
-    mounted it remotely), or ``downloaded`` (fetched and unpacked here)."""
+    mounted it remotely), ``pulled`` (the snapshotter pulled it in full, in parallel) or
+    ``downloaded`` (fetched and unpacked here)."""
 
     digest: str
     chain_id: str
@@ -94,7 +97,7 @@ class PullResult:
 
     @property
     def downloaded_bytes(self) -> int:
-        return sum(la.fetched_bytes for la in self.layers)
+        return sum(la.fetched_bytes for la in self.layers if la.how == "downloaded")
 
 
 def chain_ids(diff_ids: Sequence[str]) -> list[str]:
@@ -224,8 +227,10 @@ def pull_image(ctd: Containerd, registry: RegistryClient, ref: str, *,
                      config_digest=manifest.config.digest, chain_id=chains[-1] if chains else "",
                      layers=tuple(results), seconds=time.monotonic() - started)
     present = sum(1 for la in results if la.how == "present")
+    pulled = sum(1 for la in results if la.how == "pulled")
     say(f"{ref}: {len(results)} layers: {out.lazy_layers} lazy, {out.downloaded_layers} "
-        f"downloaded ({_human(out.downloaded_bytes)}), {present} already present; "
+        f"downloaded ({_human(out.downloaded_bytes)}), {present} already present"
+        f"{f', {pulled} pulled in full by the snapshotter' if pulled else ''}; "
         f"done in {out.seconds:.2f} s")
     return out
 
@@ -275,6 +280,12 @@ def _unpack_layer(ctd: Containerd, registry: RegistryClient, resolved: Resolved,
             raise FailedPrecondition(
                 f"{head}: snapshotter {snapshotter} answered ALREADY_EXISTS for {key!r} but "
                 f"has no snapshot {chain}") from None
+        info = ctd.stat_snapshot(snapshotter, chain)
+        if info.labels.get(PULLED_LABEL) == "full":
+            why = info.labels.get(REASON_LABEL, "?")
+            say(f"{head}: pulled in full by the snapshotter ({_human(layer.size)}, parallel; "
+                f"not lazy: {why})")
+            return LayerResult(layer.digest, chain, layer.size, "pulled", layer.size)
         say(f"{head}: lazy (remote snapshot, {_human(layer.size)} not downloaded)")
         return LayerResult(layer.digest, chain, layer.size, "lazy")
     try:

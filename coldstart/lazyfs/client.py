@@ -96,6 +96,15 @@ class FuseServerClient:
         result: list[dict[str, Any]] = self._call(control.profile_request())
         return result
 
+    def unpack(self, directory: str, spec: LayerSpec, *, lowers: list[str], parent_chain: str,
+               chain: str, timeout: float) -> dict[str, Any]:
+        """Pull ``spec``'s layer in full into the empty ``directory`` (parallel fetch and
+        inflate, containerd's applier), checked against ``chain``; what it took."""
+        result: dict[str, Any] = self._call(
+            control.unpack_request(directory, spec, lowers=lowers, parent_chain=parent_chain,
+                                   chain=chain), timeout=timeout)
+        return result
+
 
 
 # the old name (tests import it): the payload's error, rebuilt

@@ -13,6 +13,8 @@ lines are skipped; a request line over :data:`MAX_LINE` bytes ends the connectio
     {"op": "status"}                                      -> {"ok": true, "result": [{…}, …]}
     {"op": "record", "on": B, "mountpoint": P | null}     -> {"ok": true, "result": N}
     {"op": "profile"}                                     -> {"ok": true, "result": [{…}, …]}
+    {"op": "unpack", "dir": D, "spec": {…}, "lowers": [L, …],
+     "parent_chain": C, "chain": C}                       -> {"ok": true, "result": {…}}
     failure:  {"ok": false, "error": {"kind": "IntegrityError",
                                       "kinds": ["IntegrityError", "ColdstartError"], "message": …}}
 
@@ -49,6 +51,7 @@ __all__ = [
     "RECORD",
     "STATUS",
     "UNMOUNT",
+    "UNPACK",
     "ControlHandler",
     "LineBuffer",
     "check_request",
@@ -65,6 +68,7 @@ __all__ = [
     "record_request",
     "status_request",
     "unmount_request",
+    "unpack_request",
 ]
 
 log = logging.getLogger(__name__)
@@ -79,7 +83,8 @@ UNMOUNT = "unmount"
 STATUS = "status"
 RECORD = "record"      # start/stop recording file accesses (one mountpoint's layer, or all)
 PROFILE = "profile"    # what each recording layer read so far
-OPS = (PING, MOUNT, CHECK, UNMOUNT, STATUS, RECORD, PROFILE)
+UNPACK = "unpack"      # pull a layer in full into a directory (parallel fetch and inflate)
+OPS = (PING, MOUNT, CHECK, UNMOUNT, STATUS, RECORD, PROFILE, UNPACK)
 
 
 # -- framing -------------------------------------------------------------------------------
@@ -142,6 +147,12 @@ def record_request(on: bool, mountpoint: str | None = None) -> dict[str, Any]:
 
 def profile_request() -> dict[str, Any]:
     return {"op": PROFILE}
+
+
+def unpack_request(directory: str, spec: LayerSpec, *, lowers: list[str], parent_chain: str,
+                   chain: str) -> dict[str, Any]:
+    return {"op": UNPACK, "dir": directory, "spec": json.loads(spec.to_json()),
+            "lowers": lowers, "parent_chain": parent_chain, "chain": chain}
 
 
 # -- replies and errors --------------------------------------------------------------------
@@ -230,6 +241,9 @@ class ControlHandler(Protocol):
 
     def profile(self) -> list[dict[str, Any]]: ...
 
+    async def unpack(self, directory: str, spec: LayerSpec, lowers: list[str],
+                     parent_chain: str, chain: str) -> dict[str, Any]: ...
+
 
 async def dispatch(line: bytes, handler: ControlHandler) -> bytes:
     """Answer one request line: the reply line, never an exception.
@@ -263,6 +277,16 @@ async def dispatch(line: bytes, handler: ControlHandler) -> bytes:
             result = handler.record(on, mp)
         elif op == PROFILE:
             result = handler.profile()
+        elif op == UNPACK:
+            spec = LayerSpec.from_json(json.dumps(req.get("spec")))
+            lowers = req.get("lowers")
+            if not isinstance(lowers, list) or not all(
+                    isinstance(x, str) and os.path.isabs(x) for x in lowers):
+                raise InvalidArgument("'lowers' must be a list of absolute paths")
+            parent_chain, chain = req.get("parent_chain"), req.get("chain")
+            if not isinstance(parent_chain, str) or not isinstance(chain, str):
+                raise InvalidArgument("'parent_chain' and 'chain' must be strings")
+            result = await handler.unpack(_path(req, "dir"), spec, lowers, parent_chain, chain)
         else:
             raise InvalidArgument(f"unknown op {op!r}")
     except ColdstartError as exc:
@@ -276,7 +300,11 @@ async def dispatch(line: bytes, handler: ControlHandler) -> bytes:
 
 
 def _mountpoint(req: dict[str, Any]) -> str:
-    mp = req.get("mountpoint")
+    return _path(req, "mountpoint")
+
+
+def _path(req: dict[str, Any], key: str) -> str:
+    mp = req.get(key)
     if not isinstance(mp, str) or not os.path.isabs(mp):
-        raise InvalidArgument(f"mountpoint must be an absolute path, not {mp!r}")
+        raise InvalidArgument(f"{key} must be an absolute path, not {mp!r}")
     return os.path.normpath(mp)

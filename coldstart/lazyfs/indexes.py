@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 #: largest index blob fetched
 MAX_INDEX_BLOB = 256 << 20
+#: seconds an image's referrers and artifact manifests are kept
+_TTL = 60.0
 
 
 class IndexFinder:
@@ -69,6 +71,9 @@ class IndexFinder:
         self.trusted_file = trusted_file
         self.bad_file = bad_file
         self._lock = threading.Lock()
+        # an image's layers are prepared one after the other: its referrers and artifact
+        # manifests are asked once per image (for ``_TTL`` seconds), not once per layer
+        self._seen: dict[str, tuple[float, Any]] = {}
 
     def _pinned(self) -> frozenset[str]:
         pins = set(self.trusted)
@@ -139,7 +144,9 @@ class IndexFinder:
                                      f"{NO_INDEX} can be found (the labels name no manifest "
                                      "digest)")
         ref = Reference.parse(spec.reference)
-        found = find_referrers(self.client, ref, spec.manifest_digest, ARTIFACT_TYPE)
+        found = self._cached(f"referrers {ref.registry}/{ref.repository}@"
+                             f"{spec.manifest_digest}", lambda: find_referrers(
+                                 self.client, ref, spec.manifest_digest, ARTIFACT_TYPE))
         if not found:
             raise FailedPrecondition(
                 f"layer {spec.digest}: no TOC digest annotation and {NO_INDEX} for image "
@@ -162,8 +169,23 @@ class IndexFinder:
         raise FailedPrecondition(f"layer {spec.digest}: no TOC digest annotation, and "
                                  f"{NO_INDEX}: the image's indexes do not cover this layer")
 
+    def _cached(self, key: str, get: Any) -> Any:
+        now = time.monotonic()
+        with self._lock:
+            hit = self._seen.get(key)
+            if hit is not None and now - hit[0] < _TTL:
+                return hit[1]
+        value = get()
+        with self._lock:
+            if len(self._seen) > 256:
+                self._seen.clear()
+            self._seen[key] = (now, value)
+        return value
+
     def _fetch(self, ref: Reference, artifact: str, layer: str) -> bytes | None:
-        body, media, _ = self.client.get_manifest(ref.with_digest(artifact), (OCI_MANIFEST,))
+        body, media, _ = self._cached(
+            f"artifact {ref.registry}/{ref.repository}@{artifact}",
+            lambda: self.client.get_manifest(ref.with_digest(artifact), (OCI_MANIFEST,)))
         try:
             manifest = parse_manifest(body, media or None)
         except (FormatError, ColdstartError) as exc:

@@ -20,11 +20,14 @@ any mount or socket, when another holds it or something already answers on its c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
+import functools
 import logging
 import os
 import signal
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -55,8 +58,11 @@ from coldstart.lazyfs.mountsys import is_mountpoint, lazy_unmount
 from coldstart.lazyfs.resolver import LayerResolver
 from coldstart.lazyfs.spec import LayerSpec
 from coldstart.oci.keychain import Keychain
+from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
+from coldstart.remote import RegistryBlob
 from coldstart.unixsock import socket_answers
+from coldstart.unpack.fullpull import pull_layer
 
 __all__ = ["LOCK_FILE", "FuseServer", "error_payload", "parse_metrics_address", "serve_connection"]
 
@@ -147,6 +153,25 @@ class FuseServer:
         return IndexFinder(self.client, trust=ix.trust, trusted=ix.trusted,
                            trusted_file=Path(ix.trusted_file or self.root / "trusted-indexes"),
                            bad_file=self.root / "bad-indexes.json")
+
+    def _unpack(self, directory: str, spec: LayerSpec, lowers: list[str], parent_chain: str,
+                chain: str) -> dict[str, Any]:
+        """Pull ``spec``'s layer in full into ``directory`` (a worker thread)."""
+        p = self.config.pull
+        ref = Reference.parse(spec.reference)
+        blob = RegistryBlob(self.client, ref, spec.digest, spec.size if spec.size >= 0 else None,
+                            timeout=self.config.fetch.request_timeout * 3)
+        pulled = pull_layer(blob, digest=spec.digest, size=blob.size(),
+                            media_type=spec.media_type or "application/vnd.oci.image.layer."
+                            "v1.tar+gzip", dest=Path(directory),
+                            workdir=self.root / "downloads", lowers=[Path(x) for x in lowers],
+                            parent_chain=parent_chain, expect_chain=chain, jobs=p.jobs,
+                            part=p.part_bytes)
+        log.info("layer %s pulled in full into %s: %d bytes fetched (%d resumed) in %.2f s, "
+                 "%d entries unpacked in %.2f s", spec.digest, directory, pulled.fetched_bytes,
+                 pulled.resumed_bytes, pulled.fetch_seconds, pulled.entries,
+                 pulled.apply_seconds)
+        return dataclasses.asdict(pulled)
 
     def run(self) -> None:
         """Mount, restore, serve until a signal; then unmount and return."""
@@ -366,7 +391,7 @@ class FuseServer:
 
     async def _serve(self, listener: trio.SocketListener) -> None:
         assert self._restored is not None
-        handler = _Handler(self.fuse_dir, self.layers, self._restored)
+        handler = _Handler(self.fuse_dir, self.layers, self._restored, self._unpack)
 
         async def connection(stream: trio.SocketStream) -> None:
             await serve_connection(stream, handler)
@@ -414,10 +439,14 @@ class _Handler:
     """The server as :class:`~coldstart.lazyfs.control.ControlHandler`: ``ping`` from the
     process, the rest from the layer table once the restore is done."""
 
-    def __init__(self, fuse_dir: Path, layers: LayerTable, restored: trio.Event) -> None:
+    def __init__(self, fuse_dir: Path, layers: LayerTable, restored: trio.Event,
+                 unpack: Callable[..., dict[str, Any]]) -> None:
         self.fuse_dir = fuse_dir
         self.layers = layers
         self.restored = restored
+        self._unpack = unpack
+        # full pulls at once: each inflates on every core
+        self._unpacking = trio.CapacityLimiter(2)
 
     async def ready(self) -> None:
         await self.restored.wait()  # answer from the restored mount table
@@ -442,4 +471,10 @@ class _Handler:
 
     def profile(self) -> list[dict[str, Any]]:
         return self.layers.profile()
+
+    async def unpack(self, directory: str, spec: LayerSpec, lowers: list[str],
+                     parent_chain: str, chain: str) -> dict[str, Any]:
+        return await trio.to_thread.run_sync(
+            functools.partial(self._unpack, directory, spec, lowers, parent_chain, chain),
+            limiter=self._unpacking)
 

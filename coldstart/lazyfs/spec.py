@@ -43,6 +43,11 @@ NO_INDEX = "no gzip index"
 UNTRUSTED = "gzip index not trusted"
 BAD_INDEX = "gzip index proved wrong"
 
+# labels the snapshotter sets on a layer it did not mount lazily: why, and "full" when it
+# pulled the layer in full itself (``coldstart pull`` reads them back)
+REASON_LABEL = "coldstart.io/reason"
+PULLED_LABEL = "coldstart.io/pulled"
+
 # containerd limits one label's key + value to this many bytes
 LABEL_LIMIT = 4096
 

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 from coldstart.config import Config, dump
 from coldstart.errors import ColdstartError, FailedPrecondition, InvalidArgument
@@ -68,6 +68,9 @@ FUSE_CONFIG = "fuse-server.toml"
 
 class FuseClient(LayerMounter, Protocol):
     def ping(self) -> object: ...
+
+    def unpack(self, directory: str, spec: LayerSpec, *, lowers: list[str], parent_chain: str,
+               chain: str, timeout: float) -> dict[str, Any]: ...
 
 
 @contextlib.contextmanager
@@ -267,6 +270,15 @@ class RespawningMounter:
     def unmount(self, mountpoint: str) -> None:
         self._retry(lambda: self.client.unmount(mountpoint))
 
+    def unpack(self, directory: str, spec: LayerSpec, *, lowers: list[str], parent_chain: str,
+               chain: str, timeout: float) -> dict[str, Any]:
+        """Have the FUSE server pull ``spec``'s layer in full into ``directory``."""
+        out: dict[str, Any] = {}
+        self._retry(lambda: out.update(self.client.unpack(
+            directory, spec, lowers=lowers, parent_chain=parent_chain, chain=chain,
+            timeout=timeout)))
+        return out
+
 
 #: how often the daemon checks that its FUSE server answers (seconds)
 FUSE_WATCH_INTERVAL = 1.0
@@ -320,7 +332,9 @@ def _serve(cfg: Config, root: str, store: Store, ready: threading.Event | None,
 
     metrics = ServiceMetrics(counts)
     mounter = make_mounter(cfg)
-    snapshotter = Snapshotter(root, store, mounter, on_remote=metrics.remote_layer)
+    snapshotter = Snapshotter(root, store, mounter, on_remote=metrics.remote_layer,
+                              pull_mode=cfg.pull.mode,
+                              full_pull_timeout=cfg.pull.timeout)
     if cfg.metrics_address:
         serve_metrics(cfg.metrics_address, metrics)
         log.info("metrics on http://%s/metrics", cfg.metrics_address)

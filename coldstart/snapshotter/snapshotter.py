@@ -35,6 +35,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -55,6 +56,8 @@ from coldstart.lazyfs.spec import (
     CRI_LAYER_DIGEST,
     LABEL_LIMIT,
     NO_INDEX,
+    PULLED_LABEL,
+    REASON_LABEL,
     REMOTE_DIGEST,
     REMOTE_REFERENCE,
     REMOTE_SNAPSHOT,
@@ -80,6 +83,7 @@ __all__ = [
     "LAYER_LABEL",
     "LAZY_LABEL",
     "OUR_LABEL_PREFIX",
+    "PULLED_LABEL",
     "REASON_LABEL",
     "Snapshotter",
     "disk_usage",
@@ -93,7 +97,8 @@ log = logging.getLogger("coldstart.snapshotter")
 # Commit carries every ``coldstart.io/`` label of the active snapshot over to the committed one
 OUR_LABEL_PREFIX = "coldstart.io/"
 LAZY_LABEL = OUR_LABEL_PREFIX + "lazy"          # "false"
-REASON_LABEL = OUR_LABEL_PREFIX + "reason"      # one of FALLBACK_REASONS
+# REASON_LABEL (coldstart.io/reason): one of FALLBACK_REASONS; PULLED_LABEL
+# (coldstart.io/pulled): "full" when the layer was pulled in full here (lazyfs.spec holds both)
 LAYER_LABEL = OUR_LABEL_PREFIX + "layer"        # the layer (blob) digest
 IMAGE_LABEL = OUR_LABEL_PREFIX + "image"        # the image reference, as the labels named it
 
@@ -111,6 +116,7 @@ FALLBACK_REASONS = (
     "no-fuse-server",  # no FUSE server: none configured, or it cannot be reached
     "bad-labels",      # the lazy-pull labels are malformed
     "commit-failed",   # mounted, but recording the committed snapshot failed
+    "full-pull-forced",  # pull.mode is full: no layer is mounted lazily
     "other",
 )
 
@@ -146,6 +152,15 @@ def fallback_reason(exc: BaseException) -> str:
     if isinstance(exc, InvalidArgument):
         return "bad-labels"
     return "other"
+
+
+def _chain_of(name: str) -> str:
+    """The chain ID a snapshot name ends with (containerd's metadata store names the backend's
+    snapshots ``<namespace>/<n>/<chain ID>``), or "" when it does not end with one."""
+    last = name.rpartition("/")[2]
+    kind, _, hexpart = last.partition(":")
+    ok = kind == "sha256" and len(hexpart) == 64 and all(c in "0123456789abcdef" for c in hexpart)
+    return last if ok else ""
 
 
 def _fit(key: str, value: str) -> str:
@@ -201,7 +216,8 @@ class Snapshotter:
 
     def __init__(self, root: str | Path, store: Store, mounter: LayerMounter | None = None,
                  *, index_off: bool | None = None,
-                 on_remote: Callable[[str, str], None] | None = None) -> None:
+                 on_remote: Callable[[str, str], None] | None = None,
+                 pull_mode: str = "lazy", full_pull_timeout: float = 1800.0) -> None:
         self.root = str(Path(root).resolve())
         self.store = store
         self.mounter = mounter
@@ -211,6 +227,10 @@ class Snapshotter:
         self._on_remote = on_remote or (lambda _result, _reason: None)
         self.snapshots_dir = os.path.join(self.root, "snapshots")
         os.makedirs(self.snapshots_dir, exist_ok=True)
+        #: pull.mode: "auto" (lazily, else pulled in full by the FUSE server), "lazy" (else
+        #: containerd pulls), "full" (never lazily)
+        self.pull_mode = pull_mode
+        self.full_pull_timeout = full_pull_timeout
 
     # --- containerd's calls -------------------------------------------------------------
 
@@ -231,8 +251,14 @@ class Snapshotter:
             self._fall_back(key, labels, None, "bad-labels", f"lazy-pull labels: {bad_labels}")
         elif spec is not None and self.mounter is None:
             self._fall_back(key, labels, spec, "no-fuse-server", "no layer mounter configured")
-        elif spec is not None and self._mount_remote(key, parent, target, labels, spec):
-            raise AlreadyExists(f"target snapshot {target!r}: already exists")
+        elif spec is not None:
+            if self.pull_mode == "full":
+                self._fall_back(key, labels, spec, "full-pull-forced",
+                                "pull.mode is full: every layer is pulled in full")
+            elif self._mount_remote(key, parent, target, labels, spec):
+                raise AlreadyExists(f"target snapshot {target!r}: already exists")
+            if self.pull_mode != "lazy" and self._pull_full(key, parent, target, labels, spec):
+                raise AlreadyExists(f"target snapshot {target!r}: already exists")
         return mounts
 
     def view(self, key: str, parent: str, labels: Mapping[str, str]) -> list[Mount]:
@@ -346,8 +372,10 @@ class Snapshotter:
             labels.get(REMOTE_DIGEST) or labels.get(CRI_LAYER_DIGEST) or "?"
         image = labels.get(REMOTE_REFERENCE) or labels.get(CRI_IMAGE_REF) or \
             (spec.reference if spec is not None else "") or "?"
-        log.warning("layer %s of %s not mounted lazily (reason %s), containerd pulls it: %s",
-                    digest, image, reason, detail, exc_info=exc)
+        then = "containerd pulls it" if self.pull_mode == "lazy" or self.mounter is None \
+            else "coldstart pulls it in full"
+        log.warning("layer %s of %s not mounted lazily (reason %s), %s: %s",
+                    digest, image, reason, then, detail, exc_info=exc)
         self._on_remote("fallback", reason)
         ours = {LAZY_LABEL: "false", REASON_LABEL: reason, LAYER_LABEL: digest,
                 IMAGE_LABEL: image}
@@ -357,6 +385,59 @@ class Snapshotter:
                 tx.update_info(key, ours, [f"labels.{k}" for k in ours])
         except ColdstartError as exc2:
             log.warning("snapshot %s: cannot label the fallback: %s", key, exc2)
+
+    def _pull_full(self, key: str, parent: str, target: str, labels: Mapping[str, str],
+                   spec: LayerSpec) -> bool:
+        """Have the FUSE server pull the layer of ACTIVE ``key`` in full into its directory
+        (parallel range requests and inflate, containerd's applier, checked against the
+        chain ID ``target`` names) and commit it as ``target``; False: ``key`` stays a plain
+        ACTIVE snapshot (empty again) and containerd pulls the layer."""
+        unpack = getattr(self.mounter, "unpack", None)
+        if unpack is None:
+            return False
+        with self.store.transaction() as tx:
+            snap = tx.get_snapshot(key)
+            _, info, _ = tx.get_info(key)
+        fs = upper_path(self.root, snap.id)
+        lowers = [upper_path(self.root, pid) for pid in snap.parent_ids]
+        chain = _chain_of(target)
+        parent_chain = _chain_of(parent) if parent else ""
+        if parent and not parent_chain:
+            chain = ""            # nothing to check the diffID against: the blob digest is
+        t0 = time.monotonic()
+        try:
+            done = unpack(fs, spec, lowers=lowers, parent_chain=parent_chain, chain=chain,
+                          timeout=self.full_pull_timeout)
+        except Exception as exc:
+            log.warning("layer %s: the full pull failed, containerd pulls it: %s", spec.digest,
+                        exc, exc_info=None if isinstance(exc, ColdstartError) else exc)
+            self._on_remote("full-pull-failed", fallback_reason(exc))
+            self._empty(fs)
+            return False
+        ours = {k: v for k, v in info.labels.items() if k.startswith(OUR_LABEL_PREFIX)}
+        committed = {**labels, **ours, PULLED_LABEL: "full"}
+        try:
+            with self.store.transaction(writable=True) as tx:
+                tx.commit_active(key, target, disk_usage(fs), committed)
+        except ColdstartError as exc:
+            if isinstance(exc, AlreadyExists) and self._target_exists(target, parent):
+                self.remove(key)
+                return True
+            log.warning("layer %s: pulled in full, but its commit as %s failed: %s",
+                        spec.digest, target, exc)
+            self._empty(fs)
+            return False
+        log.info("layer %s pulled in full as snapshot %s in %.2f s (%s bytes fetched)",
+                 spec.digest, target, time.monotonic() - t0,
+                 done.get("fetched_bytes", "?") if isinstance(done, dict) else "?")
+        self._on_remote("pulled-full", "")
+        return True
+
+    def _empty(self, fs: str) -> None:
+        """Make ``fs`` an empty directory again (a failed full pull's partial tree)."""
+        shutil.rmtree(fs, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.mkdir(fs, 0o755)
 
     def _target_exists(self, target: str, parent: str) -> bool:
         with self.store.transaction() as tx:

@@ -100,12 +100,15 @@ class SnapshotterDaemon:
 
 def snapshotter_config(base: Path, *, spawn: bool = True, extra: str = "",
                        log_level: str = "debug", background_rate: int | None = 0,
-                       record: bool = False, page_cache: bool = True) -> str:
+                       record: bool = False, page_cache: bool = True,
+                       pull_mode: str | None = "lazy") -> str:
     """The snapshotter's TOML config, everything under ``base``; ``extra``: more top-level
     keys. ``background_rate``: ``fetch.background_rate`` (0, the default here: no fill, so
     what a test reads is all that is fetched; None: the config's default, the link's rate);
     ``record``: ``fuse.record`` (every layer records its file accesses); ``page_cache``:
-    ``fuse.page_cache`` (prefetched chunks handed to the kernel's page cache)."""
+    ``fuse.page_cache`` (prefetched chunks handed to the kernel's page cache); ``pull_mode``:
+    ``pull.mode`` ("lazy", the default here: a layer not mounted lazily is pulled by containerd,
+    which the tests of lazy pulling count on; None: the config's default, "auto")."""
     text = (
         f'root = "{base / "root"}"\n'
         f'socket = "{base / "s.sock"}"\n'
@@ -124,6 +127,8 @@ def snapshotter_config(base: Path, *, spawn: bool = True, extra: str = "",
     )
     if background_rate is not None:
         text += f"[fetch]\nbackground_rate = {background_rate}\n"
+    if pull_mode is not None:
+        text += f'[pull]\nmode = "{pull_mode}"\n'
     return text
 
 
@@ -132,7 +137,7 @@ def start_snapshotter(base: Path, *, spawn: bool = True, metrics: bool = True,
                       extra: str = "", log_level: str = "debug",
                       background_rate: int | None = 0,
                       record: bool = False, page_cache: bool = True,
-                      ) -> Iterator[SnapshotterDaemon]:
+                      pull_mode: str | None = "lazy") -> Iterator[SnapshotterDaemon]:
     """Our daemon on a temp root (config written to ``base/config.toml``); stopped by PID."""
     base.mkdir(parents=True, exist_ok=True)
     config = base / "config.toml"
@@ -141,7 +146,7 @@ def start_snapshotter(base: Path, *, spawn: bool = True, metrics: bool = True,
         extra = f'metrics_address = "{metrics_address}"\n' + extra
     config.write_text(snapshotter_config(base, spawn=spawn, extra=extra, log_level=log_level,
                                          background_rate=background_rate, record=record,
-                                         page_cache=page_cache))
+                                         page_cache=page_cache, pull_mode=pull_mode))
     d = SnapshotterDaemon(base=base, root=base / "root", socket=str(base / "s.sock"),
                           config=config, log=base / "snapshotter.log",
                           metrics_address=metrics_address)
@@ -190,7 +195,8 @@ class LocalStack:
 
 @contextlib.contextmanager
 def local_stack(base: Path, *, log_level: str = "info",
-                background_rate: int | None = 0) -> Iterator[LocalStack]:
+                background_rate: int | None = 0,
+                pull_mode: str | None = "lazy") -> Iterator[LocalStack]:
     """``coldstart snapshotter`` (which spawns its FUSE server) and a containerd that knows it
     as ``coldstart``, under ``base`` until the block ends; ``ctr`` in namespace ``default``.
 
@@ -200,20 +206,21 @@ def local_stack(base: Path, *, log_level: str = "info",
     if missing:
         raise FailedPrecondition(f"cannot run containerd here: missing {', '.join(missing)}")
     with start_snapshotter(base / "sn", metrics=False, log_level=log_level,
-                           background_rate=background_rate) as sn, \
+                           background_rate=background_rate, pull_mode=pull_mode) as sn, \
             start_containerd(base / "ctrd", proxy_socket=sn.socket) as ctd:
         ctd.namespace = "default"
         yield LocalStack(ctd=ctd, snapshotter=sn)
 
 
 @contextlib.contextmanager
-def temp_local_stack(*, log_level: str = "info", background_rate: int | None = 0
-                     ) -> Iterator[LocalStack]:
+def temp_local_stack(*, log_level: str = "info", background_rate: int | None = 0,
+                     pull_mode: str | None = "lazy") -> Iterator[LocalStack]:
     """:func:`local_stack` in a fresh short directory under /tmp (unix socket paths are
     limited to 108 bytes; /tmp must not be overlayfs for overlay mounts), removed afterwards."""
     base = Path(tempfile.mkdtemp(prefix="cs-lz-", dir="/tmp"))
     try:
-        with local_stack(base, log_level=log_level, background_rate=background_rate) as st:
+        with local_stack(base, log_level=log_level, background_rate=background_rate,
+                         pull_mode=pull_mode) as st:
             yield st
     finally:
         unmount_under(base, abort_fuse=True)

@@ -43,11 +43,12 @@ containerd = temp_containerd
 LazyStack = LocalStack
 
 
-def lazy_stack(log_level: str = "info", background_rate: int | None = 0
-               ) -> contextlib.AbstractContextManager[LocalStack]:
+def lazy_stack(log_level: str = "info", background_rate: int | None = 0,
+               pull_mode: str | None = "lazy") -> contextlib.AbstractContextManager[LocalStack]:
     """coldstart.stack's snapshotter + containerd in a fresh /tmp directory (see
     :func:`coldstart.stack.snapshotter.temp_local_stack`)."""
-    return temp_local_stack(log_level=log_level, background_rate=background_rate)
+    return temp_local_stack(log_level=log_level, background_rate=background_rate,
+                            pull_mode=pull_mode)
 
 
 # -- images: coldstart.stack.images (Entry, layer_tar, busybox_entries, APPLETS) --------------
@@ -63,15 +64,16 @@ class PushedImage:
     diff_ids: tuple[str, ...]
 
 
-def push_image(client: RegistryClient, ref: str, layers: Sequence[Sequence[Entry]], *,
+def push_image(client: RegistryClient, ref: str, layers: Sequence[Sequence[Entry] | bytes], *,
                gzip_level: int = 6, env: Sequence[str] = ()) -> PushedImage:
-    """Build gzip layers from ``layers``, push them, a config and an OCI manifest to ``ref``."""
+    """Build gzip layers from ``layers`` (entries, or a tar stream as it is), push them, a
+    config and an OCI manifest to ``ref``."""
     reference = Reference.parse(ref)
     descs: list[dict[str, Any]] = []
     diff_ids: list[str] = []
     sizes: list[int] = []
     for entries in layers:
-        raw = layer_tar(entries)
+        raw = entries if isinstance(entries, bytes) else layer_tar(entries)
         blob = gzip.compress(raw, compresslevel=gzip_level, mtime=0)
         digest = client.push_blob(reference, blob)
         descs.append({"mediaType": OCI_LAYER_GZIP, "digest": digest, "size": len(blob)})
@@ -159,7 +161,12 @@ def walk_tree(root: Path) -> dict[str, Node]:
         dirnames.sort()
         for name in sorted(dirnames + filenames):
             full = os.path.join(dirpath, name)
-            rows.append((os.path.relpath(full, root), os.lstat(full)))
+            try:
+                rows.append((os.path.relpath(full, root), os.lstat(full)))
+            except FileNotFoundError:
+                # overlayfs lists a whiteout of a directory that only one layer holds (it does
+                # not merge that directory) and then finds nothing there: what a container sees
+                seen[os.path.relpath(full, root)] = Node("listed, absent", -1, -1, None, (), ())
     for rel, st in rows:
         full = os.path.join(root, rel)
         kind = stat.S_IFMT(st.st_mode)

@@ -7,8 +7,8 @@ packages beyond the standard library (``LIBS``: a package only some modules of t
 import is written ``"pyfuse3@lazyfs.fusefs"``). An area missing from the table fails, so a new
 package must be placed in it. The layering the table encodes, lowest first::
 
-    errors -> config -> format -> remote -> oci -> cache -> lazyfs -> snapshotter -> containerd
-           -> benchmark / stack -> commands / cli        (weights, probe stand beside: §2)
+    errors -> config -> format -> remote -> oci -> cache -> unpack -> lazyfs -> snapshotter
+           -> containerd -> benchmark / stack -> commands / cli  (weights, probe stand beside: §2)
 
 Independently of the table, the area graph built from the imports actually written must have no
 cycle. Every ``import`` counts: at module level, inside functions, under ``TYPE_CHECKING``.
@@ -40,8 +40,8 @@ def rule(imports: str = "", libs: str = "", *, checked: bool = True) -> Rule:
     return Rule(frozenset(imports.split()), frozenset(libs.split()), checked)
 
 
-_BELOW_BENCH = ("errors config format remote oci cache prefetch lazyfs snapshotter containerd "
-                "weights probe unixsock progress _proto")
+_BELOW_BENCH = ("errors config format remote oci cache prefetch unpack lazyfs snapshotter "
+                "containerd weights probe unixsock progress _proto")
 RULES: dict[str, Rule] = {
     "__init__": rule(),
     "errors": rule(),
@@ -58,7 +58,8 @@ RULES: dict[str, Rule] = {
                 "httpx zstandard indexed_gzip@oci.gzindex"),
     "cache": rule("errors config format files"),
     "prefetch": rule("errors config format"),
-    "lazyfs": rule("errors config format remote oci cache prefetch unixsock files",
+    "unpack": rule("errors config format files", "rapidgzip zstandard"),
+    "lazyfs": rule("errors config format remote oci cache prefetch unixsock files unpack",
                    "trio prometheus_client pyfuse3@lazyfs.fusefs pyfuse3@lazyfs.server"),
     "snapshotter": rule("errors config files lazyfs.spec lazyfs.client lazyfs.control unixsock "
                         "_proto",
