@@ -91,7 +91,10 @@ def main() -> None:
     ap.add_argument("--image", default="torch")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--mode", action="append", choices=MODES,
+                    help="Only these modes (repeatable; default: all four)")
     args = ap.parse_args()
+    modes = tuple(args.mode or MODES)
     image = build_image(args.image, progress=lambda s: print(s, file=sys.stderr))
     with tempfile.TemporaryDirectory(prefix="bench-index-") as tmp, \
             start_registry(Path(tmp) / "reg") as reg:
@@ -111,7 +114,7 @@ def main() -> None:
         refs = {"gzip": gz, "zstd": zs}
         rows: list[dict[str, Any]] = []
         for i in range(args.runs):
-            for mode in MODES:
+            for mode in modes:
                 r = one(mode, refs, doc["artifact"], image.command, reg.access_log)
                 r["run"] = i
                 rows.append(r)
@@ -129,11 +132,12 @@ def main() -> None:
     print(f"coldstart index: {index_s:.1f} s, {idx_bytes / 1e6:.2f} MB of index "
           f"({100 * idx_bytes / gz_bytes:.1f} % of the layers); coldstart convert (zstd:chunked)"
           f": {convert_s:.1f} s\n")
-    print("| mode | pull → exit | pull | run | registry bytes | requests | vs containerd |")
+    ref_mode = "containerd" if "containerd" in modes else modes[0]
+    print(f"| mode | pull → exit | pull | run | registry bytes | requests | vs {ref_mode} |")
     print("|---|---|---|---|---|---|---|")
-    base = _med([r for r in rows if r["mode"] == "containerd"], "total_s")
-    base_pull = _med([r for r in rows if r["mode"] == "containerd"], "pull_s")
-    for mode in MODES:
+    base = _med([r for r in rows if r["mode"] == ref_mode], "total_s")
+    base_pull = _med([r for r in rows if r["mode"] == ref_mode], "pull_s")
+    for mode in modes:
         rs = [r for r in rows if r["mode"] == mode]
         tot = [r["total_s"] for r in rs]
         med = statistics.median(tot)

@@ -14,7 +14,6 @@ could not, and the layer is downloaded and unpacked through containerd's diff se
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import secrets
 import tempfile
@@ -49,6 +48,7 @@ from coldstart.oci.manifest import (
     ImageConfig,
     Manifest,
     Platform,
+    chain_id,
 )
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient, Resolved
@@ -109,11 +109,7 @@ def chain_ids(diff_ids: Sequence[str]) -> list[str]:
     """
     out: list[str] = []
     for diff_id in diff_ids:
-        if not out:
-            out.append(diff_id)
-        else:
-            h = hashlib.sha256(f"{out[-1]} {diff_id}".encode()).hexdigest()
-            out.append(f"sha256:{h}")
+        out.append(chain_id(out[-1] if out else "", diff_id))
     return out
 
 

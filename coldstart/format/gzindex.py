@@ -13,9 +13,13 @@ inflates it from its checkpoint and checks the digest: :class:`IndexedLayer`, a
 
 The index is not covered by the image's digests: where it comes from, and when a node trusts
 it, is decided outside this module (``coldstart.lazyfs.indexes``). What this module makes sure
-of: a malformed index is refused when opened (FormatError), and a chunk that an index describes
-wrongly never comes out (IntegrityError or FormatError naming the layer's file), so a lying
-index can make a read fail but never make one return wrong bytes.
+of: a malformed index is refused when opened (FormatError); a chunk whose bytes do not inflate
+at its checkpoint or hash to its digest never comes out (IntegrityError or FormatError naming
+the layer's file); a window that is not the end of the span before it fails once that span
+is inflated. What it cannot make sure of: an index whose author forged a window and the
+digests to match, or the file table's metadata (names, modes, owners, links), before the whole
+blob has been read. That is why a node reads a layer through an index only if it trusts the
+index's author (``coldstart.lazyfs.indexes``), as it trusts an image's.
 
 The blob (media type :data:`MEDIA_TYPE_INDEX`) is one zstd frame of::
 
@@ -50,7 +54,13 @@ from coldstart.format.footer import Footer
 from coldstart.format.layer import MAX_DECODE, SeekableLayer
 from coldstart.format.readat import ReadAt
 from coldstart.format.toc import Chunk, normalize_name
-from coldstart.format.tocjson import MAX_TOC_SIZE, encode_toc, entry_json, parse_toc
+from coldstart.format.tocjson import (
+    MAX_TOC_SIZE,
+    _decode_json,
+    encode_toc,
+    entry_json,
+    parse_toc,
+)
 from coldstart.format.writer import _entry_from, _HeaderLog, _members, _reader
 
 __all__ = [
@@ -84,6 +94,8 @@ _MAGIC = b"CSGZIX01"
 MAX_SPAN = 64 << 20
 #: most checkpoints an index may hold (a 1 TiB layer at 64 KiB spans)
 MAX_CHECKPOINTS = 1 << 24
+#: largest index, decompressed
+MAX_INDEX_BYTES = 1 << 30
 #: decoded spans kept per layer: the small files of one span are read together
 _KEEP_SPANS = 4
 
@@ -151,16 +163,20 @@ def parse_index(data: bytes, *, layer: str, size: int) -> GzipIndex:
     over :data:`MAX_SPAN`. What it cannot check here (that the checkpoints and digests match
     the blob) is checked by every chunk read.
     """
-    limit = 16 + 2 * MAX_TOC_SIZE + MAX_CHECKPOINTS * WINDOW
+    # what an honest index of this blob can hold: its metadata and TOC, and a window per
+    # checkpoint, no more checkpoints than compressed KiB (a span of output needs at least
+    # a few bytes of deflate data; the cap keeps a lying frame from filling the memory)
+    limit = min(16 + 2 * MAX_TOC_SIZE + (size // 1024 + 64) * WINDOW, MAX_INDEX_BYTES)
     try:
-        dobj = zstandard.ZstdDecompressor().decompressobj()
-        raw = dobj.decompress(data)
+        with zstandard.ZstdDecompressor().stream_reader(data) as r:
+            raw = r.read(limit + 1)
+            if len(raw) <= limit and r.read(1):
+                raise FormatError("gzip index: more than one zstd frame")
     except zstandard.ZstdError as exc:
-        raise FormatError(f"gzip index: not a zstd frame: {exc}") from None
-    if not dobj.eof:
-        raise FormatError("gzip index: the zstd frame is truncated")
+        raise FormatError(f"gzip index: not a whole zstd frame: {exc}") from None
     if len(raw) > limit:
-        raise FormatError(f"gzip index: {len(raw)} bytes decompressed, over the limit")
+        raise FormatError(f"gzip index: decompresses to over {limit} bytes, more than an "
+                          f"index of a {size} byte blob holds")
     if raw[:8] != _MAGIC or len(raw) < 16:
         raise FormatError("gzip index: bad magic (not a coldstart gzip index v1)")
     (mlen,) = struct.unpack_from("<Q", raw, 8)
@@ -257,6 +273,30 @@ class IndexedLayer(SeekableLayer):
         self._lock = threading.Lock()
         #: told once the index proves wrong (a chunk fails for good): its message
         self.on_bad: Callable[[str], None] | None = None
+        # every piece of every span, for :meth:`spread`: span offset -> (inner, size, digest)
+        self._pieces = _span_pieces(index.toc_json)
+        self._spread: set[int] = set()
+
+    def spread(self, chunk: Chunk) -> list[tuple[str, bytes]]:
+        """The other files' pieces of ``chunk``'s span, each checked against its digest, the
+        first time that span is decoded (``[]`` afterwards): a span is one range request and
+        one inflate, and the small files it holds are read together. The fetcher caches
+        them, so a later read of any of them costs neither again."""
+        with self._lock:
+            if chunk.offset in self._spread:
+                return []
+            out = self._decoded.get(chunk.offset)
+            if out is None:
+                return []
+            self._spread.add(chunk.offset)
+        got: list[tuple[str, bytes]] = []
+        for inner, size, digest in self._pieces.get(chunk.offset, ()):
+            if digest == chunk.digest or inner + size > len(out):
+                continue
+            data = out[inner : inner + size]
+            if "sha256:" + hashlib.sha256(data).hexdigest() == digest:
+                got.append((digest, data))
+        return got
 
     def chunk_failed(self, chunk: Chunk, exc: BaseException) -> None:
         if self.on_bad is not None:
@@ -292,6 +332,13 @@ class IndexedLayer(SeekableLayer):
             if len(out) != length:
                 raise FormatError(f"{what}: span #{i} inflates to {len(out)} bytes, its index "
                                   f"says {length}")
+            nxt = self.index.checkpoints[i + 1] if i + 1 < len(self.index.checkpoints) \
+                else None
+            if nxt is not None and nxt.window and not out.endswith(nxt.window):
+                # the next checkpoint's window is this span's end: one that is not would make
+                # the next span inflate to bytes the blob does not hold
+                raise IntegrityError(f"{what}: the window of checkpoint #{i + 1} is not the "
+                                     f"output before it: the index lies")
             with self._lock:
                 self._decoded[key] = out
                 while len(self._decoded) > _KEEP_SPANS:
@@ -303,6 +350,17 @@ class IndexedLayer(SeekableLayer):
                 self._decoded.pop(key, None)
             raise IntegrityError(f"{what}: digest {got} does not match {chunk.digest}")
         return data
+
+
+def _span_pieces(toc_json: bytes) -> dict[int, list[tuple[int, int, str]]]:
+    """Span offset -> every file piece in it ``(innerOffset, chunkSize, chunkDigest)``, from
+    the TOC (checked already by parse_toc: a piece that is not well-formed is left out)."""
+    out: dict[int, list[tuple[int, int, str]]] = {}
+    for e in _decode_json(toc_json).get("entries", ()):
+        off, size, digest = e.get("offset"), e.get("chunkSize"), e.get("chunkDigest")
+        if isinstance(off, int) and isinstance(size, int) and isinstance(digest, str):
+            out.setdefault(off, []).append((int(e.get("innerOffset", 0)), size, digest))
+    return out
 
 
 def open_indexed_layer(blob: ReadAt, index_blob: bytes, *, layer: str) -> IndexedLayer:

@@ -175,6 +175,11 @@ class SeekableLayer:
     def chunk_failed(self, chunk: Chunk, exc: BaseException) -> None:
         """Told when ``chunk`` failed to decode or verify for good (after any refetch)."""
 
+    def spread(self, chunk: Chunk) -> list[tuple[str, bytes]]:
+        """Other chunks' verified bytes that decoding ``chunk`` produced: ``(digest, bytes)``
+        for the cache (none here: a gzip member or zstd frame holds one chunk)."""
+        return []
+
     def read_chunks(self, chunks: list[Chunk]) -> list[bytes]:
         """Fetch (coalescing adjacent ranges into one read) and decode ``chunks``."""
         out: list[bytes] = []

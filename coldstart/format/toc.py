@@ -20,8 +20,10 @@ from coldstart.errors import FormatError
 __all__ = [
     "ENTRY_TYPES",
     "NO_PREFETCH_LANDMARK",
+    "OPAQUE_WHITEOUT",
     "PREFETCH_LANDMARK",
     "TOC",
+    "WHITEOUT_PREFIX",
     "Chunk",
     "Entry",
     "TOCEntries",
@@ -29,6 +31,10 @@ __all__ = [
 ]
 
 ENTRY_TYPES = frozenset({"dir", "reg", "symlink", "hardlink", "char", "block", "fifo"})
+#: a layer's whiteouts (OCI image spec): ``.wh.NAME`` removes NAME of the layers below;
+#: ``.wh..wh..opq`` hides everything below in its directory
+WHITEOUT_PREFIX = ".wh."
+OPAQUE_WHITEOUT = ".wh..wh..opq"
 PREFETCH_LANDMARK = ".prefetch.landmark"
 NO_PREFETCH_LANDMARK = ".no.prefetch.landmark"
 #: Permission bits kept in ``Entry.mode`` (rwx for all, plus suid, sgid, sticky).

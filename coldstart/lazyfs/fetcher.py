@@ -672,6 +672,9 @@ class ChunkFetcher:
             if c.digest and self.cache is not None:
                 try:
                     self.cache.put_async(c.digest, res, verified=True)
+                    # an indexed gzip layer's span holds other files' pieces too (verified)
+                    for digest, data in target.layer.spread(c):
+                        self.cache.put_async(digest, data, verified=True)
                 except (OSError, ColdstartError) as exc:
                     log.warning("layer %s: caching chunk %s failed: %s", target.digest,
                                 c.digest, exc)

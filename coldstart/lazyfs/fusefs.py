@@ -41,7 +41,13 @@ import pyfuse3
 import trio
 
 from coldstart.errors import ColdstartError, FailedPrecondition
-from coldstart.format.toc import NO_PREFETCH_LANDMARK, PREFETCH_LANDMARK, Entry
+from coldstart.format.toc import (
+    NO_PREFETCH_LANDMARK,
+    OPAQUE_WHITEOUT,
+    PREFETCH_LANDMARK,
+    WHITEOUT_PREFIX,
+    Entry,
+)
 from coldstart.lazyfs.reader import LayerReader, PartialRead
 
 __all__ = ["FuseFS", "LayerTree", "build_tree", "mount_options", "set_read_ahead"]
@@ -56,8 +62,8 @@ _TYPE_BITS = {
     "block": stat.S_IFBLK,
     "fifo": stat.S_IFIFO,
 }
-_WHITEOUT = ".wh."
-_OPAQUE = ".wh..wh..opq"
+_WHITEOUT = WHITEOUT_PREFIX
+_OPAQUE = OPAQUE_WHITEOUT
 _OPAQUE_XATTR = b"trusted.overlay.opaque"
 _HIDDEN = {PREFETCH_LANDMARK, NO_PREFETCH_LANDMARK}
 #: Top-level (per layer) names come and go; the kernel re-checks them after this long.

@@ -13,7 +13,9 @@ as ``[index]`` says (see :class:`~coldstart.config.IndexConfig`):
   fetched by that digest and each layer's index blob by the digest the manifest names: a
   pinned digest covers every byte of the index.
 - ``repository``: any index in the image's repository (for registries where push access is
-  trusted as much as the image itself).
+  trusted as much as the image itself: the index's author decides what the mount serves, as
+  the image's does). A layer served already through one image's index is served to another
+  image with the same layer (the same blob digest) through that index.
 - ``off``: indexes are never used.
 
 Whatever the trust, every chunk read through an index is checked against the index's chunk
@@ -153,12 +155,17 @@ class IndexFinder:
                 f"{spec.manifest_digest} (`coldstart index {spec.reference} --push` makes one)")
         pins = self._pinned() if self.trust == "pinned" else frozenset()
         untrusted: list[str] = []
-        for desc in reversed(found):                         # the newest first
+        for desc in reversed(found):             # the fallback tag lists the newest last
             digest = desc["digest"]
             if self.trust == "pinned" and digest not in pins:
                 untrusted.append(digest)
                 continue
-            blob = self._fetch(ref, digest, spec.digest)
+            try:
+                blob = self._fetch(ref, digest, spec.digest)
+            except (FormatError, NotFound) as exc:
+                log.warning("layer %s: gzip index artifact %s is unusable: %s", spec.digest,
+                            digest, exc)
+                continue
             if blob is not None:
                 return blob, digest
         if untrusted:

@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -62,7 +63,7 @@ from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
 from coldstart.remote import RegistryBlob
 from coldstart.unixsock import socket_answers
-from coldstart.unpack.fullpull import pull_layer
+from coldstart.unpack.fullpull import pull_layer, remove_stale_parts
 
 __all__ = ["LOCK_FILE", "FuseServer", "error_payload", "parse_metrics_address", "serve_connection"]
 
@@ -94,6 +95,8 @@ class FuseServer:
     def __init__(self, config: Config, *, root: str | None = None,
                  socket_path: str | None = None, metrics_address: str | None = None) -> None:
         self.config = config
+        self._unpack_lock = threading.Lock()
+        self._unpack_locks: dict[str, threading.Lock] = {}
         self.root = Path(root or config.root)
         self.fuse_dir = self.root / "fuse"
         self.socket_path = socket_path or config.fuse.socket
@@ -156,17 +159,27 @@ class FuseServer:
 
     def _unpack(self, directory: str, spec: LayerSpec, lowers: list[str], parent_chain: str,
                 chain: str) -> dict[str, Any]:
-        """Pull ``spec``'s layer in full into ``directory`` (a worker thread)."""
+        """Pull ``spec``'s layer in full into ``directory`` (a worker thread): a fresh, empty
+        staging directory the snapshotter made and renames into place only once this
+        answered, so a pull it stopped waiting for writes nowhere it uses. One pull per
+        layer at a time (they share the download's part file)."""
         p = self.config.pull
-        ref = Reference.parse(spec.reference)
-        blob = RegistryBlob(self.client, ref, spec.digest, spec.size if spec.size >= 0 else None,
-                            timeout=self.config.fetch.request_timeout * 3)
-        pulled = pull_layer(blob, digest=spec.digest, size=blob.size(),
-                            media_type=spec.media_type or "application/vnd.oci.image.layer."
-                            "v1.tar+gzip", dest=Path(directory),
-                            workdir=self.root / "downloads", lowers=[Path(x) for x in lowers],
-                            parent_chain=parent_chain, expect_chain=chain, jobs=p.jobs,
-                            part=p.part_bytes)
+        with self._unpack_lock:
+            lock = self._unpack_locks.setdefault(spec.digest, threading.Lock())
+        with lock:
+            target = Path(directory)
+            if not target.is_dir() or any(target.iterdir()):
+                raise FailedPrecondition(f"{directory}: not an empty directory to unpack into")
+            downloads = self.root / "downloads"
+            remove_stale_parts(downloads)
+            ref = Reference.parse(spec.reference)
+            blob = RegistryBlob(self.client, ref, spec.digest,
+                                spec.size if spec.size >= 0 else None,
+                                timeout=self.config.fetch.request_timeout * 3)
+            pulled = pull_layer(blob, digest=spec.digest, size=blob.size(), dest=target,
+                                workdir=downloads, lowers=[Path(x) for x in lowers],
+                                parent_chain=parent_chain, expect_chain=chain, jobs=p.jobs,
+                                part=p.part_bytes)
         log.info("layer %s pulled in full into %s: %d bytes fetched (%d resumed) in %.2f s, "
                  "%d entries unpacked in %.2f s", spec.digest, directory, pulled.fetched_bytes,
                  pulled.resumed_bytes, pulled.fetch_seconds, pulled.entries,

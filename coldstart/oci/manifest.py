@@ -40,6 +40,7 @@ __all__ = [
     "Platform",
     "build_manifest",
     "canonical_json",
+    "chain_id",
     "digest_of",
     "host_platform",
     "is_index",
@@ -72,6 +73,18 @@ LAYER_TYPES = (OCI_LAYER_TAR, OCI_LAYER_GZIP, OCI_LAYER_ZSTD, DOCKER_LAYER_GZIP,
 def digest_of(data: bytes) -> str:
     """``sha256:<hex>`` of ``data``."""
     return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def chain_id(parent_chain: str, diff_id: str) -> str:
+    """The OCI ChainID of a layer with ``diff_id`` over ``parent_chain`` ("" for a base
+    layer): ``diff_id``, else ``sha256(parent_chain + " " + diff_id)``.
+
+    >>> chain_id("", "sha256:a")
+    'sha256:a'
+    """
+    if not parent_chain:
+        return diff_id
+    return "sha256:" + hashlib.sha256(f"{parent_chain} {diff_id}".encode()).hexdigest()
 
 
 def canonical_json(obj: Any) -> bytes:

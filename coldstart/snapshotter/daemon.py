@@ -272,12 +272,11 @@ class RespawningMounter:
 
     def unpack(self, directory: str, spec: LayerSpec, *, lowers: list[str], parent_chain: str,
                chain: str, timeout: float) -> dict[str, Any]:
-        """Have the FUSE server pull ``spec``'s layer in full into ``directory``."""
-        out: dict[str, Any] = {}
-        self._retry(lambda: out.update(self.client.unpack(
-            directory, spec, lowers=lowers, parent_chain=parent_chain, chain=chain,
-            timeout=timeout)))
-        return out
+        """Have the FUSE server pull ``spec``'s layer in full into ``directory``. Not retried
+        on a server that went away (it may have written part of the directory): the caller
+        lets containerd pull the layer."""
+        return self.client.unpack(directory, spec, lowers=lowers, parent_chain=parent_chain,
+                                  chain=chain, timeout=timeout)
 
 
 #: how often the daemon checks that its FUSE server answers (seconds)

@@ -404,15 +404,24 @@ class Snapshotter:
         parent_chain = _chain_of(parent) if parent else ""
         if parent and not parent_chain:
             chain = ""            # nothing to check the diffID against: the blob digest is
+        # the FUSE server writes into a staging directory of its own, renamed into place only
+        # once it answered: a pull we stop waiting for never writes where containerd unpacks
+        staging = tempfile.mkdtemp(prefix="full-", dir=os.path.dirname(fs))
+        os.chmod(staging, 0o755)
         t0 = time.monotonic()
         try:
-            done = unpack(fs, spec, lowers=lowers, parent_chain=parent_chain, chain=chain,
-                          timeout=self.full_pull_timeout)
+            done = unpack(staging, spec, lowers=lowers, parent_chain=parent_chain,
+                          chain=chain, timeout=self.full_pull_timeout)
+            os.rmdir(fs)
+            os.rename(staging, fs)
         except Exception as exc:
             log.warning("layer %s: the full pull failed, containerd pulls it: %s", spec.digest,
-                        exc, exc_info=None if isinstance(exc, ColdstartError) else exc)
+                        exc, exc_info=None if isinstance(exc, (ColdstartError, OSError))
+                        else exc)
             self._on_remote("full-pull-failed", fallback_reason(exc))
-            self._empty(fs)
+            shutil.rmtree(staging, ignore_errors=True)
+            if not os.path.isdir(fs):
+                os.mkdir(fs, 0o755)
             return False
         ours = {k: v for k, v in info.labels.items() if k.startswith(OUR_LABEL_PREFIX)}
         committed = {**labels, **ours, PULLED_LABEL: "full"}
@@ -434,10 +443,10 @@ class Snapshotter:
         return True
 
     def _empty(self, fs: str) -> None:
-        """Make ``fs`` an empty directory again (a failed full pull's partial tree)."""
-        shutil.rmtree(fs, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            os.mkdir(fs, 0o755)
+        """Make ``fs`` an empty directory again (a full pull that could not be committed);
+        raises (the Prepare fails) rather than leave containerd a non-empty one."""
+        shutil.rmtree(fs)
+        os.mkdir(fs, 0o755)
 
     def _target_exists(self, target: str, parent: str) -> bool:
         with self.store.transaction() as tx:

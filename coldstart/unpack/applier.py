@@ -6,24 +6,31 @@ unpacked. What it does, and so what this does:
 
 - names are cleaned; the root entry is ignored; a name may not leave the layer;
 - a missing parent directory is made, with the owner, mode, xattrs and times of the same
-  directory in the nearest lower layer that has it (``lowers``), else 0755 root;
-- whiteouts become what overlayfs reads: ``.wh.NAME`` → a character device 0/0 ``NAME`` owned
-  as the whiteout entry; ``.wh..wh..opq`` → ``trusted.overlay.opaque=y`` on its directory;
+  directory in the nearest lower layer that has it (``lowers``; a lower where a component of
+  the path is not a real directory ends the search), else 0755 root;
+- over lower layers, whiteouts become what overlayfs reads: ``.wh.NAME`` → a character device
+  0/0 ``NAME`` owned as the whiteout entry; ``.wh..wh..opq`` → ``trusted.overlay.opaque=y`` on
+  its directory. A base layer (no lowers: containerd applies it on a bind mount) takes them
+  naively: ``.wh.NAME`` removes what the layer wrote at NAME, an opaque marker does nothing;
 - an entry replaces what the layer wrote at its path before, unless both are directories;
 - regular files, directories, symlinks, hard links (to an earlier entry of the layer),
   character and block devices and FIFOs are made with the entry's owner (``lchown``), its
-  ``SCHILY.xattr.*`` records (``trusted.*`` refused and skipped, with a warning), its
-  permission bits (``chmod`` after ``chown``, so set-id bits stay; not for symlinks) and
-  times (atime = the later of atime and mtime; symlinks not followed); directories get their
-  times once every entry is written.
+  ``SCHILY.xattr.*`` records (``trusted.*``, and what the file system does not support, or
+  a ``user.*`` one it refuses on a special file, skipped with a warning), its permission bits
+  (``chmod`` after ``chown``, so set-id bits stay; not for symlinks) and times (atime = the
+  later of atime and mtime, both outside 1970..2262 taken as the epoch; symlinks not
+  followed); directories get their times once every entry is written, in entry order.
 
-Unlike containerd, a path through a symlink the layer made is refused (FormatError), not
-resolved inside the root: tar writers do not produce such layers, and refusing cannot write
-outside the directory. The stream's SHA-256 (the layer's diffID) is computed as it is read.
+Unlike containerd, a path through a symlink the layer made, an absolute name or one with
+``..`` is refused (FormatError), not resolved inside the root: tar writers do not produce such
+layers, refusing cannot write outside the directory, and the caller then lets containerd pull
+the layer. The stream's SHA-256 (the layer's diffID) is computed as it is read.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import io
 import logging
@@ -37,15 +44,15 @@ from pathlib import Path
 from typing import IO, Any
 
 from coldstart.errors import FormatError
-from coldstart.format.toc import normalize_name
+from coldstart.format.toc import OPAQUE_WHITEOUT, WHITEOUT_PREFIX, normalize_name
 from coldstart.format.writer import _HeaderLog, _members, _mtime_ns
 
 __all__ = ["Applied", "apply_tar"]
 
 log = logging.getLogger(__name__)
 
-_WH = ".wh."
-_OPAQUE = ".wh..wh..opq"
+_WH = WHITEOUT_PREFIX
+_OPAQUE = OPAQUE_WHITEOUT
 _XATTR = "SCHILY.xattr."
 _COPY = 1 << 20
 
@@ -90,16 +97,25 @@ class _Hashed(io.RawIOBase):
             del n
 
 
+#: containerd's boundTime: a time outside [epoch, 2262] is the epoch
+_MAX_NS = (1 << 63) - 1
+
+
+def _bound(ns: int) -> int:
+    return ns if 0 <= ns <= _MAX_NS else 0
+
+
 def _times(info: tarfile.TarInfo) -> tuple[int, int]:
-    mtime = max(0, _mtime_ns(info))
-    atime = info.pax_headers.get("atime")
-    a = mtime
-    if atime is not None:
+    mtime = _mtime_ns(info)
+    atime = mtime
+    if "atime" in info.pax_headers:
+        probe = tarfile.TarInfo(info.name)
+        probe.pax_headers = {"mtime": info.pax_headers["atime"]}
         try:
-            a = max(mtime, int(float(atime) * 1e9))
-        except ValueError:
-            pass
-    return a, mtime
+            atime = max(mtime, _mtime_ns(probe))
+        except FormatError:
+            atime = mtime
+    return _bound(atime), _bound(mtime)
 
 
 class _Tree:
@@ -111,6 +127,8 @@ class _Tree:
         self.rootfd = str(root)
         self.lowers = list(lowers)
         self.kinds: dict[str, str] = {"": "dir"}
+        #: what entries of the layer wrote (not parents made for them, not whiteouts)
+        self.unpacked: set[str] = set()
         self.dirs: list[tuple[str, tarfile.TarInfo]] = []
 
     def path(self, name: str) -> str:
@@ -128,23 +146,39 @@ class _Tree:
         self._copy_up(parent)
         self.kinds[parent] = "dir"
 
+    def _lower_dir(self, lower: Path, name: str) -> tuple[str, os.stat_result] | bool | None:
+        """``name`` in ``lower`` as a real directory (no component a symlink): its path and
+        stat; None when the lower lacks it; False when a component is not a directory."""
+        path = str(lower)
+        st: os.stat_result | None = None
+        for part in name.split("/"):
+            path = os.path.join(path, part)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                return None
+            if not stat.S_ISDIR(st.st_mode):
+                return False
+        return (path, st) if st is not None else None
+
     def _copy_up(self, name: str) -> None:
         path = self.path(name)
         for lower in self.lowers:
-            src = os.path.join(lower, name)
-            try:
-                st = os.lstat(src)
-            except OSError:
+            found = self._lower_dir(lower, name)
+            if found is None:
                 continue
-            if not stat.S_ISDIR(st.st_mode):
+            if found is False:
                 break
+            assert not isinstance(found, bool)
+            src, st = found
             os.mkdir(path, 0o700)
             os.lchown(path, st.st_uid, st.st_gid)
             os.chmod(path, stat.S_IMODE(st.st_mode))
-            for key in os.listxattr(src, follow_symlinks=False):
-                if not key.startswith("trusted."):
-                    os.setxattr(path, key, os.getxattr(src, key, follow_symlinks=False),
-                                follow_symlinks=False)
+            with contextlib.suppress(OSError):      # a lower without xattr support
+                for key in os.listxattr(src, follow_symlinks=False):
+                    if not key.startswith("trusted."):
+                        _setxattr(path, key, os.getxattr(src, key, follow_symlinks=False),
+                                  f"{name} (copied up)", True)
             os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
             return
         os.mkdir(path, 0o755)
@@ -205,19 +239,45 @@ def apply_tar(stream: IO[bytes], root: Path, *, lowers: Sequence[Path] = (),
     if hashed.n < end + 512:
         raise FormatError(f"{what}: the tar stream ends without its end-of-archive marker "
                           f"(after {hashed.n} bytes): truncated")
-    for name, info in reversed(tree.dirs):
+    for name, info in tree.dirs:
         os.utime(tree.path(name), ns=_times(info), follow_symlinks=False)
     return Applied("sha256:" + hashed.sha.hexdigest(), entries, file_bytes, hashed.n)
 
 
+def _setxattr(path: str, attr: str, value: bytes, here: str, plain: bool) -> None:
+    """Set an xattr as containerd does: what the file system does not support, and a
+    ``user.*`` one refused on a special file, are skipped with a warning."""
+    try:
+        os.setxattr(path, attr, value, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno == errno.ENOTSUP or (exc.errno == errno.EPERM and not plain
+                                          and attr.startswith("user.")):
+            log.warning("%s: xattr %s ignored: %s", here, attr, exc)
+            return
+        raise
+
+
 def _whiteout(tree: _Tree, name: str, base: str, info: tarfile.TarInfo, here: str) -> None:
     parent = name.rpartition("/")[0]
+    naive = not tree.lowers            # a base layer: containerd applies it on a bind mount
     if base == _OPAQUE:
-        os.setxattr(tree.path(parent), "trusted.overlay.opaque", b"y", follow_symlinks=False)
+        if not naive:
+            os.setxattr(tree.path(parent), "trusted.overlay.opaque", b"y",
+                        follow_symlinks=False)
+            return
+        # containerd's naive opaque: what this layer holds below it but did not write
+        # itself (parents it had to make) goes
+        prefix = f"{parent}/" if parent else ""
+        for k in sorted(k for k in tree.kinds if k.startswith(prefix) and k != parent):
+            if k in tree.kinds and k not in tree.unpacked:
+                tree.clear(k, "whiteout")
         return
     gone = f"{parent}/{base[len(_WH):]}" if parent else base[len(_WH):]
     if not base[len(_WH):] or base[len(_WH):] in (".", ".."):
         raise FormatError(f"{here}: a whiteout of nothing")
+    if naive:
+        tree.clear(gone, "whiteout")
+        return
     if gone in tree.kinds:
         raise FormatError(f"{here}: whites out {gone!r}, which this layer wrote")
     path = tree.path(gone)
@@ -272,6 +332,7 @@ def _entry(tree: _Tree, tf: tarfile.TarFile, name: str, info: tarfile.TarInfo,
         dev = os.makedev(info.devmajor, info.devminor) if fmt != stat.S_IFIFO else 0
         os.mknod(path, mode | fmt, dev)
     tree.kinds[name] = kind
+    tree.unpacked.add(name)
     os.lchown(path, info.uid, info.gid)
     for key, value in info.pax_headers.items():
         if not key.startswith(_XATTR):
@@ -281,8 +342,8 @@ def _entry(tree: _Tree, tf: tarfile.TarFile, name: str, info: tarfile.TarInfo,
             log.warning("%s: xattr %s ignored (admin attributes from an archive are not "
                         "applied, as containerd does not)", here, attr)
             continue
-        os.setxattr(path, attr, value.encode("utf-8", "surrogateescape"),
-                    follow_symlinks=False)
+        _setxattr(path, attr, value.encode("utf-8", "surrogateescape"), here,
+                  kind in ("reg", "dir", "hardlink"))
     if kind != "symlink" and not (kind == "hardlink" and os.path.islink(path)):
         os.chmod(path, mode)
     if kind != "dir":

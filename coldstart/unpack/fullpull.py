@@ -33,11 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
 
-from coldstart.errors import FormatError, IntegrityError
+from coldstart.errors import FormatError, IntegrityError, Unavailable
 from coldstart.files import atomic_write, read_optional
+from coldstart.oci.manifest import chain_id
+from coldstart.oci.reference import validate_digest
 from coldstart.unpack.applier import apply_tar
 
-__all__ = ["DEFAULT_JOBS", "DEFAULT_PART", "Pulled", "chain_id", "fetch_blob", "pull_layer"]
+__all__ = ["DEFAULT_JOBS", "DEFAULT_PART", "Pulled", "fetch_blob", "pull_layer",
+           "remove_stale_parts"]
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +67,6 @@ class Pulled:
     resumed_bytes: int
     fetch_seconds: float
     apply_seconds: float
-
-
-def chain_id(parent_chain: str, diff_id: str) -> str:
-    """The OCI chain ID of a layer over ``parent_chain`` ("" for a base layer)."""
-    if not parent_chain:
-        return diff_id
-    return "sha256:" + hashlib.sha256(f"{parent_chain} {diff_id}".encode()).hexdigest()
 
 
 def fetch_blob(blob: _Blob, size: int, path: Path, *, jobs: int = DEFAULT_JOBS,
@@ -122,33 +118,60 @@ def fetch_blob(blob: _Blob, size: int, path: Path, *, jobs: int = DEFAULT_JOBS,
         todo = [i for i in range(nparts) if i not in done]
         resumed = sum(min(part, size - i * part) for i in done)
         if todo:
-            with ThreadPoolExecutor(max(1, min(jobs, len(todo))),
-                                    thread_name_prefix="fullpull") as pool:
+            pool = ThreadPoolExecutor(max(1, min(jobs, len(todo))),
+                                      thread_name_prefix="fullpull")
+            try:
                 for f in [pool.submit(one, i) for i in todo]:
                     f.result()
+            finally:
+                # a failed part: the others not started are dropped, not waited for
+                pool.shutdown(wait=True, cancel_futures=True)
     finally:
         os.close(fd)
     return fetched, resumed
 
 
+_GZIP_MAGIC = b"\x1f\x8b"
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
 @contextlib.contextmanager
-def _decompressed(path: Path, media_type: str) -> Iterator[IO[bytes]]:
-    if media_type.endswith(("gzip", "+gzip")) or media_type.endswith("tar.gzip"):
-        import rapidgzip
+def _decompressed(path: Path) -> Iterator[IO[bytes]]:
+    """The blob's tar stream, by its magic bytes (the CRI's labels name no media type):
+    gzip inflated by rapidgzip on every core, zstd by zstandard, else the tar as it is."""
+    with open(path, "rb") as raw:
+        magic = raw.read(4)
+        raw.seek(0)
+        try:
+            if magic[:2] == _GZIP_MAGIC:
+                import rapidgzip
 
-        with rapidgzip.open(str(path), parallelization=os.cpu_count() or 1) as f:
-            yield f
-    elif media_type.endswith("zstd"):
-        import zstandard
+                with rapidgzip.open(raw, parallelization=os.cpu_count() or 1) as f:
+                    yield f
+                return
+            if magic == _ZSTD_MAGIC:
+                import zstandard
 
-        with open(path, "rb") as raw, zstandard.ZstdDecompressor().stream_reader(
-                raw, read_across_frames=True) as f:
-            yield f
-    elif media_type.endswith(".tar") or not media_type:
-        with open(path, "rb") as f:
-            yield f
-    else:
-        raise FormatError(f"media type {media_type!r} is not a layer this pull knows")
+                with zstandard.ZstdDecompressor().stream_reader(
+                        raw, read_across_frames=True) as z:
+                    yield z
+                return
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise FormatError(f"the blob does not decompress: {type(exc).__name__}: "
+                              f"{exc}") from None
+        yield raw
+
+
+def remove_stale_parts(workdir: Path, older_than: float = 86400.0) -> int:
+    """Remove downloads a pull left and nobody resumed for ``older_than`` seconds."""
+    n = 0
+    now = time.time()
+    for p in workdir.glob("*.part*") if workdir.is_dir() else ():
+        with contextlib.suppress(OSError):
+            if now - p.stat().st_mtime > older_than:
+                p.unlink()
+                n += 1
+    return n
 
 
 def _sha256_file(path: Path) -> str:
@@ -159,7 +182,7 @@ def _sha256_file(path: Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def pull_layer(blob: _Blob, *, digest: str, size: int, media_type: str, dest: Path,
+def pull_layer(blob: _Blob, *, digest: str, size: int, dest: Path,
                workdir: Path, lowers: Sequence[Path] = (), parent_chain: str = "",
                expect_chain: str = "", jobs: int = DEFAULT_JOBS, part: int = DEFAULT_PART,
                timeout: float | None = None) -> Pulled:
@@ -168,14 +191,22 @@ def pull_layer(blob: _Blob, *, digest: str, size: int, media_type: str, dest: Pa
     FormatError for a stream that is not a complete layer; the source's errors as raised. On
     any error ``dest`` holds a partial tree (the caller removes it); the downloaded parts are
     kept for a retry unless the blob proved bad."""
+    validate_digest(digest)
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / (digest.replace(":", "-") + ".part")
     state = path.with_name(path.name + ".ranges")
     t0 = time.monotonic()
-    fetched, resumed = fetch_blob(blob, size, path, jobs=jobs, part=part, timeout=timeout)
+    try:
+        fetched, resumed = fetch_blob(blob, size, path, jobs=jobs, part=part, timeout=timeout)
+    except Unavailable:
+        raise                           # a transport failure: the parts done are kept
+    except BaseException:
+        path.unlink(missing_ok=True)    # a full disk, a bad answer: start afresh next time
+        state.unlink(missing_ok=True)
+        raise
     t1 = time.monotonic()
     try:
-        with _decompressed(path, media_type) as stream:
+        with _decompressed(path) as stream:
             applied = apply_tar(stream, dest, lowers=lowers, what=f"layer {digest}")
         if expect_chain:
             got = chain_id(parent_chain, applied.diff_id)
@@ -187,8 +218,8 @@ def pull_layer(blob: _Blob, *, digest: str, size: int, media_type: str, dest: Pa
             got = _sha256_file(path)
             if got != digest:
                 raise IntegrityError(f"layer {digest}: the blob fetched is {got}")
-    except (FormatError, IntegrityError):
-        # the blob is bad (or lies): do not resume from it
+    except BaseException:
+        # the blob is bad (or lies), or the unpack failed (a full disk): not kept
         path.unlink(missing_ok=True)
         state.unlink(missing_ok=True)
         raise

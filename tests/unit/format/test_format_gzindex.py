@@ -181,3 +181,36 @@ def test_encode_parse_round_trip() -> None:
     got = parse_index(blob, layer="sha256:" + "a" * 64, size=1000)
     assert got.checkpoints == points and got.toc_json == toc
     assert got.span_end(0) == (500, 40_000) and got.span_end(1) == (1000, 50_000)
+
+
+def test_a_decoded_span_hands_out_its_other_files_once(tmp_path: Path) -> None:
+    tar = _big_tar()
+    blob, digest, index, _, _ = _indexed(tmp_path, tar)
+    layer = open_indexed_layer(BytesReadAt(blob), index, layer=digest)
+    first = layer.toc.entries["pkg/m000.py"].chunks[0]
+    assert layer.spread(first) == []                     # nothing decoded yet
+    layer.read_chunks([first])
+    pieces = dict(layer.spread(first))
+    same_span = {c.digest: n for n, e in layer.toc.entries.items() for c in e.chunks
+                 if c.offset == first.offset and c.digest != first.digest}
+    assert set(pieces) == set(same_span) and len(pieces) > 10
+    for d, data in pieces.items():
+        assert "sha256:" + hashlib.sha256(data).hexdigest() == d
+    assert layer.spread(first) == []                     # once per span
+
+
+def test_a_forged_window_is_caught_by_the_span_before_it(tmp_path: Path) -> None:
+    import struct
+    blob, digest, index, _, _ = _indexed(tmp_path, _big_tar())
+    raw = bytearray(raw_index(index))
+    (mlen,) = struct.unpack_from("<Q", raw, 8)
+    meta = json.loads(raw[16 : 16 + mlen])
+    wlens = [c[3] for c in meta["checkpoints"]]
+    assert len(wlens) >= 3 and wlens[2] == 32768
+    raw[len(raw) - sum(wlens[2:]) + 100] ^= 0xFF          # a byte of checkpoint #2's window
+    forged = zstandard.ZstdCompressor().compress(bytes(raw))
+    layer = open_indexed_layer(BytesReadAt(blob), forged, layer=digest)
+    span1 = layer.index.checkpoints[1].cin
+    chunk = next(c for e in layer.toc.entries.values() for c in e.chunks if c.offset == span1)
+    with pytest.raises(IntegrityError, match="window of checkpoint #2"):
+        layer.read_chunks([chunk])

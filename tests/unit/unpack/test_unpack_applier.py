@@ -28,7 +28,9 @@ def test_every_kind_of_entry(tmp_path: Path) -> None:
     tar = every_kind_tar(portable=True)
     root = tmp_path / "fs"
     root.mkdir()
-    got = apply_tar(io.BytesIO(tar), root)
+    lower = tmp_path / "lower"        # over a lower layer: overlay whiteouts
+    lower.mkdir()
+    got = apply_tar(io.BytesIO(tar), root, lowers=[lower])
     assert got.diff_id == "sha256:" + hashlib.sha256(tar).hexdigest()
     assert got.tar_bytes == len(tar)
     st = os.lstat(root / "etc/setuid")
@@ -49,6 +51,24 @@ def test_every_kind_of_entry(tmp_path: Path) -> None:
     assert stat.S_IMODE(os.lstat(root / "opt/app").st_mode) == 0o1777
     long = next(root.rglob("f" * 200))
     assert long.read_bytes() == b"long name"
+
+
+def test_a_base_layer_takes_whiteouts_naively(tmp_path: Path) -> None:
+    # containerd applies a layer without parents on a bind mount, with no overlay conversion:
+    # a whiteout removes what the layer wrote, an opaque marker removes what it did not write
+    def build(tf: tarfile.TarFile) -> None:
+        add(tf, "a/made/file", b"f")                    # a and a/made: parents it had to make
+        add(tf, "a/kept", b"k")
+        add(tf, "a/.wh..wh..opq", b"")
+        add(tf, "b", b"b")
+        add(tf, ".wh.b", b"")
+        add(tf, ".wh.never", b"")
+    root = tmp_path / "fs"
+    root.mkdir()
+    apply_tar(io.BytesIO(_tar(build)), root)
+    assert sorted(os.listdir(root)) == ["a"]
+    assert os.listdir(root / "a") == ["kept"]
+    assert os.listxattr(root / "a") == []
 
 
 def test_a_missing_parent_copies_the_lower_layers_directory(tmp_path: Path) -> None:
@@ -97,9 +117,9 @@ def test_what_cannot_be_applied_safely(tmp_path: Path, case: str) -> None:
             add(tf, "lib", type=tarfile.SYMTYPE, link=str(outside))
             add(tf, "lib/evil", b"x")
         elif case == "escape":
-            add(tf, "../evil", b"x")
+            add(tf, "../outside/evil", b"x")
         elif case == "link-outside":
-            add(tf, "hard", type=tarfile.LNKTYPE, link="etc/passwd")
+            add(tf, "hard", type=tarfile.LNKTYPE, link="../outside/target")
         else:
             add(tf, "big", os.urandom(100_000), xattrs={"trusted.evil": "1", "user.ok": "1"})
     tar = _tar(build)
@@ -109,9 +129,12 @@ def test_what_cannot_be_applied_safely(tmp_path: Path, case: str) -> None:
         return
     if case == "truncated":
         tar = _tar(build)[:60_000]
+    (outside / "target").write_bytes(b"t")
     with pytest.raises(FormatError):
         apply_tar(io.BytesIO(tar), root)
-    assert not list(outside.iterdir())
+    assert sorted(p.name for p in outside.iterdir()) == ["target"]
+    assert os.stat(outside / "target").st_nlink == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fs", "outside"]
 
 
 def test_a_stream_without_its_end_marker_is_truncated(tmp_path: Path) -> None:

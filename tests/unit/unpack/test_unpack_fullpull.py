@@ -12,7 +12,8 @@ import pytest
 import zstandard
 
 from coldstart.errors import FormatError, IntegrityError, Unavailable
-from coldstart.unpack.fullpull import chain_id, fetch_blob, pull_layer
+from coldstart.oci.manifest import chain_id
+from coldstart.unpack.fullpull import fetch_blob, pull_layer
 from tests.unit.format.layers import every_kind_tar
 
 GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
@@ -56,22 +57,20 @@ def test_fetch_resumes_with_the_parts_still_missing(tmp_path: Path) -> None:
 def test_pull_layer_checks_the_chain(tmp_path: Path, codec: str) -> None:
     tar = every_kind_tar(portable=True)
     blob = gzip.compress(tar) if codec == "gzip" else zstandard.ZstdCompressor().compress(tar)
-    media = GZIP if codec == "gzip" else "application/vnd.oci.image.layer.v1.tar+zstd"
     parent = "sha256:" + "a" * 64
     want = chain_id(parent, _digest(tar))
     dest = tmp_path / "fs"
     dest.mkdir()
-    got = pull_layer(Blob(blob), digest=_digest(blob), size=len(blob), media_type=media,
-                     dest=dest, workdir=tmp_path / "dl", parent_chain=parent,
-                     expect_chain=want, part=512)
+    got = pull_layer(Blob(blob), digest=_digest(blob), size=len(blob), dest=dest,
+                     workdir=tmp_path / "dl", parent_chain=parent, expect_chain=want, part=512)
     assert got.diff_id == _digest(tar) and got.fetched_bytes == len(blob)
     assert (dest / "etc/hostname").read_bytes() == b"coldstart\n"
     assert not list((tmp_path / "dl").iterdir())          # the parts are gone
     other = tmp_path / "other"
     other.mkdir()
     with pytest.raises(IntegrityError, match="containerd asked for"):
-        pull_layer(Blob(blob), digest=_digest(blob), size=len(blob), media_type=media,
-                   dest=other, workdir=tmp_path / "dl", parent_chain=parent,
+        pull_layer(Blob(blob), digest=_digest(blob), size=len(blob), dest=other,
+                   workdir=tmp_path / "dl", parent_chain=parent,
                    expect_chain=chain_id("sha256:" + "b" * 64, _digest(tar)))
     assert not list((tmp_path / "dl").iterdir())          # a bad blob is not kept to resume
 
@@ -81,8 +80,8 @@ def test_without_a_chain_the_blob_digest_is_checked(tmp_path: Path) -> None:
     dest = tmp_path / "fs"
     dest.mkdir()
     with pytest.raises(IntegrityError, match="the blob fetched is"):
-        pull_layer(Blob(blob), digest="sha256:" + "0" * 64, size=len(blob), media_type=GZIP,
-                   dest=dest, workdir=tmp_path / "dl")
+        pull_layer(Blob(blob), digest="sha256:" + "0" * 64, size=len(blob), dest=dest,
+                   workdir=tmp_path / "dl")
 
 
 def test_a_truncated_gzip_stream_is_refused(tmp_path: Path) -> None:
@@ -93,5 +92,5 @@ def test_a_truncated_gzip_stream_is_refused(tmp_path: Path) -> None:
     # rapidgzip hands out what it could inflate and no error: the tar's end marker and the
     # diffID catch it
     with pytest.raises((FormatError, IntegrityError), match=r"truncated|diffID"):
-        pull_layer(Blob(blob), digest=_digest(blob), size=len(blob), media_type=GZIP,
-                   dest=dest, workdir=tmp_path / "dl", expect_chain=_digest(tar))
+        pull_layer(Blob(blob), digest=_digest(blob), size=len(blob), dest=dest,
+                   workdir=tmp_path / "dl", expect_chain=_digest(tar))
