@@ -35,9 +35,11 @@ import hashlib
 import io
 import logging
 import os
+import queue
 import shutil
 import stat
 import tarfile
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,12 +70,21 @@ class Applied:
 
 
 class _Hashed(io.RawIOBase):
-    """The stream, hashed and counted as it is read."""
+    """The stream, hashed (in a thread of its own: the applier's thread waits on the file
+    system most of the time, and the digest of a GB is seconds of CPU) and counted as it is
+    read. :meth:`digest` waits for the hash of everything read."""
 
     def __init__(self, inner: IO[bytes]) -> None:
         self.inner = inner
-        self.sha = hashlib.sha256()
         self.n = 0
+        self._sha = hashlib.sha256()
+        self._q: queue.Queue[bytes | None] = queue.Queue(maxsize=64)   # ≤ 64 reads ahead
+        self._t = threading.Thread(target=self._hash, name="applier-hash", daemon=True)
+        self._t.start()
+
+    def _hash(self) -> None:
+        while (data := self._q.get()) is not None:
+            self._sha.update(data)
 
     def readable(self) -> bool:
         return True
@@ -87,7 +98,8 @@ class _Hashed(io.RawIOBase):
                               f"{exc}") from None
         n = len(data)
         b[:n] = data
-        self.sha.update(data)
+        if n:
+            self._q.put(bytes(data))
         self.n += n
         return n
 
@@ -95,6 +107,16 @@ class _Hashed(io.RawIOBase):
         buf = bytearray(_COPY)
         while n := self.readinto(buf):
             del n
+
+    def close(self) -> None:
+        if self._t.is_alive():
+            self._q.put(None)
+            self._t.join()
+        super().close()
+
+    def digest(self) -> str:
+        self.close()
+        return "sha256:" + self._sha.hexdigest()
 
 
 #: containerd's boundTime: a time outside [epoch, 2262] is the epoch
@@ -207,41 +229,46 @@ def apply_tar(stream: IO[bytes], root: Path, *, lowers: Sequence[Path] = (),
     complete tar, or an entry that cannot be applied as containerd would; OSError (a full
     disk...) as raised. Either way ``root`` holds a partial tree: the caller removes it."""
     hashed = _Hashed(stream)
-    headers = _HeaderLog()
-    tree = _Tree(root, lowers)
-    entries = 0
-    file_bytes = 0
     try:
-        tf = tarfile.open(None, "r|", fileobj=io.BufferedReader(hashed, _COPY),  # noqa: SIM115
-                          encoding="utf-8", errors="surrogateescape", tarinfo=headers.tarinfo)
-    except (tarfile.TarError, EOFError) as exc:
-        if hashed.n == 0:
-            raise FormatError(f"{what}: the layer decompresses to nothing (truncated or "
-                              "corrupt)") from None
-        raise FormatError(f"{what}: not a tar stream: {exc}") from None
-    with tf:
-        for info in _members(tf, headers):
-            if info.type == tarfile.XGLTYPE:
-                continue
-            name = normalize_name(info.name, what="tar entry")
-            if not name:
-                continue                     # containerd: "resolved to root", ignored
-            entries += 1
-            here = f"{what}: entry {name!r}"
-            tree.parent(name, here)
-            base = name.rpartition("/")[2]
-            if base.startswith(_WH):
-                _whiteout(tree, name, base, info, here)
-                continue
-            file_bytes += _entry(tree, tf, name, info, here)
-        end = tf.offset
-    hashed.drain()
-    if hashed.n < end + 512:
-        raise FormatError(f"{what}: the tar stream ends without its end-of-archive marker "
-                          f"(after {hashed.n} bytes): truncated")
-    for name, info in tree.dirs:
-        os.utime(tree.path(name), ns=_times(info), follow_symlinks=False)
-    return Applied("sha256:" + hashed.sha.hexdigest(), entries, file_bytes, hashed.n)
+        headers = _HeaderLog()
+        tree = _Tree(root, lowers)
+        entries = 0
+        file_bytes = 0
+        try:
+            tf = tarfile.open(  # noqa: SIM115 (closed by the with below)
+                None, "r|", fileobj=io.BufferedReader(hashed, _COPY), encoding="utf-8",
+                errors="surrogateescape", tarinfo=headers.tarinfo)
+        except (tarfile.TarError, EOFError) as exc:
+            if hashed.n == 0:
+                raise FormatError(f"{what}: the layer decompresses to nothing (truncated or "
+                                  "corrupt)") from None
+            raise FormatError(f"{what}: not a tar stream: {exc}") from None
+        with tf:
+            for info in _members(tf, headers):
+                if info.type == tarfile.XGLTYPE:
+                    continue
+                name = normalize_name(info.name, what="tar entry")
+                if not name:
+                    continue                     # containerd: "resolved to root", ignored
+                entries += 1
+                here = f"{what}: entry {name!r}"
+                tree.parent(name, here)
+                base = name.rpartition("/")[2]
+                if base.startswith(_WH):
+                    _whiteout(tree, name, base, info, here)
+                    continue
+                file_bytes += _entry(tree, tf, name, info, here)
+            end = tf.offset
+        hashed.drain()
+        diff_id = hashed.digest()
+        if hashed.n < end + 512:
+            raise FormatError(f"{what}: the tar stream ends without its end-of-archive marker "
+                              f"(after {hashed.n} bytes): truncated")
+        for name, info in tree.dirs:
+            os.utime(tree.path(name), ns=_times(info), follow_symlinks=False)
+    finally:
+        hashed.close()
+    return Applied(diff_id, entries, file_bytes, hashed.n)
 
 
 def _setxattr(path: str, attr: str, value: bytes, here: str, plain: bool) -> None:
