@@ -62,6 +62,13 @@ _LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
 
 
+def _one_of(where: str, value: str, choices: tuple[str, ...]) -> None:
+    """InvalidArgument unless ``value`` is one of ``choices`` (key ``where``)."""
+    if value not in choices:
+        raise InvalidArgument(f"config: {where} must be one of {', '.join(choices)}, "
+                              f"not {value!r}")
+
+
 class _Checked:
     """Range checks of every numeric key, run however the config is built."""
 
@@ -134,9 +141,7 @@ class CacheConfig(_Checked):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.verify not in CACHE_VERIFY_MODES:
-            raise InvalidArgument(f"config: cache.verify must be one of "
-                                  f"{', '.join(CACHE_VERIFY_MODES)}, not {self.verify!r}")
+        _one_of("cache.verify", self.verify, CACHE_VERIFY_MODES)
 
 
 #: values of ``pull.mode``
@@ -158,9 +163,7 @@ class PullConfig(_Checked):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.mode not in PULL_MODES:
-            raise InvalidArgument(f"config: pull.mode must be one of {', '.join(PULL_MODES)}, "
-                                  f"not {self.mode!r}")
+        _one_of("pull.mode", self.mode, PULL_MODES)
 
 
 #: values of ``index.trust``
@@ -182,9 +185,7 @@ class IndexConfig(_Checked):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.trust not in INDEX_TRUST_MODES:
-            raise InvalidArgument(f"config: index.trust must be one of "
-                                  f"{', '.join(INDEX_TRUST_MODES)}, not {self.trust!r}")
+        _one_of("index.trust", self.trust, INDEX_TRUST_MODES)
 
 
 @dataclass(frozen=True)
@@ -309,12 +310,8 @@ class Config(_Checked):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.log_level not in _LOG_LEVELS:
-            raise InvalidArgument(f"config: log_level must be one of {', '.join(_LOG_LEVELS)}, "
-                                  f"not {self.log_level!r}")
-        if self.log_format not in LOG_FORMATS:
-            raise InvalidArgument(f"config: log_format must be one of {', '.join(LOG_FORMATS)}, "
-                                  f"not {self.log_format!r}")
+        _one_of("log_level", self.log_level, _LOG_LEVELS)
+        _one_of("log_format", self.log_format, LOG_FORMATS)
         if self.metrics_address and self.metrics_address == self.fuse.metrics_address:
             raise InvalidArgument("config: metrics_address and fuse.metrics_address must differ "
                                   "(two processes cannot listen on one port)")

@@ -1,7 +1,8 @@
 """Issue 14 end to end: images nobody converted, lazily pulled through a gzip index.
 
-An image of plain gzip layers (busybox and a tree with every kind of entry: modes, owners,
-links, xattrs, whiteouts, an opaque dir) is indexed by ``coldstart index --push`` (an OCI
+An image of plain gzip layers (busybox, a tree with modes, owners, links, xattrs, whiteouts
+and an opaque dir, and a layer with every tar entry kind: devices, a FIFO, a char-device
+whiteout, long and non-ASCII names) is indexed by ``coldstart index --push`` (an OCI
 artifact found through the fallback tag: Debian's registry has no referrers API). A node that
 does not trust the index pulls it in full and says why; one that pins the artifact's digest
 mounts every layer lazily, runs the image without downloading its blobs, and its root file
@@ -39,15 +40,18 @@ from tests.integration.pull.pull_env import (
     walk_tree,
     workload_expected,
 )
-from tests.unit.format.layers import rewrite_index
+from tests.unit.format.layers import every_kind_tar, rewrite_index
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
-def _layers(tag: str) -> list[list[Entry]]:
-    # a marker file per layer: chain IDs of their own, so no other image's snapshot stands in
-    return [[*layer, Entry(f"etc/index-{tag}-{i}", data=b"marker\n")]
-            for i, layer in enumerate(rich_layers())]
+def _layers(tag: str) -> list[list[Entry] | bytes]:
+    # a marker file per layer: chain IDs of their own, so no other image's snapshot stands in;
+    # on top, a layer with every tar entry kind (devices, a FIFO, a char-device whiteout, an
+    # opaque dir, long and non-ASCII names)
+    return [*([*layer, Entry(f"etc/index-{tag}-{i}", data=b"marker\n")]
+              for i, layer in enumerate(rich_layers())),
+            every_kind_tar(portable=True)]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +88,7 @@ def test_an_untrusted_index_is_not_used(stack: LazyStack,
                                         indexed: tuple[PushedImage, str]) -> None:
     image, _ = indexed
     out = _pull(stack, image.ref, "untrusted")
-    assert "3 layers: 0 lazy, 3 downloaded" in out, out
+    assert "4 layers: 0 lazy, 4 downloaded" in out, out
     log = stack.snapshotter.log.read_text()
     assert "reason index-untrusted" in log and "index.trust is pinned" in log
 
@@ -95,12 +99,12 @@ def test_a_pinned_index_mounts_every_layer_lazily(stack: LazyStack, registry: Re
     _trust(stack, artifact)
     log = AccessLog(registry.access_log)
     out = _pull(stack, image.ref, "indexed")
-    assert "3 layers: 3 lazy, 0 downloaded" in out, out
+    assert "4 layers: 4 lazy, 0 downloaded" in out, out
     run = stack.ctd.ctr("run", "--rm", "--snapshotter", "coldstart", image.ref, "run-indexed",
                         "/bin/sh", "-c", WORKLOAD, namespace="indexed")
-    assert run.stdout == workload_expected(_layers("app"))
-    # the top layer's 3 MiB file nobody reads stayed in the registry
-    top, size = image.layer_digests[-1], image.layer_sizes[-1]
+    assert run.stdout == workload_expected(rich_layers())
+    # the third layer's 3 MiB file nobody reads stayed in the registry
+    top, size = image.layer_digests[2], image.layer_sizes[2]
     assert log.blob_bytes(top) < size - (2 << 20), (log.blob_bytes(top), size)
 
 
@@ -113,9 +117,10 @@ def test_the_indexed_rootfs_is_what_containerd_unpacks(
     with Containerd(stack.ctd.address, "reference") as client, \
             mounted_view(client, "overlayfs", chain_ids(image.diff_ids)[-1]) as root:
         reference = dict(walk_tree(root))
-    assert "data/link-to-b" in reference and "etc/gone.txt" not in reference
+    assert {"dev/null", "dev/sda", "run/fifo", "var/cache", "data/link-to-b"} <= set(reference)
+    assert "etc/gone.txt" not in reference
     out = _pull(stack, image.ref, "tree")
-    assert "3 lazy" in out
+    assert "4 lazy" in out
     with Containerd(stack.ctd.address, "tree") as client:
         image_rec = client.get_image(image.ref)
         config = client.content_info(image_rec.target.digest).labels[
@@ -140,16 +145,20 @@ def test_a_lying_index_fails_the_read_then_the_layer_is_pulled_in_full(
             e = next(e for e in t["entries"] if e["name"] == "data/small.txt")
             e["chunkDigest"] = "sha256:" + "1" * 64
 
-        top = ix.layers[-1]
-        lying = dataclasses.replace(ix, layers=(*ix.layers[:-1], LayerIndex(
-            top.digest, top.size, blob=rewrite_index(top.blob, toc=lie))))
+        top = ix.layers[2]
+        lying = dataclasses.replace(ix, layers=(*ix.layers[:2], LayerIndex(
+            top.digest, top.size, blob=rewrite_index(top.blob, toc=lie)), *ix.layers[3:]))
         artifact = push_image_index(reg, lying)
     _trust(stack, artifact)
-    assert "3 layers: 3 lazy" in _pull(stack, image.ref, "lying")
+    assert "4 layers: 4 lazy" in _pull(stack, image.ref, "lying")
     run = stack.ctd.ctr("run", "--rm", "--snapshotter", "coldstart", image.ref, "run-lying",
                         "/bin/sh", "-c", "cat /etc/hello.txt; cat /data/small.txt",
                         namespace="lying", check=False)
     assert run.returncode != 0 and "Input/output error" in run.stdout + run.stderr, run
+    # nothing was cached: a second read fails the same way
+    again = stack.ctd.ctr("run", "--rm", "--snapshotter", "coldstart", image.ref, "run-lying2",
+                          "/bin/sh", "-c", "cat /data/small.txt", namespace="lying", check=False)
+    assert again.returncode != 0 and "Input/output error" in again.stdout + again.stderr
     fuse_log = stack.fuse_log.read_text()
     assert f"layer {top.digest}" in fuse_log and "gzip index proved wrong" in fuse_log
     bad = json.loads((stack.snapshotter.root / "bad-indexes.json").read_text())
@@ -158,10 +167,10 @@ def test_a_lying_index_fails_the_read_then_the_layer_is_pulled_in_full(
     # layer is pulled in full (the others stay lazy), and the file reads
     stack.ctd.ctr("images", "rm", "--sync", image.ref, namespace="lying")
     out = _pull(stack, image.ref, "lying-again")
-    assert "3 layers: 2 lazy, 1 downloaded" in out, out
+    assert "4 layers: 3 lazy, 1 downloaded" in out, out
     assert "reason index-failed" in stack.snapshotter.log.read_text()
     run = stack.ctd.ctr("run", "--rm", "--snapshotter", "coldstart", image.ref, "run-again",
                         "/bin/sh", "-c", "cat /data/small.txt", namespace="lying-again",
                         check=False)
-    small = next(e for e in _layers("lying")[2] if e.path == "data/small.txt").data
+    small = next(e for e in rich_layers()[2] if e.path == "data/small.txt").data
     assert run.returncode == 0 and run.stdout == small.decode(), run
