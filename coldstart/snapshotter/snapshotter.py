@@ -33,6 +33,7 @@ import contextlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import time
@@ -407,7 +408,9 @@ class Snapshotter:
         # the FUSE server writes into a staging directory of its own, renamed into place only
         # once it answered: a pull we stop waiting for never writes where containerd unpacks
         staging = tempfile.mkdtemp(prefix="full-", dir=os.path.dirname(fs))
-        os.chmod(staging, 0o755)
+        st = os.stat(fs)                # as _create made it: mode, and the parent's owner
+        os.chmod(staging, stat.S_IMODE(st.st_mode))
+        os.lchown(staging, st.st_uid, st.st_gid)
         t0 = time.monotonic()
         try:
             done = unpack(staging, spec, lowers=lowers, parent_chain=parent_chain,
