@@ -273,8 +273,9 @@ class IndexedLayer(SeekableLayer):
         self._lock = threading.Lock()
         #: told once the index proves wrong (a chunk fails for good): its message
         self.on_bad: Callable[[str], None] | None = None
-        # every piece of every span, for :meth:`spread`: span offset -> (inner, size, digest)
-        self._pieces = _span_pieces(index.toc_json)
+        # every piece of every span, for :meth:`spread`: span offset -> (inner, size, digest);
+        # made at the first spread (a fetch's worker thread), not on the mount's path
+        self._pieces: dict[int, list[tuple[int, int, str]]] | None = None
         self._spread: set[int] = set()
 
     def spread(self, chunk: Chunk) -> list[tuple[str, bytes]]:
@@ -289,8 +290,11 @@ class IndexedLayer(SeekableLayer):
             if out is None:
                 return []
             self._spread.add(chunk.offset)
+        pieces = self._pieces
+        if pieces is None:
+            pieces = self._pieces = _span_pieces(self.index.toc_json)
         got: list[tuple[str, bytes]] = []
-        for inner, size, digest in self._pieces.get(chunk.offset, ()):
+        for inner, size, digest in pieces.get(chunk.offset, ()):
             if digest == chunk.digest or inner + size > len(out):
                 continue
             data = out[inner : inner + size]

@@ -26,23 +26,22 @@ from tests.integration.pull.pull_env import (
     Entry,
     LazyStack,
     PushedImage,
+    assert_same_tree,
     coldstart_cli,
+    containerd_tree,
+    every_kind_layers,
     lazy_stack,
-    mounted_view,
     push_image,
     rich_layers,
-    walk_tree,
+    snapshot_tree,
     workload_expected,
 )
-from tests.unit.format.layers import every_kind_tar
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 def _layers(tag: str) -> list[list[Entry] | bytes]:
-    return [*([*layer, Entry(f"etc/full-{tag}-{i}", data=b"marker\n")]
-              for i, layer in enumerate(rich_layers())),
-            every_kind_tar(portable=True)]
+    return every_kind_layers(f"full-{tag}")
 
 
 @pytest.fixture(scope="module")
@@ -76,22 +75,12 @@ def test_every_layer_is_pulled_in_full_in_parallel(stack: LazyStack, registry: R
 
 
 def test_the_rootfs_is_what_containerd_unpacks(stack: LazyStack, image: PushedImage) -> None:
-    stack.ctd.ctr("images", "pull", "--plain-http", image.ref, namespace="reference",
-                  timeout=180)
-    with Containerd(stack.ctd.address, "reference") as client, \
-            mounted_view(client, "overlayfs", chain_ids(image.diff_ids)[-1]) as root:
-        reference = dict(walk_tree(root))
+    reference = containerd_tree(stack, image)
     assert {"dev/null", "dev/sda", "run/fifo", "var/cache", "data/link-to-b"} <= set(reference)
     proc = coldstart_cli("pull", "--address", stack.ctd.address, "--namespace", "tree",
                          image.ref)
     assert proc.returncode == 0 and "4 pulled in full" in proc.stderr, proc.stderr
-    with Containerd(stack.ctd.address, "tree") as client, \
-            mounted_view(client, "coldstart", chain_ids(image.diff_ids)[-1]) as root:
-        tree = dict(walk_tree(root))
-    missing = sorted(set(reference) - set(tree))
-    extra = sorted(set(tree) - set(reference))
-    differ = sorted(p for p in set(tree) & set(reference) if tree[p] != reference[p])
-    assert (missing, extra, [(p, tree[p], reference[p]) for p in differ]) == ([], [], [])
+    assert_same_tree(snapshot_tree(stack, "tree", "coldstart", image.diff_ids), reference)
 
 
 def test_a_gzip_stream_that_ends_early_leaves_no_snapshot(stack: LazyStack,

@@ -20,8 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from coldstart.containerd import Containerd
-from coldstart.containerd.pull import chain_ids
 from coldstart.oci.gzindex import LayerIndex, index_image, push_image_index
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
@@ -32,26 +30,23 @@ from tests.integration.pull.pull_env import (
     Entry,
     LazyStack,
     PushedImage,
+    assert_same_tree,
     coldstart_cli,
+    containerd_tree,
+    every_kind_layers,
     lazy_stack,
-    mounted_view,
     push_image,
     rich_layers,
-    walk_tree,
+    snapshot_tree,
     workload_expected,
 )
-from tests.unit.format.layers import every_kind_tar, rewrite_index
+from tests.unit.format.layers import rewrite_index
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 def _layers(tag: str) -> list[list[Entry] | bytes]:
-    # a marker file per layer: chain IDs of their own, so no other image's snapshot stands in;
-    # on top, a layer with every tar entry kind (devices, a FIFO, a char-device whiteout, an
-    # opaque dir, long and non-ASCII names)
-    return [*([*layer, Entry(f"etc/index-{tag}-{i}", data=b"marker\n")]
-              for i, layer in enumerate(rich_layers())),
-            every_kind_tar(portable=True)]
+    return every_kind_layers(f"index-{tag}")
 
 
 @pytest.fixture(scope="module")
@@ -112,26 +107,12 @@ def test_the_indexed_rootfs_is_what_containerd_unpacks(
         stack: LazyStack, indexed: tuple[PushedImage, str]) -> None:
     image, artifact = indexed
     _trust(stack, artifact)
-    stack.ctd.ctr("images", "pull", "--plain-http", image.ref, namespace="reference",
-                  timeout=180)
-    with Containerd(stack.ctd.address, "reference") as client, \
-            mounted_view(client, "overlayfs", chain_ids(image.diff_ids)[-1]) as root:
-        reference = dict(walk_tree(root))
+    reference = containerd_tree(stack, image)
     assert {"dev/null", "dev/sda", "run/fifo", "var/cache", "data/link-to-b"} <= set(reference)
     assert "etc/gone.txt" not in reference
     out = _pull(stack, image.ref, "tree")
     assert "4 lazy" in out
-    with Containerd(stack.ctd.address, "tree") as client:
-        image_rec = client.get_image(image.ref)
-        config = client.content_info(image_rec.target.digest).labels[
-            "containerd.io/gc.ref.content.config"]
-        top = client.content_info(config).labels["containerd.io/gc.ref.snapshot.coldstart"]
-        with mounted_view(client, "coldstart", top) as root:
-            tree = dict(walk_tree(root))
-    missing = sorted(set(reference) - set(tree))
-    extra = sorted(set(tree) - set(reference))
-    differ = sorted(p for p in set(tree) & set(reference) if tree[p] != reference[p])
-    assert (missing, extra, [(p, tree[p], reference[p]) for p in differ]) == ([], [], [])
+    assert_same_tree(snapshot_tree(stack, "tree", "coldstart", image.diff_ids), reference)
 
 
 def test_a_lying_index_fails_the_read_then_the_layer_is_pulled_in_full(

@@ -35,6 +35,7 @@ from tests.integration.pull.pull_env import (
     Entry,
     LazyStack,
     PushedImage,
+    assert_same_tree,
     coldstart_cli,
     lazy_stack,
     mounted_view,
@@ -192,7 +193,4 @@ def test_rootfs_is_what_containerd_unpacks(
             tree = dict(walk_tree(root))
     if variant != "gzip":
         assert "3 lazy" in proc.stderr
-    missing = sorted(set(reference_tree) - set(tree))
-    extra = sorted(set(tree) - set(reference_tree))
-    differ = sorted(p for p in set(tree) & set(reference_tree) if tree[p] != reference_tree[p])
-    assert (missing, extra, [(p, tree[p], reference_tree[p]) for p in differ]) == ([], [], [])
+    assert_same_tree(tree, reference_tree)

@@ -306,3 +306,40 @@ def workload_expected(layers: Sequence[Sequence[Entry]]) -> str:
 # reads: sh (busybox), two small files, a directory listing, 20 bytes across a chunk boundary
 WORKLOAD = ("cat /etc/hello.txt /data/small.txt; echo opq: $(ls /opq); "
             "head -c 4194314 /data/multi.bin | tail -c 20 | sha256sum")
+
+
+def snapshot_tree(stack: LocalStack, namespace: str, snapshotter: str,
+                  diff_ids: Sequence[str]) -> dict[str, Node]:
+    """:func:`walk_tree` of the image whose layers have ``diff_ids``, as ``snapshotter``
+    assembles it in ``namespace`` (a read-only view of its top snapshot)."""
+    from coldstart.containerd.pull import chain_ids
+    with Containerd(stack.ctd.address, namespace) as client, \
+            mounted_view(client, snapshotter, chain_ids(diff_ids)[-1]) as root:
+        return dict(walk_tree(root))
+
+
+def containerd_tree(stack: LocalStack, image: PushedImage,
+                    namespace: str = "reference") -> dict[str, Node]:
+    """The image as containerd itself pulls and unpacks it (``ctr image pull``, overlayfs)."""
+    stack.ctd.ctr("images", "pull", "--plain-http", image.ref, namespace=namespace,
+                  timeout=180)
+    return snapshot_tree(stack, namespace, "overlayfs", image.diff_ids)
+
+
+def assert_same_tree(tree: dict[str, Node], reference: dict[str, Node]) -> None:
+    """No path missing, none extra, none different (each difference shown both ways)."""
+    missing = sorted(set(reference) - set(tree))
+    extra = sorted(set(tree) - set(reference))
+    differ = sorted(p for p in set(tree) & set(reference) if tree[p] != reference[p])
+    assert (missing, extra, [(p, tree[p], reference[p]) for p in differ]) == ([], [], [])
+
+
+def every_kind_layers(tag: str) -> list[list[Entry] | bytes]:
+    """:func:`rich_layers` with a marker file per layer (chain IDs of their own: no other
+    image's snapshot stands in), and on top a layer with every tar entry kind (devices, a
+    FIFO, a char-device whiteout, an opaque dir, long and non-ASCII names)."""
+    from tests.unit.format.layers import every_kind_tar
+    return [*([*layer, Entry(f"etc/{tag}-{i}", data=b"marker\n")]
+              for i, layer in enumerate(rich_layers())),
+            every_kind_tar(portable=True)]
+
