@@ -62,6 +62,7 @@ from coldstart.format.layer import (
     ZSTD_CHUNKED_MANIFEST_POSITION,
     ZSTD_CHUNKED_TARSPLIT_POSITION,
 )
+from coldstart.format.tarheader import parse_block
 from coldstart.format.tarsplit import TarSplitWriter
 from coldstart.format.toc import (
     MODE_PERM_MASK,
@@ -550,7 +551,8 @@ class _HeaderLog:
             @classmethod
             def frombuf(cls, buf: bytes | bytearray, encoding: str, errors: str) -> Self:
                 log.block = bytes(buf)
-                info = super().frombuf(buf, encoding, errors)
+                info = parse_block(cls, buf, encoding, errors) or \
+                    super().frombuf(buf, encoding, errors)
                 if info.type in _SPECIAL_TYPES and info.size > MAX_SPECIAL_SIZE:
                     raise FormatError(f"input: a {info.type.decode()!r} header of {info.size} "
                                       f"bytes, over the {MAX_SPECIAL_SIZE} byte limit")

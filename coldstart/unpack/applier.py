@@ -40,10 +40,10 @@ import shutil
 import stat
 import tarfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from coldstart.errors import FormatError
 from coldstart.format.toc import OPAQUE_WHITEOUT, WHITEOUT_PREFIX, normalize_name
@@ -69,50 +69,87 @@ class Applied:
     tar_bytes: int
 
 
-class _Hashed(io.RawIOBase):
-    """The stream, hashed (in a thread of its own: the applier's thread waits on the file
-    system most of the time, and the digest of a GB is seconds of CPU) and counted as it is
-    read. :meth:`digest` waits for the hash of everything read."""
+class _Forward:
+    """The decompressed stream read forward only, for tarfile's random-access mode (``seek``
+    only ahead: skipped bytes are read), hashed in a thread of its own (the applier's thread
+    waits on the file system most of the time, and the digest of a GB is seconds of CPU) and
+    counted as it is read. File data is handed out as views of the decompressor's own chunks
+    (:meth:`views`): no copy between the inflate and ``write``. :meth:`digest` waits for the
+    hash of everything read."""
 
     def __init__(self, inner: IO[bytes]) -> None:
         self.inner = inner
-        self.n = 0
+        self._buf = b""
+        self._pos = 0          # in _buf
+        self._base = 0         # the stream offset of _buf[0]
         self._sha = hashlib.sha256()
-        self._q: queue.Queue[bytes | None] = queue.Queue(maxsize=64)   # ≤ 64 reads ahead
+        self._q: queue.Queue[bytes | None] = queue.Queue(maxsize=64)   # ≤ 64 chunks ahead
         self._t = threading.Thread(target=self._hash, name="applier-hash", daemon=True)
         self._t.start()
+
+    @property
+    def n(self) -> int:
+        """Bytes read from the decompressor so far."""
+        return self._base + len(self._buf)
 
     def _hash(self) -> None:
         while (data := self._q.get()) is not None:
             self._sha.update(data)
 
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
+    def _fill(self) -> bool:
+        """The next chunk (False at the end of the stream)."""
         try:
-            data = self.inner.read(len(b))
+            data = self.inner.read(_COPY)
+        except EOFError as exc:
+            raise FormatError(f"the layer's compressed stream ends early (truncated): "
+                              f"{exc}") from None
         except Exception as exc:
             # rapidgzip, zstandard and zlib each have their own error types for corrupt data
             raise FormatError(f"the layer does not decompress: {type(exc).__name__}: "
                               f"{exc}") from None
-        n = len(data)
-        b[:n] = data
-        if n:
-            self._q.put(bytes(data))
-        self.n += n
-        return n
+        if not data:
+            return False
+        self._base += len(self._buf)
+        self._buf, self._pos = bytes(data), 0
+        self._q.put(self._buf)
+        return True
+
+    def tell(self) -> int:
+        return self._base + self._pos
+
+    def read(self, size: int = -1) -> bytes:
+        if 0 <= size <= len(self._buf) - self._pos:          # the common case: a header
+            out = self._buf[self._pos:self._pos + size]
+            self._pos += size
+            return out
+        parts = [bytes(v) for v in self.views(size if size >= 0 else 1 << 62)]
+        return b"".join(parts)
+
+    def views(self, size: int) -> Iterator[memoryview]:
+        """Up to ``size`` bytes from here, as views of the stream's chunks (fewer at its end)."""
+        while size > 0:
+            if self._pos == len(self._buf) and not self._fill():
+                return
+            n = min(size, len(self._buf) - self._pos)
+            view = memoryview(self._buf)[self._pos:self._pos + n]
+            self._pos += n
+            size -= n
+            yield view
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if whence != os.SEEK_SET or offset < self.tell():
+            raise io.UnsupportedOperation("the layer stream is read forward only")
+        for _ in self.views(offset - self.tell()):
+            pass
+        return self.tell()
 
     def drain(self) -> None:
-        buf = bytearray(_COPY)
-        while n := self.readinto(buf):
-            del n
+        self.seek(1 << 62)
 
     def close(self) -> None:
         if self._t.is_alive():
             self._q.put(None)
             self._t.join()
-        super().close()
 
     def digest(self) -> str:
         self.close()
@@ -228,15 +265,17 @@ def apply_tar(stream: IO[bytes], root: Path, *, lowers: Sequence[Path] = (),
     ``lowers``: the layers below, nearest first. FormatError for a stream that is not a
     complete tar, or an entry that cannot be applied as containerd would; OSError (a full
     disk...) as raised. Either way ``root`` holds a partial tree: the caller removes it."""
-    hashed = _Hashed(stream)
+    hashed = _Forward(stream)
     try:
         headers = _HeaderLog()
         tree = _Tree(root, lowers)
         entries = 0
         file_bytes = 0
         try:
+            # random-access mode over a forward-only stream: tarfile's stream mode copies
+            # every byte through 10 KiB Python-level reads
             tf = tarfile.open(  # noqa: SIM115 (closed by the with below)
-                None, "r|", fileobj=io.BufferedReader(hashed, _COPY), encoding="utf-8",
+                None, "r:", fileobj=hashed, encoding="utf-8",  # type: ignore[call-overload]
                 errors="surrogateescape", tarinfo=headers.tarinfo)
         except (tarfile.TarError, EOFError) as exc:
             if hashed.n == 0:
@@ -257,7 +296,7 @@ def apply_tar(stream: IO[bytes], root: Path, *, lowers: Sequence[Path] = (),
                 if base.startswith(_WH):
                     _whiteout(tree, name, base, info, here)
                     continue
-                file_bytes += _entry(tree, tf, name, info, here)
+                file_bytes += _entry(tree, tf, hashed, name, info, here)
             end = tf.offset
         hashed.drain()
         diff_id = hashed.digest()
@@ -271,11 +310,11 @@ def apply_tar(stream: IO[bytes], root: Path, *, lowers: Sequence[Path] = (),
     return Applied(diff_id, entries, file_bytes, hashed.n)
 
 
-def _setxattr(path: str, attr: str, value: bytes, here: str, plain: bool) -> None:
+def _setxattr(where: str | int, attr: str, value: bytes, here: str, plain: bool) -> None:
     """Set an xattr as containerd does: what the file system does not support, and a
     ``user.*`` one refused on a special file, are skipped with a warning."""
     try:
-        os.setxattr(path, attr, value, follow_symlinks=False)
+        os.setxattr(where, attr, value, follow_symlinks=isinstance(where, int))
     except OSError as exc:
         if exc.errno == errno.ENOTSUP or (exc.errno == errno.EPERM and not plain
                                           and attr.startswith("user.")):
@@ -313,8 +352,8 @@ def _whiteout(tree: _Tree, name: str, base: str, info: tarfile.TarInfo, here: st
     tree.kinds[gone] = "whiteout"
 
 
-def _entry(tree: _Tree, tf: tarfile.TarFile, name: str, info: tarfile.TarInfo,
-           here: str) -> int:
+def _entry(tree: _Tree, tf: tarfile.TarFile, stream: _Forward, name: str,
+           info: tarfile.TarInfo, here: str) -> int:
     path = tree.path(name)
     mode = info.mode & 0o7777
     kind = ("dir" if info.isdir() else "reg" if info.isreg() else "symlink" if info.issym()
@@ -324,28 +363,15 @@ def _entry(tree: _Tree, tf: tarfile.TarFile, name: str, info: tarfile.TarInfo,
     elif kind == "dev":
         raise FormatError(f"{here}: unsupported tar entry type {info.type!r}")
     tree.clear(name, kind)
-    written = 0
+    if kind == "reg":
+        _write_file(path, _data(tf, stream, info, here), info, here)
+        tree.kinds[name] = kind
+        tree.unpacked.add(name)
+        return info.size
     if kind == "dir":
         if tree.kinds.get(name) != "dir":
             os.mkdir(path, mode)
         tree.dirs.append((name, info))
-    elif kind == "reg":
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
-        try:
-            src = tf.extractfile(info)
-            if src is not None:
-                while chunk := src.read(_COPY):
-                    view = memoryview(chunk)
-                    while view:
-                        view = view[os.write(fd, view):]
-                    written += len(chunk)
-            if written != info.size:
-                raise FormatError(f"{here}: the stream ends inside its data (truncated)")
-        except (tarfile.TarError, EOFError) as exc:
-            raise FormatError(f"{here}: the stream ends inside its data (truncated): "
-                              f"{exc}") from None
-        finally:
-            os.close(fd)
     elif kind == "symlink":
         os.symlink(info.linkname, path)
     elif kind == "hardlink":
@@ -361,6 +387,59 @@ def _entry(tree: _Tree, tf: tarfile.TarFile, name: str, info: tarfile.TarInfo,
     tree.kinds[name] = kind
     tree.unpacked.add(name)
     os.lchown(path, info.uid, info.gid)
+    _xattrs(path, info, here, kind in ("dir", "hardlink"))
+    if kind != "symlink" and not (kind == "hardlink" and os.path.islink(path)):
+        os.chmod(path, mode)
+    if kind != "dir":
+        os.utime(path, ns=_times(info), follow_symlinks=False)
+    return 0
+
+
+def _data(tf: tarfile.TarFile, stream: _Forward, info: tarfile.TarInfo,
+               here: str) -> Iterator[memoryview]:
+    """A regular file's data as it is read: straight from the stream's chunks (a sparse file
+    through tarfile, which fills its holes). FormatError if the stream ends inside it."""
+    if info.sparse is None:
+        stream.seek(info.offset_data)
+        yield from stream.views(info.size)
+        if stream.tell() - info.offset_data != info.size:
+            raise FormatError(f"{here}: the stream ends inside its data (truncated)")
+        return
+    written = 0
+    try:
+        src = tf.extractfile(info)
+        if src is not None:
+            while chunk := src.read(_COPY):
+                written += len(chunk)
+                yield memoryview(chunk)
+    except (tarfile.TarError, EOFError) as exc:
+        raise FormatError(f"{here}: the stream ends inside its data (truncated): "
+                          f"{exc}") from None
+    if written != info.size:
+        raise FormatError(f"{here}: the stream ends inside its data (truncated)")
+
+
+def _write_file(path: str, data: Iterable[memoryview], info: tarfile.TarInfo,
+                here: str) -> None:
+    """Create the regular file ``path`` with ``data``, then its owner, xattrs, mode and
+    times, each by descriptor (no path walk for each)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                 info.mode & 0o7777)
+    try:
+        for view in data:
+            while view:
+                view = view[os.write(fd, view):]
+        os.fchown(fd, info.uid, info.gid)
+        _xattrs(fd, info, here, True)
+        os.fchmod(fd, info.mode & 0o7777)
+        os.utime(fd, ns=_times(info))
+    finally:
+        os.close(fd)
+
+
+def _xattrs(where: str | int, info: tarfile.TarInfo, here: str, plain: bool) -> None:
+    """The entry's ``SCHILY.xattr.*`` records set on ``where`` (a path, not followed, or a
+    descriptor); ``plain``: a regular file or directory (see :func:`_setxattr`)."""
     for key, value in info.pax_headers.items():
         if not key.startswith(_XATTR):
             continue
@@ -369,10 +448,4 @@ def _entry(tree: _Tree, tf: tarfile.TarFile, name: str, info: tarfile.TarInfo,
             log.warning("%s: xattr %s ignored (admin attributes from an archive are not "
                         "applied, as containerd does not)", here, attr)
             continue
-        _setxattr(path, attr, value.encode("utf-8", "surrogateescape"), here,
-                  kind in ("reg", "dir", "hardlink"))
-    if kind != "symlink" and not (kind == "hardlink" and os.path.islink(path)):
-        os.chmod(path, mode)
-    if kind != "dir":
-        os.utime(path, ns=_times(info), follow_symlinks=False)
-    return written
+        _setxattr(where, attr, value.encode("utf-8", "surrogateescape"), here, plain)

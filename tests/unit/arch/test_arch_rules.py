@@ -58,7 +58,7 @@ RULES: dict[str, Rule] = {
                 "httpx zstandard indexed_gzip@oci.gzindex"),
     "cache": rule("errors config format files"),
     "prefetch": rule("errors config format"),
-    "unpack": rule("errors config format oci files", "rapidgzip zstandard"),
+    "unpack": rule("errors config format oci files", "isal rapidgzip zstandard"),
     "lazyfs": rule("errors config format remote oci cache prefetch unixsock files unpack",
                    "trio prometheus_client pyfuse3@lazyfs.fusefs pyfuse3@lazyfs.server"),
     "snapshotter": rule("errors config files lazyfs.spec lazyfs.client lazyfs.control unixsock "

@@ -6,6 +6,8 @@ from __future__ import annotations
 import gzip
 import hashlib
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -75,6 +77,55 @@ def test_pull_layer_checks_the_chain(tmp_path: Path, codec: str) -> None:
     assert not list((tmp_path / "dl").iterdir())          # a bad blob is not kept to resume
 
 
+class GatedBlob(Blob):
+    """Serves the last part only once ``gate`` holds (or 20 s have passed)."""
+
+    def __init__(self, data: bytes, gate: Callable[[], bool]) -> None:
+        super().__init__(data)
+        self.gate = gate
+        self.gate_held = False
+
+    def read_at(self, offset: int, length: int, *, timeout: float | None = None) -> bytes:
+        if offset + length >= len(self.data):
+            deadline = time.monotonic() + 20
+            while not self.gate() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.gate_held = self.gate()
+        return super().read_at(offset, length, timeout=timeout)
+
+
+def test_the_layer_is_unpacked_as_its_parts_arrive(tmp_path: Path) -> None:
+    tar = every_kind_tar(portable=True) + bytes(1 << 20)
+    dest = tmp_path / "fs"
+    dest.mkdir()
+    # the last part is served only once the first file of the layer is on disk
+    blob = GatedBlob(tar, lambda: (dest / "etc/hostname").exists())
+    got = pull_layer(blob, digest=_digest(tar), size=len(tar), dest=dest,
+                     workdir=tmp_path / "dl", jobs=1, part=64 << 10)
+    assert blob.gate_held and got.diff_id == _digest(tar)
+
+
+def test_a_transport_failure_keeps_the_parts_and_the_retry_resumes(tmp_path: Path) -> None:
+    tar = every_kind_tar(portable=True) + bytes(1 << 20)
+    blob = gzip.compress(tar, 0)                      # stored: about 1.4 MB, 22 parts
+    parts = -(-len(blob) // (64 << 10))
+    dest = tmp_path / "fs"
+    dest.mkdir()
+    with pytest.raises(Unavailable, match="went away"):
+        pull_layer(Blob(blob, fail_after=4), digest=_digest(blob), size=len(blob), dest=dest,
+                   workdir=tmp_path / "dl", expect_chain=_digest(tar), jobs=1,
+                   part=64 << 10)
+    assert len(list((tmp_path / "dl").iterdir())) == 2    # the file and its ranges
+    again = Blob(blob)
+    fresh = tmp_path / "fs2"
+    fresh.mkdir()
+    got = pull_layer(again, digest=_digest(blob), size=len(blob), dest=fresh,
+                     workdir=tmp_path / "dl", expect_chain=_digest(tar), jobs=2,
+                     part=64 << 10)
+    assert got.resumed_bytes == 4 * (64 << 10) and len(again.asked) == parts - 4
+    assert (fresh / "etc/hostname").read_bytes() == b"coldstart\n"
+
+
 def test_without_a_chain_the_blob_digest_is_checked(tmp_path: Path) -> None:
     blob = gzip.compress(every_kind_tar(portable=True))
     dest = tmp_path / "fs"
@@ -89,8 +140,28 @@ def test_a_truncated_gzip_stream_is_refused(tmp_path: Path) -> None:
     blob = gzip.compress(tar)[:-2000]
     dest = tmp_path / "fs"
     dest.mkdir()
-    # rapidgzip hands out what it could inflate and no error: the tar's end marker and the
-    # diffID catch it
+    # ISA-L says the stream ended early; rapidgzip (many cores) hands out what it could
+    # inflate and no error: the tar's end marker and the diffID catch it
     with pytest.raises((FormatError, IntegrityError), match=r"truncated|diffID"):
         pull_layer(Blob(blob), digest=_digest(blob), size=len(blob), dest=dest,
                    workdir=tmp_path / "dl", expect_chain=_digest(tar))
+
+
+@pytest.mark.parametrize("cores", [2, 16], ids=["isal", "rapidgzip"])
+def test_either_gzip_reader_inflates_the_whole_stream_and_refuses_a_cut_one(
+        tmp_path: Path, cores: int) -> None:
+    import io
+
+    from coldstart.unpack.fullpull import gzip_reader
+
+    tar = every_kind_tar(portable=True) + bytes(3 << 20)
+    blob = gzip.compress(tar)
+    with gzip_reader(io.BytesIO(blob), cores) as f:
+        assert f.read() == tar
+    # a stream cut short: an error, or fewer bytes than the tar (never the whole tar)
+    try:
+        with gzip_reader(io.BytesIO(blob[:-2000]), cores) as f:
+            got = f.read()
+    except Exception:  # each library has its own error type
+        got = b""
+    assert len(got) < len(tar)
