@@ -42,12 +42,12 @@ import json
 import struct
 import tarfile
 import threading
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import zstandard
+from isal import isal_zlib
 
 from coldstart.errors import FormatError, IntegrityError
 from coldstart.format.footer import Footer
@@ -243,14 +243,19 @@ def parse_index(data: bytes, *, layer: str, size: int) -> GzipIndex:
     return GzipIndex(layer, size, usize, diff_id, span, tuple(points), toc_json)
 
 
+#: ISA-L's inflate error (its stubs declare ``error`` an instance)
+_INFLATE_ERROR = cast("type[Exception]", isal_zlib.error)
+
+
 def inflate_span(compressed: bytes, point: Checkpoint, limit: int, *, what: str) -> bytes:
     """Inflate the deflate data in ``compressed`` (``blob[point.cin:...]``) from ``point``:
     at most ``limit`` bytes. FormatError if the bytes are not deflate data there."""
     try:
-        d = (zlib.decompressobj(-15, zdict=point.window) if point.window
-             else zlib.decompressobj(-15))
+        # ISA-L: the same inflate at about twice zlib's speed (a 2 MiB span: ~3 against 6 ms)
+        d = (isal_zlib.decompressobj(-15, zdict=point.window) if point.window
+             else isal_zlib.decompressobj(-15))
         return d.decompress(compressed, limit)
-    except zlib.error as exc:
+    except _INFLATE_ERROR as exc:
         raise FormatError(f"{what}: not deflate data at this checkpoint: {exc}") from None
 
 

@@ -52,7 +52,8 @@ RULES: dict[str, Rule] = {
     "config": rule("errors"),
     "unixsock": rule(),
     # msgspec: the TOC's JSON decode only (pure decoding, no I/O; twice json's speed)
-    "format": rule("errors", "zstandard msgspec@format.tocjson"),
+    # isal: ISA-L's inflate of a gzip index's spans
+    "format": rule("errors", "zstandard msgspec@format.tocjson isal@format.gzindex"),
     "remote": rule("errors config format", "httpx boto3 botocore"),
     "oci": rule("errors config format remote prefetch progress files",
                 "httpx zstandard indexed_gzip@oci.gzindex"),
