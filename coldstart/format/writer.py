@@ -553,6 +553,8 @@ class _HeaderLog:
                 log.block = bytes(buf)
                 info = parse_block(cls, buf, encoding, errors) or \
                     super().frombuf(buf, encoding, errors)
+                if info.size < 0:      # tarfile would read it as "to the end" (Go refuses)
+                    raise FormatError(f"input: a header with a negative size ({info.size})")
                 if info.type in _SPECIAL_TYPES and info.size > MAX_SPECIAL_SIZE:
                     raise FormatError(f"input: a {info.type.decode()!r} header of {info.size} "
                                       f"bytes, over the {MAX_SPECIAL_SIZE} byte limit")

@@ -181,9 +181,10 @@ class FuseServer:
                                 parent_chain=parent_chain, expect_chain=chain, jobs=p.jobs,
                                 part=p.part_bytes)
         log.info("layer %s pulled in full into %s: %d bytes fetched (%d resumed) in %.2f s, "
-                 "%d entries unpacked in %.2f s", spec.digest, directory, pulled.fetched_bytes,
+                 "%d entries unpacked as they arrived, done in %.2f s", spec.digest, directory,
+                 pulled.fetched_bytes,
                  pulled.resumed_bytes, pulled.fetch_seconds, pulled.entries,
-                 pulled.apply_seconds)
+                 pulled.seconds)
         return dataclasses.asdict(pulled)
 
     def run(self) -> None:

@@ -118,6 +118,8 @@ class _Forward:
         return self._base + self._pos
 
     def read(self, size: int = -1) -> bytes:
+        if size < -1:
+            raise ValueError(f"a read of {size} bytes")
         if 0 <= size <= len(self._buf) - self._pos:          # the common case: a header
             out = self._buf[self._pos:self._pos + size]
             self._pos += size

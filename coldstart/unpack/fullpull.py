@@ -72,19 +72,30 @@ class Pulled:
     fetched_bytes: int
     resumed_bytes: int
     fetch_seconds: float
-    apply_seconds: float
+    seconds: float
+
+
+class _Stopped(Exception):
+    """What a reader waiting on :class:`Arrivals` gets once the pull gave up."""
 
 
 class Arrivals:
     """Which parts of a blob's file are written, for a reader that follows the fetch
-    (:class:`_Following`): it waits for a part, and gets the fetch's error if it failed.
-    :meth:`stop` tells the fetch to start no more requests (the reader gave up)."""
+    (:class:`_Following`): it waits for a part, and gets an error if the fetch failed.
+    :meth:`stop`: the pull gave up; the fetch starts no more requests, waiting readers
+    wake."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._done: set[int] = set()
         self._error: BaseException | None = None
         self.stopped = False
+
+    @property
+    def error(self) -> BaseException | None:
+        """What ended the fetch, if it failed."""
+        with self._cond:
+            return self._error
 
     def add(self, i: int) -> None:
         with self._cond:
@@ -100,16 +111,20 @@ class Arrivals:
         with self._cond:
             while i not in self._done:
                 if self._error is not None:
-                    raise self._error
+                    raise Unavailable(f"the blob's fetch failed: {self._error}")
+                if self.stopped:
+                    raise _Stopped("the pull was stopped")
                 self._cond.wait()
 
     def stop(self) -> None:
-        self.stopped = True
+        with self._cond:
+            self.stopped = True
+            self._cond.notify_all()
 
 
 class _Following(io.RawIOBase):
-    """The blob's file read in order while :func:`fetch_blob` writes it: a read waits for
-    the part it needs."""
+    """The blob's file read while :func:`fetch_blob` writes it: a read waits for the part it
+    needs. Seekable (rapidgzip's parallel inflate reads ahead at offsets of its choosing)."""
 
     def __init__(self, path: Path, size: int, part: int, arrivals: Arrivals) -> None:
         self._path, self._size, self._part, self._arrivals = path, size, part, arrivals
@@ -118,6 +133,19 @@ class _Following(io.RawIOBase):
 
     def readable(self) -> bool:
         return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
 
     def readinto(self, b: Any) -> int:
         if self._pos >= self._size:
@@ -314,16 +342,27 @@ def pull_layer(blob: _Blob, *, digest: str, size: int, dest: Path,
 
     fetcher = threading.Thread(target=run_fetch, name="fullpull-fetch", daemon=True)
     fetcher.start()
+    # when the unpack fails: did the fetch fail first (the unpack then failed for want of
+    # data, whatever it says)? Then the fetch's error is the cause. Judged at the failure,
+    # before requests still in flight can fail too
+    judged: list[BaseException | None] = []
     try:
         try:
             with io.BufferedReader(_Following(path, size, part, arrivals), _READ) as raw, \
                     _decompressed(raw) as stream:
-                applied = apply_tar(stream, dest, lowers=lowers, what=f"layer {digest}")
+                try:
+                    applied = apply_tar(stream, dest, lowers=lowers, what=f"layer {digest}")
+                except BaseException:
+                    judged.append(arrivals.error)
+                    arrivals.stop()     # no more requests; the inflate's reader wakes
+                    raise
+        except BaseException:
+            if not judged:              # the stream failed before the unpack began
+                judged.append(arrivals.error)
+            arrivals.stop()
+            raise
         finally:
-            arrivals.stop()                 # an apply that failed: no more requests
-            fetcher.join()
-        if isinstance(fetch.get("error"), Unavailable):
-            raise fetch["error"]            # a transport failure: the parts done are kept
+            fetcher.join()              # the requests in flight end (their deadline bounds it)
         if "error" in fetch:
             raise fetch["error"]
         if expect_chain:
@@ -337,16 +376,17 @@ def pull_layer(blob: _Blob, *, digest: str, size: int, dest: Path,
             if got != digest:
                 raise IntegrityError(f"layer {digest}: the blob fetched is {got}")
     except BaseException as exc:
-        failed = fetch.get("error")
-        if isinstance(failed, Unavailable):
-            # the fetch failed for want of the registry (the apply then failed for want of
-            # data, whatever it says): the parts done are kept for a retry
-            if failed is not exc:
-                raise failed from None
+        cause = judged[0] if judged else fetch.get("error")
+        if isinstance(cause, Unavailable):
+            # the registry went away: the parts done are kept for a retry
+            if cause is not exc:
+                raise cause from None
             raise
         # the blob is bad (or lies), or the unpack failed (a full disk): not kept
         path.unlink(missing_ok=True)
         state.unlink(missing_ok=True)
+        if cause is not None and cause is not exc:
+            raise cause from None
         raise
     t2 = time.monotonic()
     path.unlink(missing_ok=True)

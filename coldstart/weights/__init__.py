@@ -3,14 +3,16 @@
 >>> from coldstart.weights import load
 >>> tensors = load("s3://models/llama/3/", device="cuda")  # doctest: +SKIP
 
-Also: header parsing and validation (:func:`parse_header`), byte sources behind one protocol
-(:class:`Source`), and a versioned model repository with hot swap (:mod:`.repository`,
-:mod:`.hotswap`).
+``safetensors``' own API, for a server that switches with one import: :func:`load_file`,
+:class:`safe_open`. Also: header parsing and validation (:func:`parse_header`), byte sources
+behind one protocol (:class:`Source`), and a versioned model repository with hot swap
+(:mod:`.repository`, :mod:`.hotswap`).
 """
 
 from typing import TYPE_CHECKING
 
 from coldstart.weights.checkpoint import INDEX_NAME, Checkpoint, Opener, read_header
+from coldstart.weights.compat import load_file, safe_open
 from coldstart.weights.header import Header, TensorInfo, parse_header
 from coldstart.weights.hotswap import ModelWatcher, Served
 from coldstart.weights.loader import LoadStats, Slice, iter_load, load, tensor_parallel
@@ -44,10 +46,12 @@ __all__ = [
     "VersionInfo",
     "iter_load",
     "load",
+    "load_file",
     "open_source",
     "open_store",
     "parse_header",
     "read_header",
+    "safe_open",
     "tensor_parallel",
 ]
 

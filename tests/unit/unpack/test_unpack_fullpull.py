@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
+import os
+import tarfile
 import threading
 import time
 from collections.abc import Callable
@@ -150,8 +153,6 @@ def test_a_truncated_gzip_stream_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize("cores", [2, 16], ids=["isal", "rapidgzip"])
 def test_either_gzip_reader_inflates_the_whole_stream_and_refuses_a_cut_one(
         tmp_path: Path, cores: int) -> None:
-    import io
-
     from coldstart.unpack.fullpull import gzip_reader
 
     tar = every_kind_tar(portable=True) + bytes(3 << 20)
@@ -165,3 +166,91 @@ def test_either_gzip_reader_inflates_the_whole_stream_and_refuses_a_cut_one(
     except Exception:  # each library has its own error type
         got = b""
     assert len(got) < len(tar)
+
+
+def test_many_cores_inflate_with_rapidgzip_as_the_parts_arrive(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # rapidgzip seeks in what it reads: the file that follows the fetch must allow it
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    tar = every_kind_tar(portable=True) + os.urandom(3 << 20)
+    blob = gzip.compress(tar, 1)
+    dest = tmp_path / "fs"
+    dest.mkdir()
+    got = pull_layer(Blob(blob), digest=_digest(blob), size=len(blob), dest=dest,
+                     workdir=tmp_path / "dl", expect_chain=_digest(tar), jobs=3,
+                     part=256 << 10)
+    assert got.diff_id == _digest(tar)
+    assert (dest / "etc/hostname").read_bytes() == b"coldstart\n"
+
+
+def _bad_then_big() -> bytes:
+    """A layer whose first entry escapes the root, then 40 MiB that do not compress."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for name, data in (("../escape", b"x"), ("big", os.urandom(40 << 20))):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_a_failed_unpack_stops_the_fetch_and_drops_the_parts(tmp_path: Path) -> None:
+    blob = gzip.compress(_bad_then_big(), 1)
+    parts = -(-len(blob) // (1 << 20))                   # 41
+
+    class Slow(Blob):
+        def read_at(self, offset: int, length: int, *, timeout: float | None = None) -> bytes:
+            time.sleep(0.02)
+            return super().read_at(offset, length, timeout=timeout)
+
+    source = Slow(blob)
+    dest = tmp_path / "fs"
+    dest.mkdir()
+    with pytest.raises(FormatError, match="escape"):
+        pull_layer(source, digest=_digest(blob), size=len(blob), dest=dest,
+                   workdir=tmp_path / "dl", jobs=1, part=1 << 20)
+    # no request after the failure but those the inflate had read ahead (8 MiB)
+    assert len(source.asked) < parts // 2
+    assert not list((tmp_path / "dl").iterdir())
+
+
+class ShortBlob(Blob):
+    """Answers part ``bad`` with fewer bytes than asked (a registry that lies)."""
+
+    def __init__(self, data: bytes, bad: int, part: int) -> None:
+        super().__init__(data)
+        self.bad_offset = bad * part
+
+    def read_at(self, offset: int, length: int, *, timeout: float | None = None) -> bytes:
+        data = super().read_at(offset, length, timeout=timeout)
+        if offset == self.bad_offset:
+            raise IntegrityError(f"range at {offset}: {len(data) - 1} bytes, not {len(data)}")
+        return data
+
+
+def test_a_fetch_that_fails_for_a_bad_answer_is_the_error_and_drops_the_parts(
+        tmp_path: Path) -> None:
+    tar = every_kind_tar(portable=True) + os.urandom(2 << 20)
+    blob = gzip.compress(tar, 1)
+    dest = tmp_path / "fs"
+    dest.mkdir()
+    with pytest.raises(IntegrityError, match="range at"):
+        pull_layer(ShortBlob(blob, 3, 128 << 10), digest=_digest(blob), size=len(blob),
+                   dest=dest, workdir=tmp_path / "dl", expect_chain=_digest(tar), jobs=1,
+                   part=128 << 10)
+    assert not list((tmp_path / "dl").iterdir())
+
+
+def test_a_negative_entry_size_is_refused_without_reading_the_layer(tmp_path: Path) -> None:
+    from coldstart.unpack.applier import apply_tar
+
+    header = tarfile.TarInfo("././@PaxHeader")
+    header.type = tarfile.XHDTYPE
+    block = bytearray(header.tobuf(tarfile.USTAR_FORMAT, "utf-8", "strict"))
+    block[124:136] = b"-0000001001\0"                   # size -513
+    block[148:156] = b" " * 8
+    block[148:156] = b"%06o\0 " % sum(block)
+    stream = io.BytesIO(bytes(block) + bytes(64 << 20))
+    with pytest.raises(FormatError, match="negative size"):
+        apply_tar(stream, tmp_path)
+    assert stream.tell() <= 2 << 20                     # not the whole stream
