@@ -53,6 +53,19 @@ def test_every_kind_of_entry(tmp_path: Path) -> None:
     assert long.read_bytes() == b"long name"
 
 
+def test_a_gnu_sparse_file_is_written_with_its_holes_as_zeros(tmp_path: Path) -> None:
+    tar = every_kind_tar(tmp_path, portable=True)       # GNU tar's sparse member at the end
+    root = tmp_path / "fs"
+    root.mkdir()
+    got = apply_tar(io.BytesIO(tar), root)
+    assert got.diff_id == "sha256:" + hashlib.sha256(tar).hexdigest()
+    data = (root / "holes.img").read_bytes()
+    assert len(data) == (3 << 20) + 3
+    assert data[1 << 20 : (1 << 20) + 6] == b"island" and data.endswith(b"end")
+    assert data.count(0) == len(data) - 9
+    assert (root / "etc/hostname").read_bytes() == b"coldstart\n"
+
+
 def test_a_base_layer_takes_whiteouts_naively(tmp_path: Path) -> None:
     # containerd applies a layer without parents on a bind mount, with no overlay conversion:
     # a whiteout removes what the layer wrote, an opaque marker removes what it did not write
