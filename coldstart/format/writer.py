@@ -577,7 +577,10 @@ _TAR_PARSE_ERRORS = (ValueError, OverflowError)
 
 def _members(tf: tarfile.TarFile, headers: _HeaderLog) -> Iterator[tarfile.TarInfo]:
     try:
-        yield from tf
+        for info in tf:
+            if info.size < 0:       # a PAX size record (the header's is checked as parsed)
+                raise FormatError(f"entry {info.name!r}: a negative size ({info.size})")
+            yield info
     except tarfile.TarError as exc:
         raise FormatError(f"input is not a valid tar stream: {exc}") from None
     except (EOFError, zlib.error, zstandard.ZstdError, gzip.BadGzipFile) as exc:

@@ -90,6 +90,9 @@ class Arrivals:
         self._done: set[int] = set()
         self._error: BaseException | None = None
         self.stopped = False
+        #: a reader was refused a part because the fetch failed: the fetch's error is why
+        #: the unpack failed (the fetch may fail well ahead of where the reader is)
+        self.refused = False
 
     @property
     def error(self) -> BaseException | None:
@@ -111,6 +114,7 @@ class Arrivals:
         with self._cond:
             while i not in self._done:
                 if self._error is not None:
+                    self.refused = True
                     raise Unavailable(f"the blob's fetch failed: {self._error}")
                 if self.stopped:
                     raise _Stopped("the pull was stopped")
@@ -138,6 +142,8 @@ class _Following(io.RawIOBase):
         return True
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if whence not in (os.SEEK_SET, os.SEEK_CUR, os.SEEK_END):
+            raise ValueError(f"invalid whence {whence}")
         base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._size}[whence]
         if base + offset < 0:
             raise ValueError(f"negative seek position {base + offset}")
@@ -342,9 +348,8 @@ def pull_layer(blob: _Blob, *, digest: str, size: int, dest: Path,
 
     fetcher = threading.Thread(target=run_fetch, name="fullpull-fetch", daemon=True)
     fetcher.start()
-    # when the unpack fails: did the fetch fail first (the unpack then failed for want of
-    # data, whatever it says)? Then the fetch's error is the cause. Judged at the failure,
-    # before requests still in flight can fail too
+    # when the unpack fails, the fetch's error is why if the unpack was refused a part it
+    # needed (it may have failed for its own reason while the fetch failed further ahead)
     judged: list[BaseException | None] = []
     try:
         try:
@@ -353,12 +358,12 @@ def pull_layer(blob: _Blob, *, digest: str, size: int, dest: Path,
                 try:
                     applied = apply_tar(stream, dest, lowers=lowers, what=f"layer {digest}")
                 except BaseException:
-                    judged.append(arrivals.error)
+                    judged.append(arrivals.error if arrivals.refused else None)
                     arrivals.stop()     # no more requests; the inflate's reader wakes
                     raise
         except BaseException:
             if not judged:              # the stream failed before the unpack began
-                judged.append(arrivals.error)
+                judged.append(arrivals.error if arrivals.refused else None)
             arrivals.stop()
             raise
         finally:
@@ -376,6 +381,7 @@ def pull_layer(blob: _Blob, *, digest: str, size: int, dest: Path,
             if got != digest:
                 raise IntegrityError(f"layer {digest}: the blob fetched is {got}")
     except BaseException as exc:
+        arrivals.stop()                 # (an interrupted join: the fetch starts no more)
         cause = judged[0] if judged else fetch.get("error")
         if isinstance(cause, Unavailable):
             # the registry went away: the parts done are kept for a retry

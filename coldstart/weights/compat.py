@@ -14,16 +14,20 @@ views of a private map of the page cache brought in by parallel populate on CPU)
 :meth:`safe_open.get_tensor` and :meth:`safe_open.get_slice` view the same private map, the
 pages read as they are touched, as ``safetensors`` does. Like ``safetensors``, these take a
 local file (a file on a coldstart lazy mount is one); for ``s3://``, ``http(s)://`` and
-``registry://`` use :func:`coldstart.weights.load`.
+``registry://`` use :func:`coldstart.weights.load`. A missing file is ``FileNotFoundError``
+as there; ``backend`` ("mmap" or "pread") is accepted and checked, and coldstart reads its
+own way; other errors are coldstart's (a missing tensor: ``InvalidArgument``).
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import weakref
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from coldstart.errors import InvalidArgument
+from coldstart.errors import InvalidArgument, NotFound
 from coldstart.weights.checkpoint import read_header
 from coldstart.weights.dtypes import BITS, torch_dtype, torch_shape
 from coldstart.weights.header import Header, TensorInfo
@@ -55,11 +59,17 @@ def _local(filename: str | os.PathLike[str]) -> str:
     return path
 
 
-def load_file(filename: str | os.PathLike[str],
-              device: str | int | torch.device = "cpu") -> dict[str, torch.Tensor]:
+def _backend(backend: str) -> None:
+    # safetensors 0.8 reads by mmap or pread; coldstart picks its own way (see the module)
+    if backend not in ("mmap", "pread"):
+        raise InvalidArgument(f"backend must be mmap or pread, not {backend!r}")
+
+
+def load_file(filename: str | os.PathLike[str], device: str | int | torch.device = "cpu",
+              *, backend: str = "mmap") -> dict[str, torch.Tensor]:
     """``safetensors.torch.load_file``: every tensor of the file on ``device``, in the order
     of their bytes in the file (as safetensors 0.8)."""
-    with safe_open(filename, framework="pt", device=device) as f:
+    with safe_open(filename, framework="pt", device=device, backend=backend) as f:
         return f.get_tensors()
 
 
@@ -69,6 +79,7 @@ class _Slice:
 
     def __init__(self, owner: safe_open, info: TensorInfo) -> None:
         self._owner, self._info = owner, info
+        self._map = owner._source.mapping()     # (reads nothing) kept: usable after close
 
     def get_shape(self) -> list[int]:
         return list(self._info.shape)
@@ -77,7 +88,7 @@ class _Slice:
         return self._info.dtype
 
     def __getitem__(self, index: Any) -> torch.Tensor:
-        part = self._owner._view(self._info)[index]
+        part = self._owner._view(self._info, self._map)[index]
         return self._owner._place(part.contiguous())
 
 
@@ -86,17 +97,23 @@ class safe_open:
     once, tensors when asked; a context manager (the map lives on in the tensors)."""
 
     def __init__(self, filename: str | os.PathLike[str], framework: str = "pt",
-                 device: str | int | torch.device = "cpu") -> None:
+                 device: str | int | torch.device = "cpu", *, backend: str = "mmap") -> None:
         if framework not in _FRAMEWORKS:
             raise InvalidArgument(f"framework {framework!r} is not supported: coldstart "
                                   "loads torch tensors (framework 'pt')")
+        _backend(backend)
         self._path = _local(filename)
         self._device = _device(device)
-        self._source = LocalSource(self._path)
+        try:
+            self._source = LocalSource(self._path)
+        except NotFound as exc:         # what safetensors raises, for code that catches it
+            raise FileNotFoundError(errno.ENOENT, str(exc), self._path) from None
+        # closed when this object goes, as safetensors' own (not everyone uses `with`)
+        self._closer = weakref.finalize(self, self._source.close)
         try:
             self._header: Header = read_header(self._source)
         except BaseException:
-            self._source.close()
+            self._closer()
             raise
 
     def __enter__(self) -> safe_open:
@@ -107,7 +124,7 @@ class safe_open:
         self.close()
 
     def close(self) -> None:
-        self._source.close()
+        self._closer()
 
     def keys(self) -> list[str]:
         """Tensor names, sorted (as safetensors)."""
@@ -118,7 +135,8 @@ class safe_open:
         return list(self._header.order)
 
     def metadata(self) -> dict[str, str] | None:
-        return self._header.metadata
+        meta = self._header.metadata
+        return dict(meta) if meta is not None else None
 
     def _info(self, name: str) -> TensorInfo:
         info = self._header.tensors.get(name)
@@ -126,13 +144,14 @@ class safe_open:
             raise InvalidArgument(f"{self._path}: no tensor named {name!r}")
         return info
 
-    def _view(self, info: TensorInfo) -> torch.Tensor:
+    def _view(self, info: TensorInfo, mapping: Any = None) -> torch.Tensor:
         """The tensor as a view of the file's private map (a copy where its offset is not
         aligned to its element size: a view of another dtype needs that)."""
         import torch
 
         at = self._header.data_start + info.begin
-        raw = torch.frombuffer(self._source.mapping(), dtype=torch.uint8, count=info.nbytes,
+        m = mapping if mapping is not None else self._source.mapping()
+        raw = torch.frombuffer(m, dtype=torch.uint8, count=info.nbytes,
                                offset=at) if info.nbytes else torch.empty(0, dtype=torch.uint8)
         if at % max(1, BITS[info.dtype] // 8):
             raw = raw.clone()

@@ -194,7 +194,9 @@ def _bad_then_big() -> bytes:
     return buf.getvalue()
 
 
-def test_a_failed_unpack_stops_the_fetch_and_drops_the_parts(tmp_path: Path) -> None:
+def test_a_failed_unpack_stops_the_fetch_and_drops_the_parts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)    # ISA-L: it reads 8 MiB ahead
     blob = gzip.compress(_bad_then_big(), 1)
     parts = -(-len(blob) // (1 << 20))                   # 41
 
@@ -254,3 +256,16 @@ def test_a_negative_entry_size_is_refused_without_reading_the_layer(tmp_path: Pa
     with pytest.raises(FormatError, match="negative size"):
         apply_tar(stream, tmp_path)
     assert stream.tell() <= 2 << 20                     # not the whole stream
+
+
+def test_a_negative_size_in_a_pax_record_is_refused(tmp_path: Path) -> None:
+    from coldstart.unpack.applier import apply_tar
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        info = tarfile.TarInfo("a")
+        info.size = 1
+        info.pax_headers = {"size": "-600"}
+        tf.addfile(info, io.BytesIO(b"x"))
+    with pytest.raises(FormatError, match="negative size"):
+        apply_tar(io.BytesIO(buf.getvalue() + bytes(1 << 20)), tmp_path)

@@ -5,6 +5,7 @@ Each check runs the real ``safetensors`` on the same file and compares."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from coldstart.errors import InvalidArgument, NotFound
+from coldstart.errors import InvalidArgument
 from coldstart.weights import load_file, safe_open
 from tests.unit.weights.weights_data import assert_identical, every_dtype, save
 
@@ -85,7 +86,29 @@ def test_what_it_refuses(model: Path, tmp_path: Path) -> None:
     with safe_open(model, framework="pt") as f, \
             pytest.raises(InvalidArgument, match="no tensor named 'nope'"):
         f.get_tensor("nope")
-    with pytest.raises(NotFound):
+    with pytest.raises(FileNotFoundError):             # what safetensors raises
         safe_open(tmp_path / "missing.safetensors", framework="pt")
+    with pytest.raises(InvalidArgument, match="backend"):
+        load_file(model, backend="uring")
     with pytest.raises(InvalidArgument, match="not a device"):
         load_file(model, device=True)
+
+
+def test_what_it_hands_out_outlives_the_file_object(model: Path) -> None:
+    with safe_open(model, framework="pt", backend="pread") as f:
+        tensor = f.get_tensor("big.F32")
+        part = f.get_slice("big.F32")
+    want = safetensors.torch.load_file(str(model))["big.F32"]
+    assert_identical({"t": want}, {"t": tensor})        # a view of the map, kept alive
+    # a slice taken inside, read after
+    assert_identical({"t": want[:3, 5:9]}, {"t": part[:3, 5:9]})
+
+
+def test_a_file_object_dropped_without_close_closes_its_file(model: Path) -> None:
+    import gc
+
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(300):
+        assert safe_open(model, framework="pt").keys()
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= before + 2
