@@ -151,7 +151,7 @@ PULL_MODES = ("auto", "lazy", "full")
 @dataclass(frozen=True)
 class PullConfig(_Checked):
     # per layer: "auto": lazily when it has a TOC or a trusted gzip index, else pulled in full
-    # by coldstart (parallel range requests, inflated on every core); "lazy": never pulled in
+    # by coldstart (parallel range requests, unpacked as they arrive); "lazy": never pulled in
     # full by coldstart (a layer it cannot mount lazily is pulled by containerd, one stream);
     # "full": never lazily (every layer pulled in full by coldstart)
     mode: str = "auto"

@@ -98,8 +98,9 @@ class FuseServerClient:
 
     def unpack(self, directory: str, spec: LayerSpec, *, lowers: list[str], parent_chain: str,
                chain: str, timeout: float) -> dict[str, Any]:
-        """Pull ``spec``'s layer in full into the empty ``directory`` (parallel fetch and
-        inflate, containerd's applier), checked against ``chain``; what it took."""
+        """Pull ``spec``'s layer in full into the empty ``directory`` (parallel range
+        requests, unpacked as they arrive by containerd's applier's rules), checked against
+        ``chain``; what it took."""
         result: dict[str, Any] = self._call(
             control.unpack_request(directory, spec, lowers=lowers, parent_chain=parent_chain,
                                    chain=chain), timeout=timeout)

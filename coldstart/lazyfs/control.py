@@ -83,7 +83,7 @@ UNMOUNT = "unmount"
 STATUS = "status"
 RECORD = "record"      # start/stop recording file accesses (one mountpoint's layer, or all)
 PROFILE = "profile"    # what each recording layer read so far
-UNPACK = "unpack"      # pull a layer in full into a directory (parallel fetch and inflate)
+UNPACK = "unpack"      # pull a layer in full into a directory (parallel fetch, unpacked)
 OPS = (PING, MOUNT, CHECK, UNMOUNT, STATUS, RECORD, PROFILE, UNPACK)
 
 

@@ -182,9 +182,8 @@ class FuseServer:
                                 part=p.part_bytes)
         log.info("layer %s pulled in full into %s: %d bytes fetched (%d resumed) in %.2f s, "
                  "%d entries unpacked as they arrived, done in %.2f s", spec.digest, directory,
-                 pulled.fetched_bytes,
-                 pulled.resumed_bytes, pulled.fetch_seconds, pulled.entries,
-                 pulled.seconds)
+                 pulled.fetched_bytes, pulled.resumed_bytes, pulled.fetch_seconds,
+                 pulled.entries, pulled.seconds)
         return dataclasses.asdict(pulled)
 
     def run(self) -> None:
@@ -459,7 +458,7 @@ class _Handler:
         self.layers = layers
         self.restored = restored
         self._unpack = unpack
-        # full pulls at once: each inflates on every core
+        # full pulls at once: each takes a core to unpack, one to inflate
         self._unpacking = trio.CapacityLimiter(2)
 
     async def ready(self) -> None:

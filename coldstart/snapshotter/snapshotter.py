@@ -390,9 +390,9 @@ class Snapshotter:
     def _pull_full(self, key: str, parent: str, target: str, labels: Mapping[str, str],
                    spec: LayerSpec) -> bool:
         """Have the FUSE server pull the layer of ACTIVE ``key`` in full into its directory
-        (parallel range requests and inflate, containerd's applier, checked against the
-        chain ID ``target`` names) and commit it as ``target``; False: ``key`` stays a plain
-        ACTIVE snapshot (empty again) and containerd pulls the layer."""
+        (parallel range requests unpacked as they arrive, containerd's applier, checked
+        against the chain ID ``target`` names) and commit it as ``target``; False: ``key``
+        stays a plain ACTIVE snapshot (empty again) and containerd pulls the layer."""
         unpack = getattr(self.mounter, "unpack", None)
         if unpack is None:
             return False
