@@ -11,6 +11,15 @@ buffer, so it never pays for that).
 S3: coldstart ``load("s3://...")`` against raw parallel ranged boto3 GETs and Run:ai's S3 backend
 (``runai-model-streamer-s3``), all on a moto_server started here (moto is slow and memory
 hungry, so that object is smaller).
+Lazy (``--only lazy``): the same file inside a zstd:chunked layer in a local docker-registry,
+lazily mounted by a fresh ``coldstart fuse-server`` (empty node cache) for every run, loaded
+(a) ``lazy_safetensors``: ``safetensors.torch.load_file`` through the mount (+ every page
+touched), (b) ``lazy_coldstart``: ``coldstart.weights.load`` of the same path, which takes the
+files socket (the run fails if it did not), (c) ``registry_coldstart``: the same bytes pushed as
+a plain blob, ``load("registry://…@sha256:…")`` (digest verified), (d) ``coldstart``: the local
+file, page cache dropped; and ``verified_limit``, the machine's ceiling for that layer: its
+chunks fetched with parallel range GETs, decoded and verified, then dropped. Goals: (b) >=
+0.9x (c) and >= 3x (a).
 
 Each loader runs in its own subprocess (peak RSS = its ``VmHWM``; ``ru_maxrss`` would count the
 parent's peak, which Linux carries over fork and exec); rounds interleave the
@@ -77,9 +86,9 @@ def _child(args: argparse.Namespace) -> None:
     nbytes = 0
     if "runai" in name:
         from runai_model_streamer import SafetensorsStreamer
-    if name.startswith("safetensors"):
+    if name.startswith(("safetensors", "lazy_safetensors")):
         from safetensors.torch import load_file
-    if name.startswith(("coldstart", "s3")):
+    if name.startswith(("coldstart", "s3", "lazy_coldstart", "registry")):
         import coldstart.weights  # noqa: F401
     before = _rss_now()
     # Imports done: wait for the parent to drop the page cache, so every loader starts from the
@@ -87,7 +96,23 @@ def _child(args: argparse.Namespace) -> None:
     print("ready", flush=True)
     sys.stdin.readline()
     start = time.perf_counter()
-    if name in ("coldstart", "coldstart_read", "coldstart_direct", "s3_coldstart"):
+    if name == "verified_limit":
+        nbytes = _verified_limit(path, max(4, 2 * (os.cpu_count() or 1)))
+    elif name == "lazy_coldstart":
+        from coldstart.weights import LoadStats, load
+
+        stats = LoadStats()
+        out = load(path, chunk_bytes=chunk, stats=stats)
+        if "files socket" not in stats.path:
+            raise SystemExit(f"lazy_coldstart did not take the files socket: {stats.path}")
+        nbytes = sum(t.numel() * t.element_size() for t in out.values())
+    elif name == "registry_coldstart":
+        from coldstart.weights import load
+
+        out = load(path, concurrency=concurrency, chunk_bytes=chunk,
+                   registry={"insecure_hosts": [os.environ["BENCH_REGISTRY_HOST"]]})
+        nbytes = sum(t.numel() * t.element_size() for t in out.values())
+    elif name in ("coldstart", "coldstart_read", "coldstart_direct", "s3_coldstart"):
         from coldstart.weights import load
 
         local = None if args.local_concurrency == 0 else args.local_concurrency
@@ -95,7 +120,7 @@ def _child(args: argparse.Namespace) -> None:
                    chunk_bytes=chunk, direct=name == "coldstart_direct",
                    cpu_mode="read" if name == "coldstart_read" else "auto")
         nbytes = sum(t.numel() * t.element_size() for t in out.values())
-    elif name == "safetensors":
+    elif name in ("safetensors", "lazy_safetensors"):
         import torch
         from safetensors.torch import load_file
 
@@ -128,6 +153,42 @@ def _child(args: argparse.Namespace) -> None:
     peak = _rss_now("VmHWM")
     print(json.dumps({"loader": name, "seconds": seconds, "bytes": nbytes,
                       "rss_before": before, "rss_peak": peak}))
+
+
+def _verified_limit(url: str, threads: int) -> int:
+    """What this machine can do with the lazy layer, as the fast path's ceiling: its chunks
+    fetched with parallel range GETs (8 MiB each, ``threads`` at once), each decoded and
+    verified against its digest, then dropped (no cache, no copy out)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from coldstart.format.layer import open_layer
+    from coldstart.oci.reference import Reference
+    from coldstart.oci.registry import RegistryClient
+    from coldstart.remote import RegistryBlob
+
+    ref_text, digest = url.split("@", 1)
+    ref = Reference.parse(ref_text)
+    client = RegistryClient(insecure_hosts=[ref.registry])
+    blob = RegistryBlob(client, ref, digest, None)
+    annotations = json.loads(os.environ["BENCH_LAYER_ANNOTATIONS"])
+    layer = open_layer(blob, annotations=annotations)
+    chunks = [c for c in layer.resolve("model.safetensors").chunks if not c.zeros]
+    groups: list[list[Any]] = [[]]
+    for c in chunks:
+        if groups[-1] and c.end_offset - groups[-1][0].offset > 8 * MiB:
+            groups.append([])
+        groups[-1].append(c)
+
+    def one(group: list[Any]) -> int:
+        lo, hi = group[0].offset, group[-1].end_offset
+        data = blob.read_at(lo, hi - lo)
+        return sum(len(layer.decode_chunk(c, data[c.offset - lo : c.end_offset - lo]))
+                   for c in group)
+
+    with ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(one, groups))
+    client.close()
+    return total
 
 
 def _s3_raw(url: str, concurrency: int, chunk: int) -> int:
@@ -304,6 +365,109 @@ def measure(mode: str, loaders: list[str], target: str, file_bytes: int,
     return {"file_bytes": file_bytes, "loaders": summary, "evictions": evictions}
 
 
+def _layer_of(model: Path, work: Path) -> tuple[Path, Any]:
+    """``model`` as ``model.safetensors`` in a zstd:chunked layer (a file), and its result."""
+    import tarfile
+
+    from coldstart.format.writer import convert_layer
+
+    tar = work / "layer.tar"
+    with tarfile.open(tar, "w") as tf:
+        tf.add(model, arcname="model.safetensors")
+    blob = work / "layer.zst"
+    with open(tar, "rb") as src, open(blob, "wb") as dst:
+        result = convert_layer(src, dst, format="zstd:chunked")
+    tar.unlink()
+    return blob, result
+
+
+def measure_lazy(model: Path, work: Path, file_bytes: int,
+                 args: argparse.Namespace) -> dict[str, Any]:
+    """Rows (a)-(d) of the lazy mode (see the module docstring), rounds rotated, medians."""
+    import hashlib
+
+    sys.path.insert(0, str(ROOT))
+    from coldstart.lazyfs.filewire import SOCKET_ENV
+    from coldstart.oci.reference import Reference
+    from coldstart.oci.registry import RegistryClient
+    from coldstart.stack.registry import push_layer, start_registry
+    from coldstart.stack.snapshotter import fuse_server
+
+    loaders = ["lazy_coldstart", "registry_coldstart", "lazy_safetensors", "coldstart",
+               "verified_limit"]
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in loaders}
+    fetched: dict[str, list[int]] = {"lazy_coldstart": [], "lazy_safetensors": []}
+    with start_registry(work / "registry", access_log=False) as registry:
+        t0 = time.perf_counter()
+        blob_path, result = _layer_of(model, work)
+        print(f"  layer: {result.size / 1e9:.2f} GB zstd:chunked, converted in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+        spec = push_layer(registry.host, "bench/lazy-weights", blob_path, result)
+        blob_path.unlink()
+        h = hashlib.sha256()
+        with open(model, "rb") as f:
+            while piece := f.read(16 * MiB):
+                h.update(piece)
+        digest = "sha256:" + h.hexdigest()
+        with RegistryClient(insecure_hosts=[registry.host]) as client:
+            client.push_blob(Reference.parse(f"{registry.host}/bench/raw-weights:v1"), model,
+                             digest)
+        blob_url = f"registry://{registry.host}/bench/raw-weights@{digest}"
+        env = {"BENCH_REGISTRY_HOST": registry.host,
+               "BENCH_LAYER_ANNOTATIONS": json.dumps(dict(result.annotations))}
+        layer_url = f"{registry.host}/bench/lazy-weights@{spec.digest}"
+        for r in range(args.runs):
+            for name in loaders[r % len(loaders):] + loaders[: r % len(loaders)]:
+                def prepare() -> None:
+                    drop_cache(model)
+                    time.sleep(6.0)     # settled free memory, as every cold run here
+
+                if name.startswith("lazy"):
+                    node = work / f"node-{r}-{name}"
+                    node.mkdir()
+                    with fuse_server(node, registry_host=registry.host,
+                                     cache_max=int(file_bytes * 2)) as (_, fuse, root):
+                        mp = node / "mnt"
+                        mp.mkdir()
+                        fuse.mount(str(mp), spec)
+                        child_env = {**env, SOCKET_ENV: str(root / "files" / "files.sock")}
+                        res = run_child(name, str(mp / "model.safetensors"), args, child_env,
+                                        prepare)
+                        layer = next(x for x in fuse.status() if x["digest"] == spec.digest)
+                        fetched[name].append(int(layer.get("fetched_bytes", 0)))
+                        fuse.unmount(str(mp))
+                    shutil.rmtree(node, ignore_errors=True)
+                else:
+                    target = {"registry_coldstart": blob_url,
+                              "verified_limit": layer_url}.get(name, str(model))
+                    res = run_child(name, target, args, env, prepare)
+                res["gb_per_s"] = file_bytes / res["seconds"] / 1e9
+                runs[name].append(res)
+                print(f"  [lazy] round {r + 1} {name:19s} {res['gb_per_s']:6.2f} GB/s  "
+                      f"{res['seconds']:6.2f} s  peak RSS {res['rss_peak'] / 1e9:5.2f} GB",
+                      flush=True)
+    summary: dict[str, Any] = {}
+    for name, rs in runs.items():
+        summary[name] = {
+            "median_gb_per_s": statistics.median(x["gb_per_s"] for x in rs),
+            "median_seconds": statistics.median(x["seconds"] for x in rs),
+            "peak_rss_bytes": max(x["rss_peak"] for x in rs),
+            "rss_before_bytes": max(x["rss_before"] for x in rs),
+            "runs_gb_per_s": [x["gb_per_s"] for x in rs],
+        }
+    out: dict[str, Any] = {"file_bytes": file_bytes, "layer_bytes": result.size,
+                           "loaders": summary, "registry_bytes_fetched": fetched}
+    out["ratio_lazy_coldstart_vs_registry"] = ratio(out, "lazy_coldstart", "registry_coldstart")
+    out["ratio_lazy_coldstart_vs_lazy_safetensors"] = ratio(out, "lazy_coldstart",
+                                                            "lazy_safetensors")
+    out["ratio_lazy_coldstart_vs_local_cold"] = ratio(out, "lazy_coldstart", "coldstart")
+    out["ratio_lazy_coldstart_vs_verified_limit"] = ratio(out, "lazy_coldstart",
+                                                          "verified_limit")
+    out["ratio_lazy_safetensors_vs_verified_limit"] = ratio(out, "lazy_safetensors",
+                                                            "verified_limit")
+    return out
+
+
 def moto(tmp: Path) -> contextlib.AbstractContextManager[str]:
     """moto's S3 server (coldstart.stack's, the tests' too), log in ``tmp``."""
     sys.path.insert(0, str(ROOT))
@@ -331,7 +495,8 @@ def main() -> None:
     p.add_argument("--chunk-mb", type=int, default=16)
     p.add_argument("--memory", choices=["settled", "hot"], default="settled",
                    help="free memory state for cold runs (see above)")
-    p.add_argument("--only", default="cold,warm,s3", help="comma list of cold, warm, s3")
+    p.add_argument("--only", default="cold,warm,s3",
+                   help="comma list of cold, warm, s3, lazy (lazy needs root and FUSE)")
     p.add_argument("--keep", action="store_true", help="keep the generated files")
     args = p.parse_args()
     if args.child:
@@ -371,6 +536,11 @@ def main() -> None:
                                                                  "dd")
                 results["warm"]["ratio_coldstart_read_vs_dd"] = ratio(
                     results["warm"], "coldstart_read", "dd")
+            model.unlink()
+        if "lazy" in modes:
+            size = write_model(model, int(args.size_gb * 1e9))
+            print(f"model: {model} {size / 1e9:.2f} GB", flush=True)
+            results["lazy"] = measure_lazy(model, work, size, args)
             model.unlink()
         if "s3" in modes:
             s3_file = work / "s3.safetensors"
@@ -413,7 +583,7 @@ def main() -> None:
     table = [f"# weights benchmark {results['date']} (medians of {args.runs}, cold runs with "
              f"{args.memory} free memory)", "",
              "| mode | loader | GB/s | peak RSS GB | RSS before load GB |", "|---|---|---|---|---|"]
-    for mode in ("cold", "warm", "s3"):
+    for mode in ("cold", "warm", "s3", "lazy"):
         if mode not in results:
             continue
         for name, s in results[mode]["loaders"].items():

@@ -195,6 +195,10 @@ class FuseConfig(_Checked):
     page_cache: bool = True
     # control socket of the FUSE server process (outlives the gRPC process)
     socket: str = "/run/coldstart/fuse.sock"
+    # the files socket: loaders inside containers (coldstart.weights) read lazily mounted files
+    # through it in parallel, verified and cached, instead of page by page; mount its directory
+    # into the container. "auto": files/files.sock beside `socket`; "": off
+    files_socket: str = "auto"
     # kernel entry / attribute cache timeouts, seconds (layers are immutable)
     entry_timeout: float = 86400.0
     attr_timeout: float = 86400.0

@@ -8,6 +8,8 @@ lifecycle), ``layers`` (the layer table: mount/check/unmount, bind mounts, resto
 ``fetcher`` (the data path), ``mountstate`` and ``mountsys`` (persisted mounts, mount syscalls),
 ``holder`` and ``handover`` (the process that keeps the FUSE connection open, and the takeover
 of a dead server's connection), ``reclaim`` (an unmounted layer's cache space), ``memory``
-(glibc's heap), ``metrics``. Nothing is imported here: the snapshotter imports ``spec``,
-``client`` and ``control`` without pulling in pyfuse3 or trio.
+(glibc's heap), ``metrics``, ``fileshare`` and ``filewire`` (the files socket: whole ranges
+of lazily mounted files for loaders in containers, and its protocol). Nothing is imported
+here: the snapshotter imports ``spec``, ``client`` and ``control`` without pulling in pyfuse3
+or trio.
 """

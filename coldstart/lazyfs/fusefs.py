@@ -48,6 +48,7 @@ from coldstart.format.toc import (
     WHITEOUT_PREFIX,
     Entry,
 )
+from coldstart.lazyfs.filewire import FILE_XATTR
 from coldstart.lazyfs.reader import LayerReader, PartialRead
 
 __all__ = ["FuseFS", "LayerTree", "build_tree", "mount_options", "set_read_ahead"]
@@ -65,6 +66,7 @@ _TYPE_BITS = {
 _WHITEOUT = WHITEOUT_PREFIX
 _OPAQUE = OPAQUE_WHITEOUT
 _OPAQUE_XATTR = b"trusted.overlay.opaque"
+_FILE_XATTR = FILE_XATTR.encode()
 _HIDDEN = {PREFETCH_LANDMARK, NO_PREFETCH_LANDMARK}
 #: Top-level (per layer) names come and go; the kernel re-checks them after this long.
 _TOP_ENTRY_TIMEOUT = 1.0
@@ -427,6 +429,9 @@ class FuseFS(pyfuse3.Operations):
         self._next_base = pyfuse3.ROOT_INODE + 1
         self._alloc_lock = threading.Lock()
         self._root_attr = self._make_root_attr()
+        #: (layer digest, slot, size) -> the file token ``getxattr(FILE_XATTR)`` answers with
+        #: (the files socket's); None: the attribute does not exist
+        self.file_token: Callable[[str, int, int], bytes] | None = None
 
     # -- layer table -----------------------------------------------------------------------
 
@@ -469,6 +474,17 @@ class FuseFS(pyfuse3.Operations):
 
     def layers(self) -> list[LayerTree]:
         return list(self._layers.values())
+
+    def file_at(self, digest: str, slot: int) -> tuple[LayerReader, Entry] | None:
+        """The reader of the served layer ``digest`` and the entry shown at ``slot`` (None:
+        no such layer or slot). Safe from any thread."""
+        for tree in list(self._layers.values()):
+            if tree.reader.digest == digest:
+                try:
+                    return tree.reader, tree.entry(slot)
+                except IndexError:
+                    return None
+        return None
 
     def internal_error(self, op: str, inode: int | None, exc: BaseException) -> None:
         """Log an unexpected exception with the layer digest and path, and count it."""
@@ -626,6 +642,11 @@ class FuseFS(pyfuse3.Operations):
         if inode == pyfuse3.ROOT_INODE:
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         tree = self._tree(inode)
+        if name == _FILE_XATTR and self.file_token is not None:
+            slot = inode - tree.base
+            e = tree.entry(slot)
+            if e.type == "reg":     # never listed: see coldstart.lazyfs.filewire
+                return self.file_token(tree.reader.digest, slot, e.size)
         value = tree.xattrs_of(inode).get(name)
         if value is None:
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)

@@ -275,10 +275,20 @@ class LayerReader:
         chunk is looked up twice. Raises DeadlineExceeded, IntegrityError, Unavailable or
         FormatError; the FUSE layer turns each into its errno.
         """
+        pieces = self.read_pieces(entry, offset, length, partial)
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    def read_pieces(self, entry: Entry, offset: int, length: int,
+                    partial: PartialRead | None = None, *, follow: bool = True) -> list[bytes]:
+        """:meth:`read`, as the pieces of each chunk in order, not joined (a caller that
+        writes them somewhere saves a copy of the whole range). ``follow=False``: a caller
+        that asks for whole ranges itself, many at once (the files socket): no neighbours,
+        read-ahead or stream started on its behalf, nothing put in the page cache."""
         t0 = time.monotonic()
         self.fetcher.note_read()
         try:
-            return self._read(entry, offset, length, t0 + self.read_deadline, partial)
+            return self._read(entry, offset, length, t0 + self.read_deadline, partial,
+                              follow=follow)
         except ColdstartError as exc:
             msg = (f"layer {self.digest}: read {entry.name!r} [{offset}:+{length}] failed: "
                    f"{type(exc).__name__}: {exc}")
@@ -292,12 +302,12 @@ class LayerReader:
                 self.fetcher.telemetry.read_done(time.monotonic() - t0)
 
     def _read(self, entry: Entry, offset: int, length: int, deadline: float,
-              partial: PartialRead | None) -> bytes:
+              partial: PartialRead | None, *, follow: bool = True) -> list[bytes]:
         if entry.type != "reg":
             raise FormatError(f"{entry.name!r} is a {entry.type}, not a regular file")
         end = min(entry.size, offset + length)
         if offset >= end:
-            return b""
+            return []
         if (partial is not None and partial.entry is entry and partial.offset == offset
                 and partial.end == end):
             chunks = partial.chunks
@@ -316,7 +326,9 @@ class LayerReader:
             hi = min(end, c.chunk_offset + c.chunk_size) - c.chunk_offset
             spans.append((c, lo, hi))
         more = None
-        if entry.size <= self.small_file_bytes:
+        if not follow:
+            pass
+        elif entry.size <= self.small_file_bytes:
             def more(missed: list[Chunk]) -> list[Chunk]:
                 return self._whole_and_neighbors(entry, missed)[len(missed):]
             self._note_small(chunks)    # before the fetch: it may join the window's request
@@ -326,9 +338,9 @@ class LayerReader:
         rec = self.recorder         # once: recording may be switched off meanwhile
         if rec is not None:
             rec.note(entry.name, offset, end)
-        self._note_read(entry, offset, end, chunks, plan=False)
-        pieces = done + got
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        if follow:
+            self._note_read(entry, offset, end, chunks, plan=False)
+        return done + got
 
     def _whole_and_neighbors(self, entry: Entry, want: list[Chunk]) -> list[Chunk]:
         """A small file's missing chunks, plus the small files' chunks stored after it."""

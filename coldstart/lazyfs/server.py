@@ -41,6 +41,7 @@ from coldstart.files import private_dir
 from coldstart.lazyfs import control, handover
 from coldstart.lazyfs.control import error_payload
 from coldstart.lazyfs.fetcher import ChunkFetcher
+from coldstart.lazyfs.fileshare import FileShare
 from coldstart.lazyfs.fusefs import (
     FuseFS,
     fuse_close,
@@ -142,11 +143,35 @@ class FuseServer:
         self.layers = LayerTable(self.fs, self.fuse_dir, self.resolver, self.state,
                                  record=config.fuse.record,
                                  page_cache=config.fuse.page_cache)
+        self.files = self._file_share(config)
         self._restored: trio.Event | None = None
         self._clean_stop = False        # a signal asked us to stop (not a crash)
         self._held = False              # the holder has our connection
 
     # -- process lifecycle -----------------------------------------------------------------
+
+    def _file_share(self, config: Config) -> FileShare | None:
+        """The files socket (``fuse.files_socket``; None: off)."""
+        path = config.fuse.files_socket
+        if path == "auto":
+            path = str(Path(self.socket_path).parent / "files" / "files.sock")
+        if not path:
+            return None
+        share = FileShare(os.path.abspath(path), self.fs.file_at)
+        self.fs.file_token = share.token
+        return share
+
+    def _serve_files(self) -> None:
+        """Start the files socket; a failure costs only the loaders' fast path (logged)."""
+        if self.files is None:
+            return
+        try:
+            self.files.start()
+        except FailedPrecondition as exc:
+            log.warning("%s: loaders in containers read lazily mounted files through FUSE "
+                        "only", exc)
+            self.fs.file_token = None
+            self.files = None
 
     def _index_finder(self, config: Config) -> IndexFinder | None:
         """Gzip indexes for plain gzip layers, as ``[index]`` trusts them (None: off)."""
@@ -269,6 +294,7 @@ class FuseServer:
             except OSError as exc:
                 raise FailedPrecondition(f"cannot create {self.fuse_dir}: {exc}") from exc
             listener = self._listen()
+            self._serve_files()
             fuse_init(self.fs, str(self.fuse_dir))
             mounted = True
             log.info("FUSE server pid %d: %s mounted, control socket %s", os.getpid(),
@@ -292,6 +318,7 @@ class FuseServer:
             log.info("FUSE server pid %d: taking over the connection of %s", os.getpid(),
                      self.fuse_dir)
             listener = self._listen()
+            self._serve_files()
             # the layers whose binds are still there, under the names and inodes the kernel
             # knows; nothing may touch the mount before it is served (that would wait for
             # us), so the rest are restored afresh once it is
@@ -348,6 +375,8 @@ class FuseServer:
         """Close what we opened; ``session``: a FUSE session was started, ``unmount``: end
         it with the mount (else the holder keeps the connection for a successor)."""
         self._unlink_socket()
+        if self.files is not None:
+            self.files.close()
         self.fetcher.close()
         with contextlib.suppress(Exception):
             self.cache.close()

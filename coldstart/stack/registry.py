@@ -222,11 +222,12 @@ class AccessLog:
         return sum(r.bytes for r in self.blob_requests(digest))
 
 
-def push_layer(host: str, repo: str, blob: bytes, result: LayerResult, *,
+def push_layer(host: str, repo: str, blob: bytes | Path, result: LayerResult, *,
                with_annotations: bool = True, pull_host: str | None = None) -> LayerSpec:
     """Push ``blob`` (a converted layer) and a manifest naming it as ``host/repo:v1``; return
     the spec a FUSE server mounts it from (annotations optional: the server then finds them
-    in the manifest; ``pull_host``: the host the spec names, e.g. a proxy in front)."""
+    in the manifest; ``pull_host``: the host the spec names, e.g. a proxy in front). A big
+    blob is best given as its file's ``Path`` (streamed)."""
     ref = Reference.parse(f"{host}/{repo}:v1")
     with RegistryClient(insecure_hosts=[host]) as client:
         client.push_blob(ref, blob, result.digest)

@@ -19,6 +19,7 @@ from coldstart.errors import FormatError, NotFound
 from coldstart.remote.locations import scheme_of
 from coldstart.remote.s3 import map_s3_error, s3_client, split_s3_url
 from coldstart.weights.header import Header, parse_header, parse_length
+from coldstart.weights.nodefile import node_source
 from coldstart.weights.sources import Source, name_of, open_source
 
 __all__ = ["INDEX_NAME", "Checkpoint", "Opener", "ShardFile", "read_header"]
@@ -59,7 +60,9 @@ def read_header(source: Source) -> Header:
     """
     size = source.size()
     name = name_of(source)
-    first = bytearray(min(size, _HEAD_GUESS))
+    # a source where a second request is cheap reads less ahead (a lazily mounted file: what
+    # it reads is fetched whole, in chunks, and a bad one would fail the header, not a tensor)
+    first = bytearray(min(size, getattr(source, "head_guess", _HEAD_GUESS)))
     if first:
         source.read_into(0, [memoryview(first)])
     n = parse_length(bytes(first[:8]), size, name)
@@ -114,8 +117,14 @@ class Opener:
         return self._http
 
     def open(self, location: str) -> Source:
-        """Open one file (network sources share this opener's S3 client / HTTP pool)."""
+        """Open one file (network sources share this opener's S3 client / HTTP pool). A local
+        file on a lazily mounted layer goes through the node's files socket where there is
+        one (:func:`~coldstart.weights.nodefile.node_source`)."""
         scheme = self._scheme(location)
+        if not scheme and not self.direct:
+            node = node_source(location, timeout=self.timeout)
+            if node is not None:
+                return node
         return open_source(location, concurrency=self.concurrency, timeout=self.timeout,
                            direct=self.direct, registry=self.registry,
                            http_client=self.http() if scheme in ("http", "https") else None,

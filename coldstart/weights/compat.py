@@ -12,7 +12,9 @@ Same signatures and results as ``safetensors.torch.load_file`` and ``safetensors
 :func:`coldstart.weights.load` (in parallel, straight into CUDA through pinned staging, or as
 views of a private map of the page cache brought in by parallel populate on CPU);
 :meth:`safe_open.get_tensor` and :meth:`safe_open.get_slice` view the same private map, the
-pages read as they are touched, as ``safetensors`` does. Like ``safetensors``, these take a
+pages read as they are touched, as ``safetensors`` does (a file of a lazily mounted layer,
+where the node's files socket is mounted in: a map the node fills, each tensor fetched whole,
+in parallel and verified, when first asked for). Like ``safetensors``, these take a
 local file (a file on a coldstart lazy mount is one); for ``s3://``, ``http(s)://`` and
 ``registry://`` use :func:`coldstart.weights.load`. A missing file is ``FileNotFoundError``
 as there; ``backend`` ("mmap" or "pread") is accepted and checked, and coldstart reads its
@@ -32,6 +34,7 @@ from coldstart.weights.checkpoint import read_header
 from coldstart.weights.dtypes import BITS, torch_dtype, torch_shape
 from coldstart.weights.header import Header, TensorInfo
 from coldstart.weights.loader import load
+from coldstart.weights.nodefile import NodeFileSource, node_source
 from coldstart.weights.sources import LocalSource
 
 if TYPE_CHECKING:
@@ -104,8 +107,11 @@ class safe_open:
         _backend(backend)
         self._path = _local(filename)
         self._device = _device(device)
+        # a file of a lazily mounted layer: through the node's files socket, each tensor
+        # fetched whole (in parallel, verified) when first asked for
+        self._source: LocalSource | NodeFileSource
         try:
-            self._source = LocalSource(self._path)
+            self._source = node_source(self._path) or LocalSource(self._path)
         except NotFound as exc:         # what safetensors raises, for code that catches it
             raise FileNotFoundError(errno.ENOENT, str(exc), self._path) from None
         # closed when this object goes, as safetensors' own (not everyone uses `with`)
@@ -151,6 +157,8 @@ class safe_open:
 
         at = self._header.data_start + info.begin
         m = mapping if mapping is not None else self._source.mapping()
+        if isinstance(self._source, NodeFileSource) and info.nbytes:
+            self._source.populate(at, info.nbytes)  # (closed: Unavailable, never zeros)
         raw = torch.frombuffer(m, dtype=torch.uint8, count=info.nbytes,
                                offset=at) if info.nbytes else torch.empty(0, dtype=torch.uint8)
         if at % max(1, BITS[info.dtype] // 8):

@@ -30,7 +30,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from coldstart.config import SourceConfig, WeightsConfig
-from coldstart.errors import FormatError, InvalidArgument, NotFound
+from coldstart.errors import (
+    ColdstartError,
+    FormatError,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+)
 from coldstart.weights.checkpoint import Checkpoint, Opener, ShardFile, read_header
 from coldstart.weights.dtypes import BITS, torch_dtype, torch_shape
 from coldstart.weights.header import TensorInfo
@@ -456,11 +462,14 @@ def iter_load(
             st.total_bytes = sum(r.length for r in reads)
             direct_on = any(getattr(f.source, "direct", False) for f in ckpt.files)
             local = all(isinstance(f.source, LocalSource) for f in ckpt.files)
-            mappable = not staged and local and not any(
-                getattr(f.source, "direct", False) for f in ckpt.files)
+            # local files, and lazily mounted ones through the node (a memfd it fills)
+            mappable = not staged and all(
+                callable(getattr(f.source, "mapping", None))
+                and callable(getattr(f.source, "populate", None))
+                and not getattr(f.source, "direct", False) for f in ckpt.files)
             if cpu_mode == "mmap" and not mappable:
-                raise InvalidArgument("cpu_mode mmap needs local files, device cpu and no "
-                                      "O_DIRECT")
+                raise InvalidArgument("cpu_mode mmap needs local (or lazily mounted) files, "
+                                      "device cpu and no O_DIRECT")
             mappings: list[Any] | None = None
             if mappable and cpu_mode != "read":
                 mappings = [f.source.mapping() for f in ckpt.files  # type: ignore[attr-defined]
@@ -471,10 +480,14 @@ def iter_load(
             if staged:
                 st.path = f"{dev.type}: pinned staging + async H2D"
             elif mappings is not None:
-                st.path = "cpu: mmap + parallel populate (page cache views)"
+                st.path = ("cpu: mmap + parallel populate (page cache views)" if local else
+                           "cpu: views of a memory map the source fills in parallel")
             else:
                 st.path = "cpu: preadv straight into tensors"
             st.path += " (O_DIRECT)" if direct_on else ""
+            via = next((v for f in ckpt.files if (v := getattr(f.source, "via", None))), None)
+            if via is not None:
+                st.path += f" ({via})"
             refused = [r for f in ckpt.files
                        if (r := getattr(f.source, "direct_refused", None))]
             if refused:
@@ -535,8 +548,7 @@ def _run(ckpt: Checkpoint, reads: list[_Read], dtype: torch.dtype | None,
             finished: list[_Target] = []
             event: Any = None
             if mappings is not None:
-                assert isinstance(src, LocalSource)
-                src.populate(r.offset, r.length)
+                src.populate(r.offset, r.length)  # type: ignore[attr-defined]
                 pos = r.offset
                 with memoryview(mappings[r.file]) as mview:
                     for length, target, tpos in r.parts:
@@ -589,6 +601,8 @@ def _run(ckpt: Checkpoint, reads: list[_Read], dtype: torch.dtype | None,
             if progress is not None:
                 progress(r.length)
             done.put((finished, None))
+        except ColdstartError as exc:   # the same kind, naming the file and the tensors
+            done.put(([], _naming(exc, ckpt.files[r.file].source, r)))
         except BaseException as exc:  # handed to the consumer, which re-raises it
             done.put(([], exc))
 
@@ -611,6 +625,33 @@ def _run(ckpt: Checkpoint, reads: list[_Read], dtype: torch.dtype | None,
             # On an early stop, copies may still target tensors about to be freed: let them land
             # before the allocator can hand that memory out again.
             copies.synchronize()
+
+
+def _naming(exc: ColdstartError, source: Source, r: _Read) -> ColdstartError:
+    """``exc`` (same kind) saying which file and tensors the failed read was for. Bytes that
+    do not match their digest are pinned on the tensor that holds them: each tensor's part of
+    the read is read again alone, and the first that fails is the one named."""
+    names = list(dict.fromkeys(t.name for _, t, _ in r.parts if t is not None))
+    if isinstance(exc, IntegrityError) and len(names) > 1:
+        pos = r.offset
+        for length, target, _ in r.parts:
+            if target is not None:
+                try:
+                    source.read_into(pos, [memoryview(bytearray(length))])
+                except IntegrityError:
+                    names = [target.name]
+                    break
+                except ColdstartError:
+                    pass
+            pos += length
+    file = name_of(source)
+    what = f"{file}: tensor {names[0]!r}" if names else file
+    if len(names) > 1:
+        what += f" (and {len(names) - 1} more)"
+    message = str(exc).removeprefix(f"{file}: ")    # said once
+    named = type(exc)(f"{what}: {message}")
+    named.__cause__ = exc
+    return named
 
 
 def load(

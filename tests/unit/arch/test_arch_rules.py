@@ -67,7 +67,10 @@ RULES: dict[str, Rule] = {
                         "grpc google prometheus_client"),
     "containerd": rule("errors config format oci remote lazyfs.spec progress _proto",
                        "grpc google"),
-    "weights": rule("errors config remote oci progress", "torch numpy yaml"),
+    # lazyfs.filewire, lazyfs.control: the files socket's protocol (a loader in a container
+    # reads lazily mounted files through the node), pure, no trio or pyfuse3
+    "weights": rule("errors config format.readat remote oci progress lazyfs.filewire "
+                    "lazyfs.control", "torch numpy yaml"),
     "probe": rule("errors config", "redis grpc httpx@probe.sinks"),
     # `coldstart node`: containerd's config.toml (tomlkit), the unit, the FUSE server's health
     # the CRI proxy in front of containerd: keeps kubelet's pull credentials (oci.keychain)

@@ -1,0 +1,268 @@
+"""``coldstart.weights`` on a lazily mounted layer: the files socket, through the real FUSE
+server, a real registry and a proxy that can flip bytes.
+
+The loader finds the file's token (an attribute only a lazily mounted file has), asks the node
+for whole ranges over the files socket, and gets them verified and cached; anywhere else it
+reads the file as before. The token is the trust boundary: forged or foreign tokens get
+nothing."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from coldstart.errors import FailedPrecondition, IntegrityError, NotFound
+from coldstart.format.layer import open_layer
+from coldstart.format.readat import BytesReadAt
+from coldstart.lazyfs import control, filewire
+from coldstart.lazyfs.filewire import FILE_XATTR, FileToken
+from coldstart.weights import LoadStats, load, load_file, safe_open
+from coldstart.weights.nodefile import NodeFileSource, node_source
+from tests.fixtures.procs import wait_for
+from tests.fixtures.registry import Registry
+from tests.integration.lazy.lazy_helpers import (
+    Server,
+    convert,
+    fuse_server,
+    in_cache,
+    needs_resend,
+    push_layer,
+    tar_of,
+)
+from tests.integration.lazy.lazy_proxy import Proxy
+from tests.unit.weights.weights_data import assert_identical, every_dtype, save, save_sharded
+
+pytestmark = pytest.mark.integration
+
+FORMATS = ["zstd:chunked", "estargz"]
+
+
+def files_socket(tmp: Path) -> str:
+    return str(tmp / "root" / "files" / "files.sock")    # "auto": beside the control socket
+
+
+@pytest.fixture
+def socket_env(server: Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    path = files_socket(server[2])
+    monkeypatch.setenv(filewire.SOCKET_ENV, path)
+    return path
+
+
+def mount_files(server: Server, proxy: Proxy, files: dict[str, bytes], fmt: str, name: str,
+                chunk_size: int = 64 << 10) -> tuple[Path, bytes, dict[str, str]]:
+    """``files`` as one ``fmt`` layer, pushed and mounted through the proxy."""
+    _, client, tmp = server
+    blob, res = convert(tar_of(files), fmt, chunk_size=chunk_size)
+    spec = push_layer(proxy.upstream_host, f"weights/{name}", blob, res, pull_host=proxy.host)
+    mp = tmp / name
+    mp.mkdir()
+    client.mount(str(mp), spec)
+    return mp, blob, dict(res.annotations)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_fast_path_loads_every_dtype_sharded_bit_identical(
+        server: Server, proxy: Proxy, socket_env: str, tmp_path: Path, fmt: str) -> None:
+    tensors = every_dtype(seed=11 + FORMATS.index(fmt))
+    local = save_sharded(tensors, tmp_path / "local", shards=3).parent
+    files = {f"models/m/{p.name}": p.read_bytes() for p in sorted(local.iterdir())}
+    mp, _, _ = mount_files(server, proxy, files, fmt, f"sharded-{fmt.replace(':', '-')}")
+    shard = next(p for p in (mp / "models/m").iterdir() if p.suffix == ".safetensors")
+    assert FILE_XATTR not in os.listxattr(shard)          # never listed: copies never carry it
+    assert os.getxattr(shard, FILE_XATTR).startswith(b"cs1:sha256:")
+
+    stats = LoadStats()
+    got = load(mp / "models/m", stats=stats)
+    assert "files socket" in stats.path
+    want = {}
+    for p in sorted(local.glob("*.safetensors")):
+        want.update(safetensors.torch.load_file(str(p)))
+    assert_identical(want, got)
+    # safetensors' own API takes the same path, and so do single tensors and slices
+    want_shard = safetensors.torch.load_file(str(local / shard.name))
+    assert_identical(want_shard, load_file(shard))
+    with safe_open(shard, framework="pt") as f:
+        assert isinstance(f._source, NodeFileSource)
+        names = f.keys()            # (safe_open is not iterable, as safetensors')
+        assert_identical(want_shard, {name: f.get_tensor(name) for name in names})
+        sliced = [n for n in names if len(f.get_slice(n).get_shape()) > 1
+                  and f.get_slice(n).get_shape()[0] > 1 and want_shard[n].dtype.itemsize]
+        assert sliced
+        assert_identical({n: want_shard[n][1:] for n in sliced},
+                         {n: f.get_slice(n)[1:] for n in sliced})
+
+
+def test_without_the_socket_the_loader_reads_through_the_mount(
+        server: Server, proxy: Proxy, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    tensors = every_dtype(seed=21)
+    data = save(tensors, tmp_path / "m.safetensors").read_bytes()
+    mp, _, _ = mount_files(server, proxy, {"m.safetensors": data}, "zstd:chunked", "nosocket")
+    monkeypatch.setenv(filewire.SOCKET_ENV, "")           # off
+    stats = LoadStats()
+    assert_identical(tensors, load(mp / "m.safetensors", stats=stats))
+    assert "files socket" not in stats.path
+    monkeypatch.setenv(filewire.SOCKET_ENV, str(tmp_path / "nothing-here.sock"))
+    assert node_source(mp / "m.safetensors") is None     # refused: logged, read through FUSE
+    monkeypatch.setenv(filewire.SOCKET_ENV, files_socket(server[2]))
+    assert node_source(tmp_path / "m.safetensors") is None   # not on a lazy mount: no token
+    assert node_source(mp) is None                            # a directory has none either
+
+
+def test_a_flipped_byte_fails_the_load_naming_file_and_tensor_and_nothing_is_cached(
+        server: Server, proxy: Proxy, socket_env: str, tmp_path: Path) -> None:
+    _, client, tmp = server
+    gen = torch.Generator().manual_seed(5)
+    # incompressible: zstd stores it in raw blocks, which decode fine when flipped, so only
+    # the chunk digest can tell
+    tensors = {"a.small": torch.arange(16, dtype=torch.int32),
+               "b.weights": torch.randint(0, 256, (400_000,), dtype=torch.uint8, generator=gen)}
+    data = save(tensors, tmp_path / "m.safetensors").read_bytes()
+    mp, blob, annotations = mount_files(server, proxy, {"m.safetensors": data}, "zstd:chunked",
+                                        "flip")
+    layer = open_layer(BytesReadAt(blob), annotations=annotations)
+    chunks = layer.resolve("m.safetensors").chunks
+    bad = chunks[len(chunks) // 2]                          # inside b.weights
+    assert bad.digest and not in_cache(tmp / "root/cache", bad.digest)
+    mid = (bad.offset + bad.end_offset) // 2
+    proxy.flip = (mid, mid + 32)
+    try:
+        for _ in range(2):      # the wrong bytes were not kept anywhere either
+            with pytest.raises(IntegrityError) as exc:
+                load(mp / "m.safetensors")
+            message = str(exc.value)
+            assert str(mp / "m.safetensors") in message and "'b.weights'" in message
+            assert bad.digest in message
+    finally:
+        proxy.flip = None
+    assert not in_cache(tmp / "root/cache", bad.digest)
+    # the proxy behaves again: the same load succeeds, and the chunk is cached for the node
+    assert_identical(tensors, load(mp / "m.safetensors"))
+    wait_for(lambda: in_cache(tmp / "root/cache", bad.digest), timeout=30,
+             what="the chunk written to the cache")
+    client.unmount(str(mp))
+
+
+def _open(path: str, token: str) -> object:
+    """Send ``open`` with ``token`` and a staging memfd; the decoded reply (or its error)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(path)
+        fd = os.memfd_create("t")
+        try:
+            os.ftruncate(fd, 4096)
+            socket.send_fds(s, [control.encode(filewire.open_request(token))], [fd])
+            buf = b""
+            while b"\n" not in buf:
+                data = s.recv(4096)
+                assert data
+                buf += data
+        finally:
+            os.close(fd)
+        return control.decode_reply(buf.partition(b"\n")[0])
+
+
+def test_forged_and_foreign_tokens_get_nothing(server: Server, proxy: Proxy, socket_env: str,
+                                               tmp_path: Path) -> None:
+    rng = random.Random(7)
+    files = {"a.bin": rng.randbytes(50_000), "b.bin": rng.randbytes(60_000)}
+    mp, _, _ = mount_files(server, proxy, files, "zstd:chunked", "tokens")
+    good = FileToken.parse(os.getxattr(mp / "a.bin", FILE_XATTR).decode())
+    other = FileToken.parse(os.getxattr(mp / "b.bin", FILE_XATTR).decode())
+    assert _open(socket_env, good.encode().decode()) == {"size": 50_000, "name": "a.bin"}
+
+    def variant(**changes: object) -> str:
+        fields = {**good.__dict__, **changes}
+        return FileToken(**fields).encode().decode()   # type: ignore[arg-type]
+
+    forged = [
+        variant(mac=good.mac[:-1] + ("0" if good.mac[-1] != "0" else "1")),  # a guessed MAC
+        variant(slot=other.slot),                   # another file of the same layer
+        variant(size=other.size),
+        variant(digest="sha256:" + "1" * 64),       # a layer the caller has no file of
+        # a MAC made with another node's secret for the same file
+        FileToken.issue(b"another node", good.digest, good.slot, good.size).encode().decode(),
+    ]
+    for token in forged:
+        with pytest.raises(FailedPrecondition, match="not issued by this node"):
+            _open(socket_env, token)
+    with pytest.raises(Exception, match="not a coldstart file token"):
+        _open(socket_env, "cs1:sha256:00:1:2:zz")
+    # a real token of a layer no longer served
+    client = server[1]
+    client.unmount(str(mp))
+    with pytest.raises(NotFound, match="not mounted"):
+        _open(socket_env, good.encode().decode())
+
+
+def test_reads_past_the_end_and_bad_requests_are_refused(server: Server, proxy: Proxy,
+                                                         socket_env: str) -> None:
+    rng = random.Random(8)
+    data = rng.randbytes(300_000)
+    mp, _, _ = mount_files(server, proxy, {"f.bin": data}, "estargz", "ranges")
+    src = node_source(mp / "f.bin")
+    assert isinstance(src, NodeFileSource)
+    try:
+        assert src.size() == len(data)
+        assert src.read_at(1000, 200_000) == data[1000:201_000]
+        assert src.read_at(len(data) - 7, 7) == data[-7:]
+        with pytest.raises(Exception, match="outside"):
+            src.read_at(len(data) - 7, 8)
+        conn = src._take()
+        try:
+            with pytest.raises(Exception, match="do not fit the staging file"):
+                conn.sock.sendall(control.encode(filewire.read_request(0, 10, conn.staging)))
+                conn._reply()
+            conn.sock.sendall(b'{"op": "read", "offset": -1, "length": 1, "at": 0}\n')
+            with pytest.raises(Exception, match="integers >= 0"):
+                conn._reply()
+            conn.sock.sendall(b'{"op": "nope"}\n')
+            with pytest.raises(Exception, match="unknown op"):
+                conn._reply()
+            assert conn.read(0, 10, 10.0) == 10     # the connection is still good
+        finally:
+            src._give_back(conn)
+    finally:
+        src.close()
+
+
+@needs_resend
+def test_a_loader_goes_on_across_a_fuse_server_handover(tmp_path: Path, registry: Registry,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old server exits on SIGUSR2 (an upgrade); a read started meanwhile waits for the
+    successor, which issues new tokens: the source reads the attribute again and goes on."""
+    rng = random.Random(9)
+    data = rng.randbytes(3 << 20)
+    blob, res = convert(tar_of({"w.bin": data}), "zstd:chunked")
+    spec = push_layer(registry.host, "weights/handover", blob, res)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    monkeypatch.setenv(filewire.SOCKET_ENV, files_socket(tmp_path))
+    with fuse_server(tmp_path, registry_host=registry.host) as (proc, client, _root):
+        client.mount(str(mp), spec)
+        src = node_source(mp / "w.bin")
+        assert isinstance(src, NodeFileSource)
+        try:
+            assert src.read_at(0, 1 << 20) == data[: 1 << 20]
+            before = os.getxattr(mp / "w.bin", FILE_XATTR)
+            os.kill(proc.pid, signal.SIGUSR2)
+            assert proc.wait(30) == 0
+            got: list[bytes | BaseException] = []
+            reader = threading.Thread(target=lambda: got.append(
+                src.read_at(1 << 20, 2 << 20, timeout=60)))
+            reader.start()                      # no server now: it waits for the next one
+            with fuse_server(tmp_path, registry_host=registry.host,
+                             log_name="fuse-server-2.log"):
+                reader.join(60)
+                assert got == [data[1 << 20:]]
+                assert os.getxattr(mp / "w.bin", FILE_XATTR) != before    # a new secret
+                assert src.read_at(0, 100) == data[:100]
+        finally:
+            src.close()
