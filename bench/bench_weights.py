@@ -330,6 +330,16 @@ def run_child(name: str, target: str, args: argparse.Namespace,
     return result
 
 
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per loader: medians, peak RSS, every run's GB/s."""
+    return {name: {"median_gb_per_s": statistics.median(x["gb_per_s"] for x in rs),
+                   "median_seconds": statistics.median(x["seconds"] for x in rs),
+                   "peak_rss_bytes": max(x["rss_peak"] for x in rs),
+                   "rss_before_bytes": max(x["rss_before"] for x in rs),
+                   "runs_gb_per_s": [x["gb_per_s"] for x in rs]}
+            for name, rs in runs.items()}
+
+
 def measure(mode: str, loaders: list[str], target: str, file_bytes: int,
             args: argparse.Namespace, env: dict[str, str] | None = None,
             cold_path: Path | None = None) -> dict[str, Any]:
@@ -353,15 +363,7 @@ def measure(mode: str, loaders: list[str], target: str, file_bytes: int,
             runs[name].append(res)
             print(f"  [{mode}] round {r + 1} {name:17s} {res['gb_per_s']:6.2f} GB/s  "
                   f"peak RSS {res['rss_peak'] / 1e9:5.2f} GB", flush=True)
-    summary: dict[str, Any] = {}
-    for name, rs in runs.items():
-        summary[name] = {
-            "median_gb_per_s": statistics.median(x["gb_per_s"] for x in rs),
-            "median_seconds": statistics.median(x["seconds"] for x in rs),
-            "peak_rss_bytes": max(x["rss_peak"] for x in rs),
-            "rss_before_bytes": max(x["rss_before"] for x in rs),
-            "runs_gb_per_s": [x["gb_per_s"] for x in rs],
-        }
+    summary = summarize(runs)
     return {"file_bytes": file_bytes, "loaders": summary, "evictions": evictions}
 
 
@@ -446,15 +448,7 @@ def measure_lazy(model: Path, work: Path, file_bytes: int,
                 print(f"  [lazy] round {r + 1} {name:19s} {res['gb_per_s']:6.2f} GB/s  "
                       f"{res['seconds']:6.2f} s  peak RSS {res['rss_peak'] / 1e9:5.2f} GB",
                       flush=True)
-    summary: dict[str, Any] = {}
-    for name, rs in runs.items():
-        summary[name] = {
-            "median_gb_per_s": statistics.median(x["gb_per_s"] for x in rs),
-            "median_seconds": statistics.median(x["seconds"] for x in rs),
-            "peak_rss_bytes": max(x["rss_peak"] for x in rs),
-            "rss_before_bytes": max(x["rss_before"] for x in rs),
-            "runs_gb_per_s": [x["gb_per_s"] for x in rs],
-        }
+    summary = summarize(runs)
     out: dict[str, Any] = {"file_bytes": file_bytes, "layer_bytes": result.size,
                            "loaders": summary, "registry_bytes_fetched": fetched}
     out["ratio_lazy_coldstart_vs_registry"] = ratio(out, "lazy_coldstart", "registry_coldstart")

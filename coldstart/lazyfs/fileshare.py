@@ -4,60 +4,68 @@ A weights loader that reads a multi-GB safetensors file through the FUSE mount g
 page (or at the read-ahead's pace); through this socket it asks for whole ranges, which the FUSE
 server fetches over the same get-or-fetch path as a FUSE read (:meth:`LayerReader.read_pieces`:
 cache, single flight, coalesced range requests in the fetch pool, every chunk verified against
-its digest, cached for the next container) and writes straight into the caller's staging file,
-a ``memfd`` it passed with ``open``. Many connections at once (one per loader thread) keep many
-requests in flight. The protocol and the trust boundary (file tokens, issued through
+its digest, cached for the next container) and writes straight into the caller's memory, a
+``memfd`` it passes with each request. Many connections at once (one per loader thread) keep
+many requests in flight. The protocol and the trust boundary (file tokens, issued through
 ``getxattr`` to whoever may read the file) are in :mod:`.filewire`.
 
 The socket is meant to be mounted into containers (its directory holds nothing else), so it is
 world-connectable: a token is what grants access, and a token is only worth the bytes of the
-one file it names. Threads, not the trio loop: every request blocks on fetches and ``pwrite``;
-connections are bounded (:data:`MAX_CONNECTIONS`).
+one file it names. What a caller can make the node spend is bounded: a request reads at most
+:data:`~coldstart.lazyfs.filewire.MAX_READ` bytes, into memory the caller has already
+allocated (only a memfd, whose pages in the range must exist: the node allocates nothing for
+it); connections are bounded in all (:data:`MAX_CONNECTIONS`) and per container (its cgroup,
+:data:`PER_PEER`), and one that says nothing for :data:`IDLE_SECONDS` is closed. Threads, not
+the trio loop: every request blocks on fetches and ``pwrite``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
 import secrets
 import socket
 import stat
+import struct
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coldstart.errors import ColdstartError, FailedPrecondition, InvalidArgument, NotFound
+from coldstart.errors import (
+    ColdstartError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 from coldstart.format.toc import Entry
 from coldstart.lazyfs import control, filewire
 from coldstart.lazyfs.filewire import FileToken
 from coldstart.lazyfs.reader import LayerReader
 from coldstart.unixsock import socket_answers
 
-__all__ = ["MAX_CONNECTIONS", "MAX_STAGING", "FileShare"]
+__all__ = ["IDLE_SECONDS", "MAX_CONNECTIONS", "PER_PEER", "FileShare"]
 
 log = logging.getLogger(__name__)
 
-#: connections served at once (each is a thread); one more is answered Unavailable and closed
-MAX_CONNECTIONS = 64
-#: largest staging file a connection may hand over (a whole file's memfd, filled in place)
-MAX_STAGING = 1 << 40
+#: connections served at once (each is a thread); one more is answered and closed
+MAX_CONNECTIONS = 1024
+#: connections of one container (its cgroup; a process outside any: its pid) at once
+PER_PEER = 256
+#: a connection with no complete request for this long is closed
+IDLE_SECONDS = 60.0
+#: bytes all requests in flight may hold at once (each waits for its share)
+BUDGET_BYTES = 512 << 20
 #: a request line longer than this ends the connection (requests are a few hundred bytes)
 _MAX_LINE = 64 << 10
 
 #: finds the layer a token names: digest -> (reader, entry of that slot) or None
 Layers = Callable[[str, int], "tuple[LayerReader, Entry] | None"]
-
-
-@dataclass
-class _Opened:
-    reader: LayerReader
-    entry: Entry
-    fd: int
-    staging: int
 
 
 class FileShare:
@@ -73,9 +81,10 @@ class FileShare:
         self._secret = secrets.token_bytes(32)
         self._sock: socket.socket | None = None
         self._ino: int | None = None
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, str] = {}      # connection -> its peer's key
         self._lock = threading.Lock()
+        self._budget = threading.Condition(self._lock)
+        self._holding = 0                   # bytes the requests in flight hold
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -141,133 +150,207 @@ class FileShare:
             except OSError:
                 if self._closed.is_set():
                     return
+                time.sleep(0.1)     # out of descriptors, say: not a busy loop
                 continue
-            if not self._slots.acquire(blocking=False):
+            peer = _peer(conn)
+            with self._lock:
+                total = len(self._conns)
+                mine = sum(1 for p in self._conns.values() if p == peer)
+                refused = total >= MAX_CONNECTIONS or mine >= PER_PEER
+                if not refused:
+                    self._conns[conn] = peer
+            if refused:
                 with contextlib.suppress(OSError):
-                    conn.sendall(control.error_reply(FailedPrecondition(
-                        f"the files socket serves {MAX_CONNECTIONS} connections at most")))
+                    conn.settimeout(1.0)
+                    conn.sendall(_error(Unavailable(
+                        f"the files socket serves {MAX_CONNECTIONS} connections at most, "
+                        f"{PER_PEER} per container"), retry=True))
                 conn.close()
                 continue
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="files-conn",
-                             daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="files-conn",
+                                 daemon=True).start()
+            except RuntimeError as exc:     # no thread to be had (a process limit): refuse
+                log.warning("files socket: connection refused: %s", exc)
+                with self._lock:
+                    self._conns.pop(conn, None)
+                conn.close()
 
     # -- one connection --------------------------------------------------------------------
 
     def _serve(self, conn: socket.socket) -> None:
-        opened: _Opened | None = None
         lines = control.LineBuffer(_MAX_LINE)
+        fds: list[int] = []
         try:
+            conn.settimeout(IDLE_SECONDS)
             while not self._closed.is_set():
                 try:
-                    data, fds, _flags, _addr = socket.recv_fds(conn, 65536, 4)
-                except OSError:
+                    data, got, _flags, _addr = socket.recv_fds(conn, 65536, 4)
+                except OSError:     # the peer went, or said nothing for IDLE_SECONDS
                     return
+                fds += got
                 if not data:
-                    for fd in fds:
-                        os.close(fd)
                     return
                 try:
                     requests = lines.feed(data)
                 except InvalidArgument as exc:
-                    for fd in fds:
-                        os.close(fd)
                     conn.sendall(control.error_reply(exc))
                     return
                 for line in requests:
-                    reply, opened = self._answer(line, fds, opened)
-                    fds = []            # the descriptors came with the first line
+                    fd = fds.pop(0) if fds else None    # a request's descriptor came with it
+                    try:
+                        reply = self._answer(line, fd)
+                    finally:
+                        if fd is not None:
+                            os.close(fd)
                     conn.sendall(reply)
-                for fd in fds:          # sent without a request to take them
-                    os.close(fd)
+                while fds:          # sent without a request to take them
+                    os.close(fds.pop())
         except OSError:
             return
         finally:
-            if opened is not None:
-                os.close(opened.fd)
+            for fd in fds:
+                os.close(fd)
             with self._lock:
-                self._conns.discard(conn)
+                self._conns.pop(conn, None)
             conn.close()
-            self._slots.release()
 
-    def _answer(self, line: bytes, fds: list[int], opened: _Opened | None,
-                ) -> tuple[bytes, _Opened | None]:
-        """One request's reply, and the connection's opened file after it."""
+    def _answer(self, line: bytes, fd: int | None) -> bytes:
+        """One request's reply."""
         try:
             req = json.loads(line)
             if not isinstance(req, dict):
                 raise InvalidArgument("request must be a JSON object")
             op = req.get("op")
-            if op == filewire.OPEN:
-                if opened is not None:
-                    raise InvalidArgument("this connection has opened a file already")
-                if len(fds) != 1:
-                    raise InvalidArgument("open takes exactly one descriptor (the staging "
-                                          f"file), not {len(fds)}")
-                new = self._open(req, fds.pop())
-                return control.ok_reply({"size": new.entry.size, "name": new.entry.name}), new
-            for fd in fds:
-                os.close(fd)
-            fds.clear()
-            if op == filewire.READ:
-                if opened is None:
-                    raise InvalidArgument("read before open")
-                return control.ok_reply(self._read(opened, req)), opened
-            raise InvalidArgument(f"unknown op {op!r}")
+            if op not in (filewire.STAT, filewire.READ):
+                raise InvalidArgument(f"unknown op {op!r}")
+            try:
+                reader, entry = self._file(req)
+            except (FailedPrecondition, NotFound) as exc:   # a token or mount of another time
+                return _error(exc, retry=True)
+            if op == filewire.STAT:
+                return control.ok_reply({"size": entry.size, "name": entry.name})
+            if fd is None:
+                raise InvalidArgument("read takes one descriptor: a memfd to fill")
+            return control.ok_reply(self._read(reader, entry, req, fd))
         except ColdstartError as exc:
-            reply = control.error_reply(exc)
+            return control.error_reply(exc)
         except (ValueError, RecursionError) as exc:
-            reply = control.error_reply(InvalidArgument(f"bad request: {exc}"))
+            return control.error_reply(InvalidArgument(f"bad request: {exc}"))
         except Exception as exc:
             log.exception("files socket request failed")
-            reply = control.error_reply(ColdstartError(f"internal error: {exc}"))
-        for fd in fds:
-            os.close(fd)
-        return reply, opened
+            return control.error_reply(ColdstartError(f"internal error: {exc}"))
 
-    def _open(self, req: dict[str, Any], fd: int) -> _Opened:
-        try:
-            text = req.get("token")
-            if not isinstance(text, str):
-                raise InvalidArgument("open needs a token (the file's "
-                                      f"{filewire.FILE_XATTR} attribute)")
-            token = FileToken.parse(text)
-            token.check(self._secret)
-            found = self._layers(token.digest, token.slot)
-            if found is None:
-                raise NotFound(f"layer {token.digest} is not mounted on this node any more")
-            reader, entry = found
-            if entry.type != "reg" or entry.size != token.size:
-                raise FailedPrecondition(f"layer {token.digest}: slot {token.slot} is not the "
-                                         "file the token was issued for")
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or not 0 < st.st_size <= MAX_STAGING:
-                raise InvalidArgument("the staging descriptor must be a regular file (a memfd) "
-                                      f"of 1 byte to {MAX_STAGING} bytes")
-            return _Opened(reader, entry, fd, st.st_size)
-        except BaseException:
-            os.close(fd)
-            raise
+    def _file(self, req: dict[str, Any]) -> tuple[LayerReader, Entry]:
+        """The file a request's token names (FailedPrecondition, NotFound, InvalidArgument)."""
+        text = req.get("token")
+        if not isinstance(text, str):
+            raise InvalidArgument(f"a request needs a token (the file's {filewire.FILE_XATTR} "
+                                  "attribute)")
+        token = FileToken.parse(text)
+        token.check(self._secret)
+        found = self._layers(token.digest, token.slot)
+        if found is None:
+            raise NotFound(f"layer {token.digest} is not mounted on this node any more")
+        reader, entry = found
+        if entry.type != "reg" or entry.size != token.size:
+            raise FailedPrecondition(f"layer {token.digest}: slot {token.slot} is not the file "
+                                     "the token was issued for")
+        return reader, entry
 
-    def _read(self, opened: _Opened, req: dict[str, Any]) -> int:
+    def _read(self, reader: LayerReader, entry: Entry, req: dict[str, Any], fd: int) -> int:
         offset, length, at = req.get("offset"), req.get("length"), req.get("at")
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
                    for v in (offset, length, at)):
             raise InvalidArgument("read needs offset, length and at: integers >= 0")
         assert isinstance(offset, int) and isinstance(length, int) and isinstance(at, int)
-        if at + length > opened.staging:
-            raise InvalidArgument(f"{length} bytes at {at} do not fit the staging file "
-                                  f"({opened.staging} bytes)")
-        pieces = opened.reader.read_pieces(opened.entry, offset, length, follow=False)
-        pos = at
-        for p in pieces:
-            view = memoryview(p)
-            while view.nbytes:
-                try:
-                    n = os.pwrite(opened.fd, view, pos)
-                except OSError as exc:
-                    raise InvalidArgument(f"cannot write the staging file: {exc}") from exc
-                pos += n
-                view = view[n:]
-        return pos - at
+        if length > filewire.MAX_READ:
+            raise InvalidArgument(f"a read asks for {filewire.MAX_READ} bytes at most, "
+                                  f"not {length}")
+        length = max(0, min(length, entry.size - offset))
+        _check_memory(fd, at, length)
+        with self._budget:
+            self._budget.wait_for(lambda: self._holding + length <= BUDGET_BYTES
+                                  or self._holding == 0)
+            self._holding += length
+        try:
+            pieces = reader.read_pieces(entry, offset, length, follow=False)
+            pos = at
+            for p in pieces:
+                view = memoryview(p)
+                # again just before writing: pages dropped meanwhile must not be ours to make
+                _check_memory(fd, pos, view.nbytes)
+                while view.nbytes:
+                    try:
+                        n = os.pwrite(fd, view, pos)
+                    except OSError as exc:
+                        raise Unavailable(f"cannot write the caller's memory: {exc}") from exc
+                    pos += n
+                    view = view[n:]
+            return pos - at
+        finally:
+            with self._budget:
+                self._holding -= length
+                self._budget.notify_all()
+
+
+def _check_memory(fd: int, at: int, length: int) -> None:
+    """InvalidArgument unless ``fd`` is a memfd whose pages ``[at, at+length)`` exist: the node
+    writes into memory the caller allocated (and is charged for), never a file on a disk,
+    never pages it would have to allocate."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        st = os.fstat(fd)
+    except OSError as exc:
+        raise InvalidArgument(f"the descriptor is unusable: {exc}") from exc
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0
+    if (not target.startswith("/memfd:") or not stat.S_ISREG(st.st_mode)
+            or seals & filewire.SEALS != filewire.SEALS):
+        raise InvalidArgument("the descriptor must be a memfd (memfd_create) sealed against "
+                              "growing and shrinking (F_SEAL_GROW, F_SEAL_SHRINK)")
+    if not length:
+        return
+    if at + length > st.st_size:
+        raise InvalidArgument(f"{length} bytes at {at} do not fit the memfd "
+                              f"({st.st_size} bytes)")
+    try:
+        hole = os.lseek(fd, at, os.SEEK_HOLE)
+    except OSError as exc:
+        raise InvalidArgument(f"cannot check the memfd's pages: {exc}") from exc
+    if hole < at + length:
+        raise InvalidArgument(f"the memfd has no pages at {hole} (fault {at}..{at + length} "
+                              "in before asking: the memory must be the caller's)")
+
+
+def _error(exc: ColdstartError, *, retry: bool = False) -> bytes:
+    """An error reply; ``retry``: worth sending again (:data:`filewire.RETRY`)."""
+    reply: dict[str, Any] = {"ok": False, "error": control.error_payload(exc)}
+    if retry:
+        reply[filewire.RETRY] = True
+    return control.encode(reply)
+
+
+def _peer(conn: socket.socket) -> str:
+    """Whose connection this is: the peer's cgroup (a container: cgroup v2's line, else the
+    first v1 hierarchy that places it somewhere other than the root), else its pid."""
+    try:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid = struct.unpack("3i", creds)[0]
+    except OSError:
+        pid = 0
+    if pid <= 0:
+        return f"connection {id(conn)}"
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            lines = [line.strip() for line in f]
+    except OSError:
+        lines = []
+    paths = [line.split(":", 2)[2] for line in lines if line.count(":") >= 2]
+    v2 = [line.split(":", 2)[2] for line in lines if line.startswith("0::")]
+    for path in v2 + paths:
+        if path not in ("", "/"):
+            return path
+    return f"pid {pid}"

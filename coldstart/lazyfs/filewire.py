@@ -13,19 +13,23 @@ that file of its own image, and the socket serves nothing else: a container reac
 of files it can already read, at the speed of the node, and no other layer's.
 
 One JSON object per line, as on the control socket (:mod:`coldstart.lazyfs.control`: framing,
-replies and error payloads are that module's)::
+replies and error payloads are that module's); every request names its file by token, so a
+connection serves any file and a process keeps a few, whatever it loads::
 
-    {"op": "open", "token": T}  + one descriptor (SCM_RIGHTS): the caller's staging file
-                                          -> {"ok": true, "result": {"size": S, "name": N}}
-    {"op": "read", "offset": O, "length": L, "at": A}
+    {"op": "stat", "token": T}            -> {"ok": true, "result": {"size": S, "name": N}}
+    {"op": "read", "token": T, "offset": O, "length": L, "at": A}
+      + one descriptor (SCM_RIGHTS): a memfd of the caller's
                                           -> {"ok": true, "result": K}
 
-``open`` names the file and hands over the staging file (a ``memfd`` the caller maps), once per
-connection. ``read`` puts the file's bytes ``[O, O+L)`` (``K`` of them: fewer only at the end
-of the file), fetched in parallel, each chunk verified against its digest and cached on the
-node, into the staging file at ``A``; the caller copies them from its mapping into its own
-buffers (tensors, pinned memory). A failure is one error reply (an :class:`IntegrityError` names
-the layer, the file and the chunk) and the connection stays usable.
+``read`` puts the file's bytes ``[O, O+L)`` (``K`` of them: fewer only at the end of the
+file; ``L`` at most :data:`MAX_READ`), fetched in parallel, each chunk verified against its
+digest and cached on the node, into the memfd at ``A``; the caller reads them from its
+mapping (or views them: tensors). The memfd must be sealed against growing and shrinking
+(:data:`SEALS`) and its pages in ``[A, A+L)`` must exist already (the caller faults them in
+first): the memory is the caller's, charged to its own cgroup. A failure is one error reply
+(an :class:`IntegrityError` names the layer, the file and the chunk) and the connection stays
+usable; one with ``"retry": true`` beside its error (:data:`RETRY`) may succeed if sent again
+with the token read again (a restarted server, a layer still being restored, a full socket).
 
 This module does no I/O.
 """
@@ -43,13 +47,16 @@ from coldstart.errors import FailedPrecondition, InvalidArgument
 __all__ = [
     "DEFAULT_SOCKET",
     "FILE_XATTR",
-    "OPEN",
+    "MAX_READ",
     "READ",
+    "RETRY",
+    "SEALS",
     "SOCKET_ENV",
+    "STAT",
     "FileToken",
-    "open_request",
     "read_request",
     "socket_path",
+    "stat_request",
 ]
 
 #: the attribute a lazily mounted regular file answers with its token (never listed)
@@ -59,8 +66,16 @@ FILE_XATTR = "user.coldstart.file"
 SOCKET_ENV = "COLDSTART_FILES_SOCKET"
 DEFAULT_SOCKET = "/run/coldstart/files/files.sock"
 
-OPEN = "open"
+STAT = "stat"
 READ = "read"
+#: the most bytes one ``read`` may ask for (what the node holds in memory for one request)
+MAX_READ = 16 << 20
+#: the seals a ``read``'s memfd must carry (its size fixed: the node writes only into pages
+#: that exist, and they stay the caller's)
+SEALS = 0x0002 | 0x0004     # F_SEAL_SHRINK | F_SEAL_GROW
+#: key of an error reply that is worth sending again (a token of an earlier server, a layer
+#: not restored yet, the socket full): the caller reads the token again and retries
+RETRY = "retry"
 
 _VERSION = "cs1"
 
@@ -109,12 +124,12 @@ class FileToken:
                                    "(forged, or from before a restart)")
 
 
-def open_request(token: str) -> dict[str, Any]:
-    return {"op": OPEN, "token": token}
+def stat_request(token: str) -> dict[str, Any]:
+    return {"op": STAT, "token": token}
 
 
-def read_request(offset: int, length: int, at: int) -> dict[str, Any]:
-    return {"op": READ, "offset": offset, "length": length, "at": at}
+def read_request(token: str, offset: int, length: int, at: int) -> dict[str, Any]:
+    return {"op": READ, "token": token, "offset": offset, "length": length, "at": at}
 
 
 def socket_path() -> str | None:

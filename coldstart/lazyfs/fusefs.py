@@ -317,7 +317,10 @@ class LayerTree:
         if got is None:
             slot = inode - self.base
             e = self.entry(slot)
-            got = {os.fsencode(k): v for k, v in e.xattrs.items()}
+            # a layer's own attribute of the token's name is never shown: copies (overlayfs'
+            # copy-up) would carry it, and the token is ours alone to answer
+            got = {k: v for k, v in ((os.fsencode(k), v) for k, v in e.xattrs.items())
+                   if k != _FILE_XATTR}
             if self._type(slot) == "dir" and self._shown_name(slot) in self._opaque:
                 got[_OPAQUE_XATTR] = b"y"
             self.remember(self._xattrs, inode, got)

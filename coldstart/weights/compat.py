@@ -29,7 +29,7 @@ import weakref
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from coldstart.errors import InvalidArgument, NotFound
+from coldstart.errors import ColdstartError, InvalidArgument, NotFound
 from coldstart.weights.checkpoint import read_header
 from coldstart.weights.dtypes import BITS, torch_dtype, torch_shape
 from coldstart.weights.header import Header, TensorInfo
@@ -158,7 +158,11 @@ class safe_open:
         at = self._header.data_start + info.begin
         m = mapping if mapping is not None else self._source.mapping()
         if isinstance(self._source, NodeFileSource) and info.nbytes:
-            self._source.populate(at, info.nbytes)  # (closed: Unavailable, never zeros)
+            try:    # (closed: Unavailable, never zeros)
+                self._source.populate(at, info.nbytes)
+            except ColdstartError as exc:
+                message = str(exc).removeprefix(f"{self._path}: ")
+                raise type(exc)(f"{self._path}: tensor {info.name!r}: {message}") from exc
         raw = torch.frombuffer(m, dtype=torch.uint8, count=info.nbytes,
                                offset=at) if info.nbytes else torch.empty(0, dtype=torch.uint8)
         if at % max(1, BITS[info.dtype] // 8):

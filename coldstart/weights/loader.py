@@ -602,7 +602,13 @@ def _run(ckpt: Checkpoint, reads: list[_Read], dtype: torch.dtype | None,
                 progress(r.length)
             done.put((finished, None))
         except ColdstartError as exc:   # the same kind, naming the file and the tensors
-            done.put(([], _naming(exc, ckpt.files[r.file].source, r)))
+            named: BaseException = exc
+            if not cancelled.is_set():
+                try:
+                    named = _naming(exc, ckpt.files[r.file].source, r)
+                except BaseException:   # naming it must never lose the error
+                    named = exc
+            done.put(([], named))
         except BaseException as exc:  # handed to the consumer, which re-raises it
             done.put(([], exc))
 

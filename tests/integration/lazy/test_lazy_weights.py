@@ -8,10 +8,13 @@ nothing."""
 
 from __future__ import annotations
 
+import fcntl
+import io
 import os
 import random
 import signal
 import socket
+import tarfile
 import threading
 from pathlib import Path
 
@@ -19,7 +22,13 @@ import pytest
 import safetensors.torch
 import torch
 
-from coldstart.errors import FailedPrecondition, IntegrityError, NotFound
+from coldstart.errors import (
+    FailedPrecondition,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 from coldstart.format.layer import open_layer
 from coldstart.format.readat import BytesReadAt
 from coldstart.lazyfs import control, filewire
@@ -72,7 +81,7 @@ def mount_files(server: Server, proxy: Proxy, files: dict[str, bytes], fmt: str,
 def test_the_fast_path_loads_every_dtype_sharded_bit_identical(
         server: Server, proxy: Proxy, socket_env: str, tmp_path: Path, fmt: str) -> None:
     tensors = every_dtype(seed=11 + FORMATS.index(fmt))
-    local = save_sharded(tensors, tmp_path / "local", shards=3).parent
+    local = save_sharded(tensors, tmp_path / "local", shards=8).parent   # > 4: pooled
     files = {f"models/m/{p.name}": p.read_bytes() for p in sorted(local.iterdir())}
     mp, _, _ = mount_files(server, proxy, files, fmt, f"sharded-{fmt.replace(':', '-')}")
     shard = next(p for p in (mp / "models/m").iterdir() if p.suffix == ".safetensors")
@@ -150,23 +159,26 @@ def test_a_flipped_byte_fails_the_load_naming_file_and_tensor_and_nothing_is_cac
     client.unmount(str(mp))
 
 
-def _open(path: str, token: str) -> object:
-    """Send ``open`` with ``token`` and a staging memfd; the decoded reply (or its error)."""
+def _ask(path: str, request: dict[str, object], fd: int | None = None) -> object:
+    """One request on a connection of its own; the decoded reply (or its error)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(10)
         s.connect(path)
-        fd = os.memfd_create("t")
-        try:
-            os.ftruncate(fd, 4096)
-            socket.send_fds(s, [control.encode(filewire.open_request(token))], [fd])
-            buf = b""
-            while b"\n" not in buf:
-                data = s.recv(4096)
-                assert data
-                buf += data
-        finally:
-            os.close(fd)
+        line = control.encode(request)
+        if fd is None:
+            s.sendall(line)
+        else:
+            socket.send_fds(s, [line], [fd])
+        buf = b""
+        while b"\n" not in buf:
+            data = s.recv(4096)
+            assert data
+            buf += data
         return control.decode_reply(buf.partition(b"\n")[0])
+
+
+def _stat(path: str, token: str) -> object:
+    return _ask(path, filewire.stat_request(token))
 
 
 def test_forged_and_foreign_tokens_get_nothing(server: Server, proxy: Proxy, socket_env: str,
@@ -176,7 +188,7 @@ def test_forged_and_foreign_tokens_get_nothing(server: Server, proxy: Proxy, soc
     mp, _, _ = mount_files(server, proxy, files, "zstd:chunked", "tokens")
     good = FileToken.parse(os.getxattr(mp / "a.bin", FILE_XATTR).decode())
     other = FileToken.parse(os.getxattr(mp / "b.bin", FILE_XATTR).decode())
-    assert _open(socket_env, good.encode().decode()) == {"size": 50_000, "name": "a.bin"}
+    assert _stat(socket_env, good.encode().decode()) == {"size": 50_000, "name": "a.bin"}
 
     def variant(**changes: object) -> str:
         fields = {**good.__dict__, **changes}
@@ -192,18 +204,29 @@ def test_forged_and_foreign_tokens_get_nothing(server: Server, proxy: Proxy, soc
     ]
     for token in forged:
         with pytest.raises(FailedPrecondition, match="not issued by this node"):
-            _open(socket_env, token)
+            _stat(socket_env, token)
     with pytest.raises(Exception, match="not a coldstart file token"):
-        _open(socket_env, "cs1:sha256:00:1:2:zz")
+        _stat(socket_env, "cs1:sha256:00:1:2:zz")
     # a real token of a layer no longer served
     client = server[1]
     client.unmount(str(mp))
     with pytest.raises(NotFound, match="not mounted"):
-        _open(socket_env, good.encode().decode())
+        _stat(socket_env, good.encode().decode())
+
+
+def memfd(size: int, *, faulted: bool = True, sealed: bool = True) -> int:
+    fd = os.memfd_create("test", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if faulted:
+        os.pwrite(fd, bytes(size), 0)
+    if sealed:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, filewire.SEALS)
+    return fd
 
 
 def test_reads_past_the_end_and_bad_requests_are_refused(server: Server, proxy: Proxy,
-                                                         socket_env: str) -> None:
+                                                         socket_env: str,
+                                                         tmp_path: Path) -> None:
     rng = random.Random(8)
     data = rng.randbytes(300_000)
     mp, _, _ = mount_files(server, proxy, {"f.bin": data}, "estargz", "ranges")
@@ -215,22 +238,56 @@ def test_reads_past_the_end_and_bad_requests_are_refused(server: Server, proxy: 
         assert src.read_at(len(data) - 7, 7) == data[-7:]
         with pytest.raises(Exception, match="outside"):
             src.read_at(len(data) - 7, 8)
-        conn = src._take()
-        try:
-            with pytest.raises(Exception, match="do not fit the staging file"):
-                conn.sock.sendall(control.encode(filewire.read_request(0, 10, conn.staging)))
-                conn._reply()
-            conn.sock.sendall(b'{"op": "read", "offset": -1, "length": 1, "at": 0}\n')
-            with pytest.raises(Exception, match="integers >= 0"):
-                conn._reply()
-            conn.sock.sendall(b'{"op": "nope"}\n')
-            with pytest.raises(Exception, match="unknown op"):
-                conn._reply()
-            assert conn.read(0, 10, 10.0) == 10     # the connection is still good
-        finally:
-            src._give_back(conn)
     finally:
         src.close()
+    with pytest.raises(Unavailable, match="closed"):
+        src.read_at(0, 1)                   # closed: at once, not after a deadline
+    token = os.getxattr(mp / "f.bin", FILE_XATTR).decode()
+
+    def read(fd: int | None, offset: int = 0, length: int = 4096, at: int = 0) -> object:
+        return _ask(socket_env, filewire.read_request(token, offset, length, at), fd)
+
+    fd = memfd(8192)
+    other = tmp_path / "a-file-on-disk"
+    other.write_bytes(bytes(8192))
+    disk = os.open(other, os.O_RDWR)
+    holes = memfd(8192, faulted=False)
+    unsealed = memfd(8192, sealed=False)
+    try:
+        assert read(fd, 10, 100, 50) == 100
+        assert os.pread(fd, 100, 50) == data[10:110]
+        assert read(fd, len(data) - 5, 100) == 5        # short only at the end of the file
+        with pytest.raises(InvalidArgument, match="do not fit the memfd"):
+            read(fd, 0, 4096, 8000)
+        with pytest.raises(InvalidArgument, match="at most"):
+            read(fd, 0, filewire.MAX_READ + 1)
+        with pytest.raises(InvalidArgument, match="must be a memfd"):
+            read(disk)                      # never a file on a disk
+        with pytest.raises(InvalidArgument, match="sealed"):
+            read(unsealed)                  # whose size could change under the node
+        with pytest.raises(InvalidArgument, match="no pages"):
+            read(holes)                     # never memory the node would allocate
+        assert os.fstat(holes).st_blocks == 0
+        with pytest.raises(InvalidArgument, match="one descriptor"):
+            read(None)
+        with pytest.raises(InvalidArgument, match="integers >= 0"):
+            read(fd, -1)
+        with pytest.raises(InvalidArgument, match="unknown op"):
+            _ask(socket_env, {"op": "nope", "token": token})
+        # one connection, many requests, errors in between: it stays usable
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(socket_env)
+            for request, want in ((filewire.read_request(token, 0, 10**9, 0), b'"ok": false'),
+                                  (filewire.read_request(token, 0, 16, 0), b'"result": 16')):
+                socket.send_fds(s, [control.encode(request)], [fd])
+                reply = b""
+                while not reply.endswith(b"\n"):
+                    reply += s.recv(4096)
+                assert want in reply
+    finally:
+        for x in (fd, disk, holes, unsealed):
+            os.close(x)
 
 
 @needs_resend
@@ -266,3 +323,24 @@ def test_a_loader_goes_on_across_a_fuse_server_handover(tmp_path: Path, registry
                 assert src.read_at(0, 100) == data[:100]
         finally:
             src.close()
+
+
+def test_a_layer_cannot_bring_its_own_token(server: Server, proxy: Proxy) -> None:
+    """An image whose file carries an attribute of the token's name: it is neither listed
+    (copies would carry it) nor answered; the node's own token is."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        ti = tarfile.TarInfo("w.bin")
+        ti.size, ti.mode = 4, 0o644
+        ti.pax_headers = {f"SCHILY.xattr.{FILE_XATTR}": "cs1:forged",
+                          "SCHILY.xattr.user.kept": "yes"}
+        tf.addfile(ti, io.BytesIO(b"data"))
+    _, client, tmp = server
+    blob, res = convert(buf.getvalue(), "zstd:chunked")
+    spec = push_layer(proxy.upstream_host, "weights/own-token", blob, res, pull_host=proxy.host)
+    mp = tmp / "own-token"
+    mp.mkdir()
+    client.mount(str(mp), spec)
+    assert os.listxattr(mp / "w.bin") == ["user.kept"]
+    token = FileToken.parse(os.getxattr(mp / "w.bin", FILE_XATTR).decode())
+    assert token.digest == spec.digest and token.size == 4
