@@ -110,6 +110,11 @@ class LineBuffer:
         self.max_line = max_line
         self._buf = b""
 
+    @property
+    def pending(self) -> bool:
+        """Whether part of a line is waiting for its end."""
+        return bool(self._buf)
+
     def feed(self, data: bytes | bytearray) -> list[bytes]:
         self._buf += data
         *lines, self._buf = self._buf.split(b"\n")

@@ -204,8 +204,9 @@ class FileShare:
                         if fd is not None:
                             os.close(fd)
                     conn.sendall(reply)
-                while fds:          # sent without a request to take them
-                    os.close(fds.pop())
+                # sent without a request to take them (one may wait for the rest of its line)
+                while len(fds) > (1 if lines.pending else 0):
+                    os.close(fds.pop(0))
         except OSError:
             return
         finally:

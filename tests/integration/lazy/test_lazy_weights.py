@@ -285,6 +285,14 @@ def test_reads_past_the_end_and_bad_requests_are_refused(server: Server, proxy: 
                 while not reply.endswith(b"\n"):
                     reply += s.recv(4096)
                 assert want in reply
+            # a request cut in two, its descriptor sent with the first part
+            line = control.encode(filewire.read_request(token, 100, 16, 0))
+            socket.send_fds(s, [line[:10]], [fd])
+            s.sendall(line[10:])
+            reply = b""
+            while not reply.endswith(b"\n"):
+                reply += s.recv(4096)
+            assert b'"result": 16' in reply and os.pread(fd, 16, 0) == data[100:116]
     finally:
         for x in (fd, disk, holes, unsealed):
             os.close(x)
