@@ -195,8 +195,10 @@ def ok_reply(result: Any = None) -> bytes:
     return encode({"ok": True, "result": result})
 
 
-def error_reply(exc: BaseException) -> bytes:
-    return encode({"ok": False, "error": error_payload(exc)})
+def error_reply(exc: BaseException, **extra: Any) -> bytes:
+    """A failure reply; ``extra``: keys beside ``error`` (readers ignore the ones they do not
+    know)."""
+    return encode({"ok": False, "error": error_payload(exc), **extra})
 
 
 def decode_reply(line: bytes) -> Any:

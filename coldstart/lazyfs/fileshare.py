@@ -47,7 +47,7 @@ from coldstart.format.toc import Entry
 from coldstart.lazyfs import control, filewire
 from coldstart.lazyfs.filewire import FileToken
 from coldstart.lazyfs.reader import LayerReader
-from coldstart.unixsock import socket_answers
+from coldstart.unixsock import listen_unix, socket_answers, unlink_own
 
 __all__ = ["IDLE_SECONDS", "MAX_CONNECTIONS", "PER_PEER", "FileShare"]
 
@@ -61,6 +61,8 @@ PER_PEER = 256
 IDLE_SECONDS = 60.0
 #: bytes all requests in flight may hold at once (each waits for its share)
 BUDGET_BYTES = 512 << 20
+#: beside an error reply: worth sending again (:data:`filewire.RETRY`)
+_RETRY = {filewire.RETRY: True}
 #: a request line longer than this ends the connection (requests are a few hundred bytes)
 _MAX_LINE = 64 << 10
 
@@ -99,18 +101,11 @@ class FileShare:
         path = Path(self.path)
         if socket_answers(self.path):
             raise FailedPrecondition(f"something already answers on the files socket {path}")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
-            # world-searchable: the directory is what containers mount
-            path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-            sock.bind(self.path)
-            self._ino = os.stat(self.path).st_ino
-            os.chmod(self.path, 0o666)      # a token, not the uid, is what grants access
-            sock.listen(64)
+            # world-searchable: the directory is what containers mount; world-connectable: a
+            # token, not the uid, is what grants access
+            sock, self._ino = listen_unix(self.path, mode=0o666, dir_mode=0o755)
         except OSError as exc:
-            sock.close()
             raise FailedPrecondition(f"cannot listen on the files socket {path}: "
                                      f"{exc}") from exc
         self._sock = sock
@@ -132,11 +127,8 @@ class FileShare:
         for c in conns:
             with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
-        if self._ino is not None:
-            with contextlib.suppress(OSError):
-                if os.stat(self.path).st_ino == self._ino:
-                    os.unlink(self.path)
-            self._ino = None
+        unlink_own(self.path, self._ino)
+        self._ino = None
         if self._thread is not None:
             self._thread.join(5.0)
 
@@ -162,9 +154,9 @@ class FileShare:
             if refused:
                 with contextlib.suppress(OSError):
                     conn.settimeout(1.0)
-                    conn.sendall(_error(Unavailable(
+                    conn.sendall(control.error_reply(Unavailable(
                         f"the files socket serves {MAX_CONNECTIONS} connections at most, "
-                        f"{PER_PEER} per container"), retry=True))
+                        f"{PER_PEER} per container"), **_RETRY))
                 conn.close()
                 continue
             try:
@@ -228,7 +220,7 @@ class FileShare:
             try:
                 reader, entry = self._file(req)
             except (FailedPrecondition, NotFound) as exc:   # a token or mount of another time
-                return _error(exc, retry=True)
+                return control.error_reply(exc, **_RETRY)
             if op == filewire.STAT:
                 return control.ok_reply({"size": entry.size, "name": entry.name})
             if fd is None:
@@ -324,14 +316,6 @@ def _check_memory(fd: int, at: int, length: int) -> None:
     if hole < at + length:
         raise InvalidArgument(f"the memfd has no pages at {hole} (fault {at}..{at + length} "
                               "in before asking: the memory must be the caller's)")
-
-
-def _error(exc: ColdstartError, *, retry: bool = False) -> bytes:
-    """An error reply; ``retry``: worth sending again (:data:`filewire.RETRY`)."""
-    reply: dict[str, Any] = {"ok": False, "error": control.error_payload(exc)}
-    if retry:
-        reply[filewire.RETRY] = True
-    return control.encode(reply)
 
 
 def _peer(conn: socket.socket) -> str:

@@ -26,7 +26,6 @@ import functools
 import logging
 import os
 import signal
-import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -63,7 +62,7 @@ from coldstart.oci.keychain import Keychain
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
 from coldstart.remote import RegistryBlob
-from coldstart.unixsock import socket_answers
+from coldstart.unixsock import listen_unix, socket_answers, unlink_own
 from coldstart.unpack.fullpull import pull_layer, remove_stale_parts
 
 __all__ = ["LOCK_FILE", "FuseServer", "error_payload", "parse_metrics_address", "serve_connection"]
@@ -391,11 +390,7 @@ class FuseServer:
 
     def _unlink_socket(self) -> None:
         """Remove our control socket, never a successor's that replaced the path."""
-        if self._socket_ino is None:
-            return
-        with contextlib.suppress(OSError):
-            if os.stat(self.socket_path).st_ino == self._socket_ino:
-                os.unlink(self.socket_path)
+        unlink_own(self.socket_path, self._socket_ino)
         self._socket_ino = None
 
     async def _fuse_task(self) -> None:
@@ -414,18 +409,10 @@ class FuseServer:
 
     def _listen(self) -> trio.SocketListener:
         path = self.socket_path
-        std = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            Path(path).parent.mkdir(mode=0o711, parents=True, exist_ok=True)
             # nothing answers there (checked under the lock): a dead predecessor's socket
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            std.bind(path)
-            self._socket_ino = os.stat(path).st_ino
-            os.chmod(path, 0o600)
-            std.listen(64)
+            std, self._socket_ino = listen_unix(path, mode=0o600, dir_mode=0o711)
         except OSError as exc:
-            std.close()
             raise FailedPrecondition(f"cannot listen on the control socket {path}: "
                                      f"{exc}") from exc
         sock = trio.socket.from_stdlib_socket(std)

@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from coldstart.config import SourceConfig, WeightsConfig
@@ -42,6 +42,7 @@ from coldstart.errors import (
 )
 from coldstart.format.readat import check_range
 from coldstart.lazyfs import control, filewire
+from coldstart.remote.source import bytes_view, fill_from_chunks, read_at_into
 
 __all__ = ["MAX_CONNECTIONS", "NodeFileSource", "node_source"]
 
@@ -266,11 +267,7 @@ class NodeFileSource:
         return self._size
 
     def read_at(self, offset: int, length: int, *, timeout: float | None = None) -> bytes:
-        check_range(offset, length, self._size)
-        buf = bytearray(length)
-        if length:
-            self.read_into(offset, [memoryview(buf)], timeout=timeout)
-        return bytes(buf)
+        return read_at_into(self, offset, length, timeout)
 
     def mapping(self) -> mmap.mmap:
         """A shared memory map of the whole file (a ``memfd``), made once; :meth:`populate`
@@ -303,30 +300,28 @@ class NodeFileSource:
 
     def read_into(self, offset: int, buffers: Sequence[memoryview], *,
                   timeout: float | None = None) -> None:
-        views = [b if b.format == "B" and b.ndim == 1 else b.cast("B") for b in buffers]
+        views = [bytes_view(b) for b in buffers]
         total = sum(v.nbytes for v in views)
         check_range(offset, total, self._size)
         wait = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + wait
-        idx, pos, done = 0, 0, 0
-        while done < total:
-            n = min(total - done, REQUEST_BYTES)
-            if self._memory is not None:    # mapped: fill the file's own memory, copy out
-                self.populate(offset + done, n, timeout=max(0.001, deadline - time.monotonic()))
-                source, at = self._memory.map, offset + done
-            else:
-                source, at = _staging().map, 0
-                self._fill(offset + done, n, None, deadline, wait)
-            with memoryview(source) as staged:
-                got = 0
-                while got < n:
-                    while pos == views[idx].nbytes:
-                        idx, pos = idx + 1, 0
-                    take = min(n - got, views[idx].nbytes - pos)
-                    views[idx][pos : pos + take] = staged[at + got : at + got + take]
-                    got += take
-                    pos += take
-            done += n
+
+        def pieces() -> Iterator[memoryview]:
+            """Each request's bytes, once the node put them in memory."""
+            done = 0
+            while done < total:
+                n = min(total - done, REQUEST_BYTES)
+                if self._memory is not None:    # mapped: fill the file's own memory
+                    self.populate(offset + done, n,
+                                  timeout=max(0.001, deadline - time.monotonic()))
+                    source, at = self._memory.map, offset + done
+                else:
+                    source, at = _staging().map, 0
+                    self._fill(offset + done, n, None, deadline, wait)
+                yield memoryview(source)[at : at + n]
+                done += n
+
+        fill_from_chunks(self.name, offset, views, pieces())
 
     def _fill(self, offset: int, length: int, at: int | None, deadline: float,
               wait: float) -> None:
