@@ -115,6 +115,10 @@ def test_without_the_socket_the_loader_reads_through_the_mount(
     data = save(tensors, tmp_path / "m.safetensors").read_bytes()
     mp, _, _ = mount_files(server, proxy, {"m.safetensors": data}, "zstd:chunked", "nosocket")
     monkeypatch.setenv(filewire.SOCKET_ENV, "")           # off
+    # Fetched through FUSE first, with read(2), which releases the GIL: the loader's
+    # MADV_POPULATE_READ (CPython's mmap.madvise holds it) would otherwise wait on a fetch
+    # through the test proxy, which runs in this very process, until the FUSE deadline.
+    assert (mp / "m.safetensors").read_bytes() == data
     stats = LoadStats()
     assert_identical(tensors, load(mp / "m.safetensors", stats=stats))
     assert "files socket" not in stats.path
