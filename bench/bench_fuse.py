@@ -3,14 +3,24 @@
 Through a lazy mount served by ``coldstart fuse-server`` from a local docker-registry:
 
 1. a 1 GiB file of compressible, realistic data (random bytes mixed with text):
-   cold sequential read (nothing cached), warm read (kernel page cache), and a re-mount read
-   (chunk cache warm, page cache cold), vs the same file on tmpfs;
+   cold sequential read (nothing cached; ``read(2)`` of 1 MiB, as ``cat`` does), cold
+   ``mmap`` page-fault read (a fresh server: how safetensors and ``torch.load(mmap=True)``
+   read), warm read (kernel page cache), and a re-mount read (chunk cache warm, page cache
+   cold), vs the same file on tmpfs and against **the verified-bytes limit** of this machine
+   for that blob, measured in the same round: its chunks fetched with parallel range GETs
+   (8 MiB each), decompressed and checked against their digests in a thread pool, then
+   dropped: what any lazy reader of that blob could deliver here;
 2. 20,000 small files: cold ``find`` and cold read-everything, vs the same tree on tmpfs;
-3. registry bytes fetched ÷ bytes read.
+3. registry bytes fetched ÷ bytes read;
+4. with ``--link 1gbit,2ms``: the cold ``cat`` again with the registry behind the bench's
+   shaping proxy (``coldstart.benchmark.shaping``), its compressed bytes per second against
+   the link's rate.
 
 Each FUSE server's CPU time (``/proc/<pid>/stat``) and the number of FUSE reads it served
 (its ``coldstart_fuse_read_seconds`` count, from ``--metrics-address``) are taken per phase, so
-the table also shows the server's CPU per read.
+the table also shows the server's CPU per read, and the whole machine's busy CPU seconds
+(``/proc/stat``: registry, kernel and reader included; on a small machine the limit and the
+lazy reads are CPU-bound, and this says where they differ).
 
 ``--tree DIR`` (repeatable) runs the FUSE server from another coldstart checkout (the same
 layers, registry and client; the control protocol is stable), so a change can be measured
@@ -22,12 +32,22 @@ against the commit before it in one run, rounds alternated, medians reported::
 Prints a table and writes JSON to ``bench/results/bench_fuse-<time>.json``.
 
     sudo .venv/bin/python bench/bench_fuse.py [--big-mib 1024] [--small-files 20000]
+        [--only big] [--link 1gbit,2ms] [--rounds 3]
+
+The FUSE server runs with the product's ``fetch.concurrency`` (``--concurrency`` sets another)
+and read-ahead, and otherwise the test fixture's config (``coldstart.stack.snapshotter``): no
+background fill of the rest of the layer, no retries, shorter deadlines. The limit fetches with
+as many threads by default (``--limit-threads``). Earlier results of this script are not
+comparable: they used 4 fetch threads, and their "chunk cache" phase fetched again (a layer's
+last unmount reclaims its chunks).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import mmap
 import os
 import random
 import shutil
@@ -44,6 +64,10 @@ from typing import Any, TypeVar
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from coldstart.benchmark.shaping import Link, shaping_proxy  # noqa: E402
+from coldstart.config import FetchConfig  # noqa: E402
+from coldstart.errors import ColdstartError  # noqa: E402
+from coldstart.format.layer import open_layer  # noqa: E402
 from coldstart.format.writer import LayerResult, convert_layer  # noqa: E402
 from coldstart.lazyfs.client import FuseServerClient  # noqa: E402
 from coldstart.lazyfs.spec import LayerSpec  # noqa: E402
@@ -130,6 +154,69 @@ def read_file(path: Path, bufsize: int = MiB) -> int:
             n += got
 
 
+def mmap_read(path: Path, step: int = MiB) -> int:
+    """Read ``path`` through a shared read-only mapping, front to back, ``step`` bytes copied
+    at a time: every page arrives by a page fault (the kernel's mmap read-ahead decides how
+    many pages each fault asks the file system for)."""
+    buf = bytearray(step)
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+            view = memoryview(m)
+            try:
+                for off in range(0, size, step):
+                    n = min(step, size - off)
+                    buf[:n] = view[off:off + n]
+            finally:
+                view.release()
+    return size
+
+
+def link_arg(text: str) -> Link:
+    """``--link``: a finite rate and a round-trip time (argparse's error otherwise)."""
+    try:
+        link = Link.parse(text)
+    except ColdstartError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if link.unlimited:
+        raise argparse.ArgumentTypeError("--link needs a finite rate, e.g. 1gbit,2ms")
+    return link
+
+
+def verified_limit(registry_host: str, spec: LayerSpec, name: str, threads: int) -> int:
+    """Bytes of file ``name`` in ``spec``'s layer, fetched, decoded and verified the fastest
+    plain way: parallel 8 MiB range GETs of its chunks, ``threads`` at once, each chunk
+    decompressed and checked against its digest (``Layer.decode_chunk``), then dropped (no
+    cache, no page cache, nothing handed to a reader). Returns the bytes verified."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from coldstart.oci.reference import Reference
+    from coldstart.oci.registry import RegistryClient
+    from coldstart.remote import RegistryBlob
+
+    client = RegistryClient(insecure_hosts=[registry_host])
+    try:
+        blob = RegistryBlob(client, Reference.parse(spec.reference), spec.digest, None)
+        layer = open_layer(blob, annotations=spec.annotations)
+        chunks = [c for c in layer.resolve(name).chunks if not c.zeros]
+        groups: list[list[Any]] = [[]]
+        for c in chunks:
+            if groups[-1] and c.end_offset - groups[-1][0].offset > 8 * MiB:
+                groups.append([])
+            groups[-1].append(c)
+
+        def one(group: list[Any]) -> int:
+            lo, hi = group[0].offset, group[-1].end_offset
+            data = blob.read_at(lo, hi - lo)
+            return sum(len(layer.decode_chunk(c, data[c.offset - lo:c.end_offset - lo]))
+                       for c in group)     # (decode_chunk takes bytes: a slice, as the server)
+
+        with ThreadPoolExecutor(threads) as pool:
+            return sum(pool.map(one, groups))
+    finally:
+        client.close()
+
+
 def read_tree(root: Path) -> tuple[int, int]:
     files = 0
     total = 0
@@ -161,6 +248,15 @@ def server_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_busy() -> float:
+    """CPU seconds the whole machine spent busy so far (every core; ``/proc/stat``): what a
+    phase cost, the registry, kernel and reader included."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    # user nice system idle iowait irq softirq (steal: time the host took, not ours)
+    idle = fields[3] + fields[4]
+    return (sum(fields[:7]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def reads_served(metrics_port: int) -> int:
     """FUSE reads the server answered so far (its read-latency histogram's count)."""
     import httpx
@@ -186,60 +282,159 @@ class Phase:
         self.pid, self.port = pid, port
 
     def run(self, fn: Callable[..., T], *args: Any) -> tuple[dict[str, float], T]:
-        c0, r0 = server_cpu(self.pid), reads_served(self.port)
+        c0, r0, b0 = server_cpu(self.pid), reads_served(self.port), machine_busy()
         t, out = timed(fn, *args)
+        busy = machine_busy() - b0
         cpu, reads = server_cpu(self.pid) - c0, reads_served(self.port) - r0
-        return {"s": t, "server_cpu_s": cpu, "reads": reads,
+        return {"s": t, "server_cpu_s": cpu, "reads": reads, "machine_cpu_s": busy,
                 "cpu_us_per_read": cpu / reads * 1e6 if reads else 0.0}, out
 
 
 def one_round(tree: Path, srv_tmp: Path, registry_host: str, specs: dict[str, LayerSpec],
-              big_size: int, small_files: int, small_bytes: int,
-              settle: float) -> dict[str, Any]:
-    """Every phase once against a fresh FUSE server run from ``tree`` (fresh chunk cache)."""
-    port = free_port()
+              big_size: int, small_files: int, small_bytes: int, settle: float,
+              concurrency: int, limit_threads: int, link: Link | None) -> dict[str, Any]:
+    """Every phase once, each cold one against a fresh FUSE server run from ``tree`` (fresh
+    chunk cache), and the verified-bytes limit of the big blob."""
     res: dict[str, Any] = {}
-    drop_page_cache(settle)
-    with fuse_server(srv_tmp, registry_host=registry_host, cache_max=4 << 30,
-                     source_root=tree,
-                     extra_args=("--metrics-address", f"127.0.0.1:{port}")) as (proc, client, _):
-        ph = Phase(proc.pid, port)
-        mp_big = srv_tmp / "big"
-        mp_big.mkdir(exist_ok=True)
-        client.mount(str(mp_big), specs["big"])
-        f = mp_big / "data/big.bin"
-        res["big_cold"], n = ph.run(read_file, f)
-        assert n == big_size
-        res["big_page_cache"], _ = ph.run(read_file, f)
-        res["big_fetched"] = fetched(client, specs["big"].digest)
-        client.unmount(str(mp_big))
-        client.mount(str(mp_big), specs["big"])   # new inodes: page cache cold, chunks local
-        res["big_chunk_cache"], _ = ph.run(read_file, f)
-        client.unmount(str(mp_big))
 
-        mp_small = srv_tmp / "small"
-        mp_small.mkdir(exist_ok=True)
-        client.mount(str(mp_small), specs["small"])
-        res["small_find_cold"], entries = ph.run(count_tree, mp_small)
-        res["small_read_cold"], (files, total) = ph.run(read_tree, mp_small)
-        assert files == small_files and total == small_bytes, (files, total)
-        res["small_fetched"] = fetched(client, specs["small"].digest)
-        res["small_entries"] = entries
-        client.unmount(str(mp_small))
-        client.mount(str(mp_small), specs["small"])
-        res["small_read_chunk_cache"], _ = ph.run(read_tree, mp_small)
-        client.unmount(str(mp_small))
-    shutil.rmtree(srv_tmp, ignore_errors=True)
-    srv_tmp.mkdir()
+    def server(host: str = registry_host) -> Any:
+        port = free_port()
+        cm = fuse_server(srv_tmp, registry_host=host, cache_max=4 << 30, source_root=tree,
+                         concurrency=concurrency,
+                         extra_args=("--metrics-address", f"127.0.0.1:{port}"))
+        return cm, port
+
+    def fresh() -> None:
+        shutil.rmtree(srv_tmp, ignore_errors=True)
+        srv_tmp.mkdir()
+
+    if "big" in specs:
+        drop_page_cache(settle)
+        b0 = machine_busy()
+        t, n = timed(verified_limit, registry_host, specs["big"], "data/big.bin", limit_threads)
+        assert n == big_size, (n, big_size)
+        res["big_limit"] = {"s": t, "server_cpu_s": 0.0, "reads": 0, "cpu_us_per_read": 0.0,
+                            "machine_cpu_s": machine_busy() - b0}
+
+        drop_page_cache(settle)
+        cm, port = server()
+        with cm as (proc, client, _):
+            ph = Phase(proc.pid, port)
+            mp_big = srv_tmp / "big"
+            mp_big.mkdir(exist_ok=True)
+            client.mount(str(mp_big), specs["big"])
+            f = mp_big / "data/big.bin"
+            res["big_cold"], n = ph.run(read_file, f)
+            assert n == big_size
+            res["big_page_cache"], _ = ph.run(read_file, f)
+            res["big_fetched"] = fetched(client, specs["big"].digest)
+            # chunks local, page cache dropped: read through a second mount of the layer (a
+            # node's next container; the first stays mounted: a layer's last unmount reclaims
+            # its chunks)
+            mp_again = srv_tmp / "big-again"
+            mp_again.mkdir(exist_ok=True)
+            client.mount(str(mp_again), specs["big"])
+            drop_page_cache(settle)
+            res["big_chunk_cache"], _ = ph.run(read_file, mp_again / "data/big.bin")
+            client.unmount(str(mp_again))
+            client.unmount(str(mp_big))
+        fresh()
+
+        drop_page_cache(settle)
+        cm, port = server()
+        with cm as (proc, client, _):
+            ph = Phase(proc.pid, port)
+            mp_big = srv_tmp / "big"
+            mp_big.mkdir(exist_ok=True)
+            client.mount(str(mp_big), specs["big"])
+            res["big_mmap_cold"], n = ph.run(mmap_read, mp_big / "data/big.bin")
+            assert n == big_size
+            client.unmount(str(mp_big))
+        fresh()
+
+        if link is not None:
+            drop_page_cache(settle)
+            with shaping_proxy(registry_host, link) as proxy:
+                ref = specs["big"].reference        # "host/repo:tag", from push_layer
+                assert ref.startswith(registry_host + "/"), ref
+                shaped = dataclasses.replace(
+                    specs["big"], reference=proxy.host + ref[len(registry_host):])
+                cm, port = server(proxy.host)
+                with cm as (proc, client, _):
+                    ph = Phase(proc.pid, port)
+                    mp_big = srv_tmp / "big"
+                    mp_big.mkdir(exist_ok=True)
+                    client.mount(str(mp_big), shaped)
+                    down0 = proxy.bytes_down
+                    res["big_cold_link"], n = ph.run(read_file, mp_big / "data/big.bin")
+                    assert n == big_size
+                    res["big_cold_link"]["link_bytes"] = proxy.bytes_down - down0
+                    client.unmount(str(mp_big))
+            fresh()
+
+    if "small" in specs:
+        drop_page_cache(settle)
+        cm, port = server()
+        with cm as (proc, client, _):
+            ph = Phase(proc.pid, port)
+            mp_small = srv_tmp / "small"
+            mp_small.mkdir(exist_ok=True)
+            client.mount(str(mp_small), specs["small"])
+            res["small_find_cold"], entries = ph.run(count_tree, mp_small)
+            res["small_read_cold"], (files, total) = ph.run(read_tree, mp_small)
+            assert files == small_files and total == small_bytes, (files, total)
+            res["small_fetched"] = fetched(client, specs["small"].digest)
+            res["small_entries"] = entries
+            mp_again = srv_tmp / "small-again"
+            mp_again.mkdir(exist_ok=True)
+            client.mount(str(mp_again), specs["small"])
+            drop_page_cache(settle)
+            res["small_read_chunk_cache"], _ = ph.run(read_tree, mp_again)
+            client.unmount(str(mp_again))
+            client.unmount(str(mp_small))
+        fresh()
     return res
 
 
-PHASES = ["big_cold", "big_page_cache", "big_chunk_cache", "small_find_cold",
-          "small_read_cold", "small_read_chunk_cache"]
+BIG_PHASES = ["big_limit", "big_cold", "big_mmap_cold", "big_page_cache", "big_chunk_cache",
+              "big_cold_link"]
+SMALL_PHASES = ["small_find_cold", "small_read_cold", "small_read_chunk_cache"]
+PHASES = BIG_PHASES + SMALL_PHASES
 
 
 def median_of(rounds: list[dict[str, Any]], phase: str, key: str) -> float:
-    return statistics.median(r[phase][key] for r in rounds)
+    return float(statistics.median(r[phase][key] for r in rounds))
+
+
+def summarize(rounds: list[dict[str, Any]], big_size: int, big_compressed: int,
+              small_bytes: int, link: Link | None) -> dict[str, Any]:
+    """Medians per phase, MB/s of the big file's phases, and the ratios the goals name: each
+    cold read against the verified-bytes limit of the same round (median of the per-round
+    ratios) and the shaped read's link bytes per second against the link's rate."""
+    row: dict[str, Any] = {}
+    for ph in PHASES:
+        if ph not in rounds[0]:
+            continue
+        row[ph] = {k: round(median_of(rounds, ph, k), 4)
+                   for k in ("s", "server_cpu_s", "reads", "cpu_us_per_read",
+                             "machine_cpu_s")}
+        if ph.startswith("big_"):
+            row[ph]["MBps"] = round(big_size / row[ph]["s"] / 1e6, 1)
+    if "big_limit" in rounds[0]:
+        for ph in ("big_cold", "big_mmap_cold"):
+            row[ph]["vs_limit"] = round(statistics.median(
+                r["big_limit"]["s"] / r[ph]["s"] for r in rounds), 3)
+        row["big_fetched_over_compressed"] = round(
+            statistics.median(r["big_fetched"] for r in rounds) / big_compressed, 3)
+    if "big_cold_link" in rounds[0] and link is not None:
+        rates = [r["big_cold_link"]["link_bytes"] / r["big_cold_link"]["s"] for r in rounds]
+        row["big_cold_link"]["link_MBps"] = round(statistics.median(rates) / 1e6, 1)
+        row["big_cold_link"]["vs_link"] = round(
+            statistics.median(rates) / link.rate_bytes_per_s, 3)
+    if "small_fetched" in rounds[0]:
+        row["small_fetched_over_read"] = round(
+            statistics.median(r["small_fetched"] for r in rounds) / small_bytes, 3)
+    return row
 
 
 def main() -> None:
@@ -247,54 +442,78 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--big-mib", type=int, default=1024)
     ap.add_argument("--small-files", type=int, default=20_000)
+    ap.add_argument("--only", choices=("big", "small"), default=None,
+                    help="run only the big-file or only the small-files phases")
+    ap.add_argument("--link", type=link_arg, default=None,
+                    help="also read the big file cold through a shaped link, e.g. 1gbit,2ms")
+    ap.add_argument("--concurrency", type=int, default=FetchConfig().concurrency,
+                    help="the FUSE server's fetch.concurrency (default: the product's, "
+                         "%(default)s)")
+    ap.add_argument("--limit-threads", type=int, default=None,
+                    help="threads of the verified-bytes limit (default: --concurrency)")
     ap.add_argument("--rounds", type=int, default=1, help="rounds per tree (alternated)")
     ap.add_argument("--tree", action="append", type=Path, default=None,
                     help="coldstart checkout to run the FUSE server from (repeatable; "
                          "default: this one)")
     ap.add_argument("--settle", type=float, default=6.0,
-                    help="seconds to wait after dropping the page cache before each round")
+                    help="seconds to wait after dropping the page cache before each cold phase")
     args = ap.parse_args()
+    if args.link is not None and args.only == "small":
+        ap.error("--link reads the big file: not with --only small")
+    if args.limit_threads is None:
+        args.limit_threads = args.concurrency
     trees = [t.resolve() for t in (args.tree or [REPO])]
     for t in trees:
         if not (t / "coldstart" / "cli.py").is_file():
             raise SystemExit(f"--tree {t}: not a coldstart checkout")
     big_size = args.big_mib * MiB
-    if big_size <= 0 or args.rounds <= 0:
-        raise SystemExit("--big-mib and --rounds must be positive")
+    if big_size <= 0 or args.rounds <= 0 or args.concurrency <= 0 or args.limit_threads <= 0:
+        raise SystemExit("--big-mib, --rounds, --concurrency and --limit-threads must be "
+                         "positive")
+    want_big, want_small = args.only in (None, "big"), args.only in (None, "small")
     work = Path(tempfile.mkdtemp(prefix="bench-fuse-", dir="/var/tmp"))
     shm = Path(tempfile.mkdtemp(prefix="bench-fuse-", dir="/dev/shm"))
     results: dict[str, Any] = {"big_bytes": big_size, "small_files": args.small_files,
                                "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
-                               "trees": [str(t) for t in trees], "rounds": args.rounds}
+                               "trees": [str(t) for t in trees], "rounds": args.rounds,
+                               "concurrency": args.concurrency,
+                               "limit_threads": args.limit_threads,
+                               "link": str(args.link) if args.link else None}
     try:
         with start_registry(work / "registry") as registry:
             print(f"building layers in {work} ...", flush=True)
-            big_tar(work / "big.tar", big_size)
-            tmpfs_tree = shm / "tree"
-            tmpfs_tree.mkdir()
-            small_bytes = small_tree(tmpfs_tree, args.small_files)
-            tar_dir(tmpfs_tree, work / "small.tar")
-            with tarfile.open(work / "big.tar") as tf:
-                tf.extract("data/big.bin", shm, filter="data")
-            t_conv, big = timed(convert, work / "big.tar", work / "big.zst")
-            small = convert(work / "small.tar", work / "small.zst")
-            (work / "big.tar").unlink()
-            results["convert_1gib_s"] = round(t_conv, 2)
-            results["big_compressed_bytes"] = big.size
             specs: dict[str, LayerSpec] = {}
-            for name, info, path in (("big", big, work / "big.zst"),
-                                     ("small", small, work / "small.zst")):
-                blob = path.read_bytes()
-                specs[name] = push_layer(registry.host, f"bench/{name}", blob, info)
-                del blob
-                path.unlink()
-            t_tmpfs = min(timed(read_file, shm / "data/big.bin")[0] for _ in range(2))
-            t_find_tmpfs, _ = timed(count_tree, tmpfs_tree)
-            t_read_tmpfs, _ = timed(read_tree, tmpfs_tree)
-            results["tmpfs"] = {"big_MBps": round(big_size / t_tmpfs / 1e6, 1),
-                                "small_find_s": round(t_find_tmpfs, 3),
-                                "small_read_s": round(t_read_tmpfs, 3)}
-            shutil.rmtree(shm / "data")
+            results["tmpfs"] = {}
+            big_compressed = small_bytes = 0
+            if want_big:
+                big_tar(work / "big.tar", big_size)
+                with tarfile.open(work / "big.tar") as tf:
+                    tf.extract("data/big.bin", shm, filter="data")
+                t_conv, big = timed(convert, work / "big.tar", work / "big.zst")
+                (work / "big.tar").unlink()
+                results["convert_1gib_s"] = round(t_conv, 2)
+                results["big_compressed_bytes"] = big_compressed = big.size
+                specs["big"] = push_layer(registry.host, "bench/big", work / "big.zst", big)
+                (work / "big.zst").unlink()
+                t_tmpfs = min(timed(read_file, shm / "data/big.bin")[0] for _ in range(2))
+                t_tmpfs_mmap = min(timed(mmap_read, shm / "data/big.bin")[0] for _ in range(2))
+                results["tmpfs"].update(big_MBps=round(big_size / t_tmpfs / 1e6, 1),
+                                        big_mmap_MBps=round(big_size / t_tmpfs_mmap / 1e6, 1))
+                shutil.rmtree(shm / "data")
+            if want_small:
+                tmpfs_tree = shm / "tree"
+                tmpfs_tree.mkdir()
+                small_bytes = small_tree(tmpfs_tree, args.small_files)
+                tar_dir(tmpfs_tree, work / "small.tar")
+                small = convert(work / "small.tar", work / "small.zst")
+                specs["small"] = push_layer(registry.host, "bench/small", work / "small.zst",
+                                            small)
+                (work / "small.zst").unlink()
+                t_find_tmpfs, _ = timed(count_tree, tmpfs_tree)
+                t_read_tmpfs, _ = timed(read_tree, tmpfs_tree)
+                results["tmpfs"].update(small_find_s=round(t_find_tmpfs, 3),
+                                        small_read_s=round(t_read_tmpfs, 3))
+                shutil.rmtree(tmpfs_tree)
             per_tree: dict[str, list[dict[str, Any]]] = {str(t): [] for t in trees}
             srv_tmp = work / "srv"
             srv_tmp.mkdir()
@@ -304,35 +523,35 @@ def main() -> None:
                     print(f"round {rnd + 1}/{args.rounds}: FUSE server from {t}", flush=True)
                     per_tree[str(t)].append(one_round(
                         t, srv_tmp, registry.host, specs, big_size, args.small_files,
-                        small_bytes, args.settle))
+                        small_bytes, args.settle, args.concurrency, args.limit_threads,
+                        args.link))
             results["runs"] = per_tree
-            summary: dict[str, Any] = {}
-            for t, rounds in per_tree.items():
-                row: dict[str, Any] = {}
-                for ph in PHASES:
-                    row[ph] = {k: round(median_of(rounds, ph, k), 4)
-                               for k in ("s", "server_cpu_s", "reads", "cpu_us_per_read")}
-                    if ph.startswith("big_"):
-                        row[ph]["MBps"] = round(big_size / row[ph]["s"] / 1e6, 1)
-                row["big_fetched_over_compressed"] = round(
-                    statistics.median(r["big_fetched"] for r in rounds) / big.size, 3)
-                row["small_fetched_over_read"] = round(
-                    statistics.median(r["small_fetched"] for r in rounds) / small_bytes, 3)
-                summary[t] = row
+            summary = {t: summarize(rounds, big_size, big_compressed, small_bytes, args.link)
+                       for t, rounds in per_tree.items()}
             results["median"] = summary
         print()
         names = [Path(t).name or t for t in summary]
-        hdr = f"{'phase (median of ' + str(args.rounds) + ')':<34}" + "".join(
-            f"{n[:30]:>32}" for n in names)
+        hdr = f"{'phase (median of ' + str(args.rounds) + ')':<22}" + "".join(
+            f"{n[:68]:>70}" for n in names)
         print(hdr)
         for ph in PHASES:
             cells = []
             for t in summary:
-                m = summary[t][ph]
+                m = summary[t].get(ph)
+                if m is None:
+                    continue
                 speed = f"{m['MBps']} MB/s" if "MBps" in m else f"{m['s']:.2f} s"
-                cells.append(f"{speed}, {m['cpu_us_per_read']:.0f} us/read ({m['reads']:.0f})")
-            print(f"{ph:<34}" + "".join(f"{c:>32}" for c in cells))
-        print(f"{'tmpfs':<34}{results['tmpfs']}")
+                if "vs_limit" in m:
+                    speed += f" ({m['vs_limit']}x limit)"
+                if "vs_link" in m:
+                    speed += f" (link {m['link_MBps']} MB/s, {m['vs_link']}x)"
+                if m["reads"]:
+                    speed += f", {m['cpu_us_per_read']:.0f} us/read ({m['reads']:.0f})"
+                speed += f", {m['machine_cpu_s']:.1f} cpu-s"
+                cells.append(speed)
+            if cells:
+                print(f"{ph:<22}" + "".join(f"{c:>70}" for c in cells))
+        print(f"{'tmpfs':<22}{results['tmpfs']}")
         out = REPO / "bench" / "results"
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"bench_fuse-{time.strftime('%Y%m%dT%H%M%S')}.json"

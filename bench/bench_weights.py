@@ -524,12 +524,16 @@ def main() -> None:
                     results["cold"], "coldstart_read", "dd")
                 results["cold"]["ratio_coldstart_vs_dd"] = ratio(results["cold"], "coldstart",
                                                                  "dd")
+                results["cold"]["ratio_coldstart_vs_safetensors"] = ratio(
+                    results["cold"], "coldstart", "safetensors")
             if "warm" in modes:
                 results["warm"] = measure("warm", peers, str(model), size, args)
                 results["warm"]["ratio_coldstart_vs_dd"] = ratio(results["warm"], "coldstart",
                                                                  "dd")
                 results["warm"]["ratio_coldstart_read_vs_dd"] = ratio(
                     results["warm"], "coldstart_read", "dd")
+                results["warm"]["ratio_coldstart_vs_safetensors"] = ratio(
+                    results["warm"], "coldstart", "safetensors")
             model.unlink()
         if "lazy" in modes:
             size = write_model(model, int(args.size_gb * 1e9))

@@ -7,8 +7,9 @@ file with ``O_DIRECT`` too (no page cache: what a cold load of a big model wants
 page-aligned spans into a per-thread aligned bounce buffer, falling back to buffered reads where
 the filesystem refuses ``O_DIRECT`` (tmpfs, overlayfs), saying why in ``direct_refused``.
 :meth:`LocalFileBlob.mapping` and :meth:`~LocalFileBlob.populate` give the weights loader a
-copy-on-write map of the file, brought in with ``MADV_POPULATE_READ``. Local reads do not wait
-on a network, so the ``timeout`` keyword does not apply.
+copy-on-write map of the file, brought in with ``MADV_POPULATE_READ``, and
+:meth:`~LocalFileBlob.advise` lets it ask for the next ranges while it populates one. Local
+reads do not wait on a network, so the ``timeout`` keyword does not apply.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from coldstart.errors import FormatError, InvalidArgument, NotFound, Unavailable
 from coldstart.format.readat import check_range
 from coldstart.remote.source import bytes_view, fill_from_chunks
 
-__all__ = ["LocalFileBlob", "bounce_buffers_made"]
+__all__ = ["LocalFileBlob", "advise_step", "bounce_buffers_made"]
 
 log = logging.getLogger("coldstart.remote")
 
@@ -40,6 +41,9 @@ _bounce = threading.local()
 _bounce_made = [0]  # buffers made so far in this process (tests check they are reused)
 _bounce_lock = threading.Lock()
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
+# advise_step()'s bounds
+_ADVISE_MIN = 128 << 10
+_ADVISE_MAX = 16 << 20
 
 
 def _bounce_buffer() -> mmap.mmap:
@@ -51,6 +55,24 @@ def _bounce_buffer() -> mmap.mmap:
         with _bounce_lock:
             _bounce_made[0] += 1
     return buf
+
+
+def advise_step(fd: int) -> int:
+    """Bytes one ``POSIX_FADV_WILLNEED`` on ``fd`` reads at most: the kernel cuts a hint to
+    the larger of its device's read-ahead and largest request (``read_ahead_kb``,
+    ``max_sectors_kb`` in sysfs; a partition's are its disk's), between 128 KiB and 16 MiB;
+    128 KiB (the kernel's default read-ahead) where the file system has no block device of
+    its own (overlayfs, tmpfs) or sysfs says nothing."""
+    dev = os.fstat(fd).st_dev
+    base = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+    for queue in (f"{base}/queue", f"{base}/../queue"):
+        try:
+            with open(f"{queue}/read_ahead_kb") as ra, open(f"{queue}/max_sectors_kb") as ms:
+                kib = max(int(ra.read()), int(ms.read()))
+        except (OSError, ValueError):
+            continue
+        return min(_ADVISE_MAX, max(_ADVISE_MIN, kib << 10))
+    return _ADVISE_MIN
 
 
 def bounce_buffers_made() -> int:
@@ -86,6 +108,7 @@ class LocalFileBlob:
         self._direct_fd: int | None = None
         self.requests = 0
         self.bytes_read = 0
+        self._advise_step: int | None = None     # advise_step() of this file, once asked
         # Why O_DIRECT was asked for but is not used (None: not asked, or in use): the weights
         # loader reports it, so a silent fallback to the page cache is visible.
         self.direct_refused: str | None = None
@@ -167,6 +190,31 @@ class LocalFileBlob:
         m.madvise(mmap.MADV_WILLNEED, start, offset + length - start)
         with memoryview(m) as view:
             sum(view[offset : offset + length : mmap.PAGESIZE])
+
+    def advise(self, offset: int, length: int) -> None:
+        """Tell the kernel ``[offset, offset+length)`` will be read soon
+        (``POSIX_FADV_WILLNEED``): it allocates the pages and submits the reads now, and
+        returns without waiting for the disk. A loader that populates one range while the
+        next ones are on their way keeps the disk busy between its faults. One call reads at
+        most the device's read-ahead or largest request (the kernel cuts the rest off), so a
+        long range is asked for in steps of that size (:func:`advise_step`). A hint: a file
+        system that refuses it is read as before.
+
+        >>> src = LocalFileBlob("/etc/hostname"); src.advise(0, src.size()); src.close()
+        """
+        check_range(offset, length, self._size)
+        if not length:
+            return
+        fd = self._open_fd()
+        step = self._advise_step
+        if step is None:
+            step = self._advise_step = advise_step(fd)
+        end = offset + length
+        try:
+            for pos in range(offset, end, step):
+                os.posix_fadvise(fd, pos, min(step, end - pos), os.POSIX_FADV_WILLNEED)
+        except OSError as exc:
+            log.debug("%s: read-ahead hint refused: %s", self.name, exc)
 
     def read_into(self, offset: int, buffers: Sequence[memoryview], *,
                   timeout: float | None = None) -> None:

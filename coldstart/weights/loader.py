@@ -19,6 +19,8 @@ a fake asynchronous device where no GPU is present.
 
 from __future__ import annotations
 
+import itertools
+import logging
 import math
 import os
 import queue
@@ -47,6 +49,8 @@ if TYPE_CHECKING:
 
 __all__ = ["LoadStats", "Slice", "iter_load", "load", "tensor_parallel"]
 
+log = logging.getLogger(__name__)
+
 _SOURCE = SourceConfig()
 _WEIGHTS = WeightsConfig()
 DEFAULT_CONCURRENCY = _SOURCE.concurrency  # network sources: many requests in flight hide latency
@@ -61,6 +65,10 @@ DEFAULT_CHUNK = _WEIGHTS.chunk_bytes
 DEFAULT_MAX_HOST = _WEIGHTS.max_host_bytes
 # Gaps up to this size between wanted ranges are read and dropped rather than cut into two reads.
 _COALESCE_GAP = 256 << 10
+#: Mapped local files: while a thread populates one read, the reads after it, up to this many
+#: bytes, are asked of the kernel (``LocalFileBlob.advise``, WILLNEED: the reads submitted,
+#: not waited for); populating then mostly maps pages already read or on their way.
+POPULATE_AHEAD = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -420,7 +428,8 @@ def iter_load(
     (``insecure_hosts``, ``tls_verify``, ``docker_config``).
 
     ``cpu_mode`` (CPU loads of local files): ``"mmap"`` maps each file copy-on-write, brings it
-    into memory with parallel ``MADV_POPULATE_READ`` and returns views of the page cache (no
+    into memory with parallel ``MADV_POPULATE_READ`` (the reads ahead of those being populated
+    already asked of the kernel, ``POPULATE_AHEAD``) and returns views of the page cache (no
     copy, no zero-filled pages, memory shared with other processes loading the same file;
     tensors whose offset is misaligned for their dtype, or slices along dim > 0, are copied).
     Like ``safetensors``' own mmap, the tensors change if the file is rewritten in place.
@@ -540,14 +549,19 @@ def _run(ckpt: Checkpoint, reads: list[_Read], dtype: torch.dtype | None,
         count = max(2, min(2 * concurrency, max_host_bytes // chunk_bytes))
         staging = _Staging(copies, count, chunk_bytes)
 
-    def work(r: _Read) -> None:
+    ahead = _ReadAhead(ckpt, reads, POPULATE_AHEAD) if mappings is not None else None
+
+    def work(i: int) -> None:
         if cancelled.is_set():
             return
+        r = reads[i]
         try:
             src = ckpt.files[r.file].source
             finished: list[_Target] = []
             event: Any = None
             if mappings is not None:
+                assert ahead is not None
+                ahead.hint(i)
                 src.populate(r.offset, r.length)  # type: ignore[attr-defined]
                 pos = r.offset
                 with memoryview(mappings[r.file]) as mview:
@@ -615,7 +629,7 @@ def _run(ckpt: Checkpoint, reads: list[_Read], dtype: torch.dtype | None,
     pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="coldstart-weights")
     futures: list[Future[None]] = []
     try:
-        futures = [pool.submit(work, r) for r in reads]
+        futures = [pool.submit(work, i) for i in range(len(reads))]
         for _ in range(len(reads)):
             finished, error = done.get()
             if error is not None:
@@ -631,6 +645,46 @@ def _run(ckpt: Checkpoint, reads: list[_Read], dtype: torch.dtype | None,
             # On an early stop, copies may still target tensors about to be freed: let them land
             # before the allocator can hand that memory out again.
             copies.synchronize()
+
+
+class _ReadAhead:
+    """Asks the sources for the reads ahead of the one being populated (each read once).
+
+    The pool takes ``reads`` in order, so a thread starting read ``i`` hints the reads not
+    hinted yet up to the last one that starts within ``ahead`` bytes after read ``i`` ends:
+    the disk then has the next ranges on their way while the threads fault in pages already
+    there. Only sources with an ``advise(offset, length)`` method (local files; it is not
+    part of the Source protocol) get hints; the node's files socket fetches whole ranges
+    itself."""
+
+    def __init__(self, ckpt: Checkpoint, reads: list[_Read], ahead: int) -> None:
+        self._advise = [getattr(f.source, "advise", None) for f in ckpt.files]
+        self._reads = reads
+        self._ahead = ahead
+        self._ends = list(itertools.accumulate(r.length for r in reads))
+        self._starts = [end - r.length for end, r in zip(self._ends, reads, strict=True)]
+        self._next = 0          # reads before this index were hinted already
+        self._lock = threading.Lock()
+
+    def hint(self, i: int) -> None:
+        if not any(self._advise):
+            return
+        with self._lock:
+            # from the first read not hinted yet (a thread that got here before the one
+            # holding an earlier read must not skip it); read i itself is always within
+            first = last = self._next
+            limit = self._ends[i] + self._ahead
+            while last < len(self._reads) and self._starts[last] < limit:
+                last += 1
+            self._next = last
+        for r in self._reads[first:last]:
+            advise = self._advise[r.file]
+            if advise is None:
+                continue
+            try:
+                advise(r.offset, r.length)
+            except Exception as exc:  # a hint must never fail a load (nor blame a read)
+                log.debug("read-ahead hint for file %d at %d failed: %s", r.file, r.offset, exc)
 
 
 def _naming(exc: ColdstartError, source: Source, r: _Read) -> ColdstartError:

@@ -4,9 +4,6 @@ their reads then never reach the server. Residency is the kernel's own word (``m
 
 from __future__ import annotations
 
-import ctypes
-import mmap
-import os
 from pathlib import Path
 from typing import Any
 
@@ -14,45 +11,15 @@ import pytest
 
 from coldstart.lazyfs.client import FuseServerClient
 from coldstart.lazyfs.spec import LayerSpec
+from tests.fixtures.pages import resident_pages
 from tests.fixtures.procs import wait_for
 from tests.fixtures.registry import Registry
 from tests.integration.lazy.lazy_helpers import convert, fuse_server, metadata_tar, push_layer
 
 pytestmark = pytest.mark.integration
 
-PAGE = mmap.PAGESIZE
 START_UP = ["usr/lib/big.so", "etc/os-release", "usr/bin/sudo"]
 LATER = "usr/share/doc/f007.txt"        # not in the start-up set
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def resident_pages(path: Path) -> tuple[int, int]:
-    """``(resident, total)`` pages of ``path`` in the page cache, without reading it: mapping
-    a file reads nothing, and ``mincore`` only asks the kernel what it holds."""
-    size = path.stat().st_size
-    pages = (size + PAGE - 1) // PAGE
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    finally:
-        os.close(fd)
-    if addr is None or addr == _MAP_FAILED:
-        raise OSError(ctypes.get_errno(), f"mmap {path}")
-    try:
-        vec = ctypes.create_string_buffer(pages)
-        if _libc.mincore(addr, size, vec) != 0:
-            raise OSError(ctypes.get_errno(), f"mincore {path}")
-        return sum(1 for b in vec.raw[:pages] if b & 1), pages
-    finally:
-        _libc.munmap(addr, size)
-
 
 def _status(client: FuseServerClient, spec: LayerSpec) -> dict[str, Any]:
     return next(s for s in client.status() if s["digest"] == spec.digest)
