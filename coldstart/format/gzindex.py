@@ -268,6 +268,8 @@ class IndexedLayer(SeekableLayer):
     another digest): the index lies, or the blob does.
     """
 
+    spreads = True
+
     def __init__(self, blob: ReadAt, index: GzipIndex, index_digest: str) -> None:
         toc = parse_toc(index.toc_json, format=INDEX_FORMAT, data_end=index.size)
         super().__init__(blob, toc, index_digest, footer=Footer(INDEX_FORMAT, 0, index.size),

@@ -94,6 +94,10 @@ class SeekableLayer:
     Thread-safe: decoding shares no mutable state.
     """
 
+    #: whether decoding one chunk of a compressed range gives every chunk sharing that range
+    #: (:meth:`spread`): a fill then asks for one chunk per range
+    spreads = False
+
     def __init__(self, blob: ReadAt, toc: TOC, toc_digest: str, *, footer: Footer,
                  toc_offset: int, verified: bool) -> None:
         self.blob = blob

@@ -584,9 +584,10 @@ class ChunkFetcher:
         self._count_fetch(target, len(raw), len(group), kind)
         try:
             again: list[Chunk] = []
+            spread: dict[str, bytes] = {}
             for c in group:
                 if not self._finish_chunk(target, c, owned[c], raw, start,
-                                          last=REFETCHES <= 0):
+                                          last=REFETCHES <= 0, spread=spread):
                     again.append(c)
             if again:
                 self._refetch(target, again, owned, kind)
@@ -646,38 +647,55 @@ class ChunkFetcher:
             self.telemetry.error(kind)
         return msg
 
+    def _cache_decoded(self, target: FetchTarget, c: Chunk, data: bytes,
+                       spread: dict[str, bytes] | None) -> None:
+        """Cache a verified chunk, and the other files' pieces of its span when it is an
+        indexed gzip layer's (verified too; also kept in ``spread`` for the request's own
+        chunks among them)."""
+        if not c.digest or self.cache is None:
+            return
+        try:
+            self.cache.put_async(c.digest, data, verified=True)
+            for digest, piece in target.layer.spread(c):
+                self.cache.put_async(digest, piece, verified=True)
+                if spread is not None:
+                    spread[digest] = piece
+        except (OSError, ColdstartError) as exc:
+            log.warning("layer %s: caching chunk %s failed: %s", target.digest, c.digest, exc)
+
     def _finish_chunk(self, target: FetchTarget, c: Chunk, fl: _Flight, raw: bytes,
-                      start: int, *, last: bool = True) -> bool:
+                      start: int, *, last: bool = True,
+                      spread: dict[str, bytes] | None = None) -> bool:
         """Decode and verify one fetched chunk, cache it, and wake its readers right away.
 
         Bytes that fail to decode or verify settle the chunk with the error if ``last``;
         otherwise they are dropped and nothing is settled (False: the caller fetches the chunk
-        again). True once the chunk is settled."""
+        again). True once the chunk is settled. ``spread``: the pieces that decoding another
+        chunk of the same request found, verified and cached already (an indexed gzip
+        layer's span: :meth:`~coldstart.format.gzindex.IndexedLayer.spread`), by digest; a
+        chunk found there is not decoded and hashed again."""
         res: bytes | BaseException
-        try:
-            res = target.layer.decode_chunk(c, raw[c.offset - start : c.end_offset - start])
-        except Exception as exc:
-            kind = type(exc).__name__
-            if not last:
-                log.warning("layer %s: %s: %s (chunk %s at blob offset %d); fetching it again",
-                            target.digest, kind, exc, c.digest or "-", c.offset)
-                if self.telemetry is not None:
-                    self.telemetry.error(kind)
-                return False
-            msg = self._report(target, kind, f"layer {target.digest}: {kind}: {exc} (chunk "
-                               f"{c.digest or '-'} at blob offset {c.offset}); not cached")
-            target.layer.chunk_failed(c, exc)
-            res = type(exc)(msg) if isinstance(exc, ColdstartError) else Unavailable(msg)
+        ready = spread.pop(c.digest, None) if spread is not None and c.digest else None
+        if ready is not None:
+            res = ready
         else:
-            if c.digest and self.cache is not None:
-                try:
-                    self.cache.put_async(c.digest, res, verified=True)
-                    # an indexed gzip layer's span holds other files' pieces too (verified)
-                    for digest, data in target.layer.spread(c):
-                        self.cache.put_async(digest, data, verified=True)
-                except (OSError, ColdstartError) as exc:
-                    log.warning("layer %s: caching chunk %s failed: %s", target.digest,
-                                c.digest, exc)
+            try:
+                res = target.layer.decode_chunk(c, raw[c.offset - start : c.end_offset - start])
+            except Exception as exc:
+                kind = type(exc).__name__
+                if not last:
+                    log.warning("layer %s: %s: %s (chunk %s at blob offset %d); fetching it "
+                                "again", target.digest, kind, exc, c.digest or "-", c.offset)
+                    if self.telemetry is not None:
+                        self.telemetry.error(kind)
+                    return False
+                msg = self._report(target, kind, f"layer {target.digest}: {kind}: {exc} "
+                                   f"(chunk {c.digest or '-'} at blob offset {c.offset}); "
+                                   "not cached")
+                target.layer.chunk_failed(c, exc)
+                res = type(exc)(msg) if isinstance(exc, ColdstartError) else Unavailable(msg)
+            else:
+                self._cache_decoded(target, c, res, spread)
         self._release(target, c, fl)   # after the put: a later reader finds it cached
         if fl.future.done():
             return True

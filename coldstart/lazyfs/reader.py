@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -779,7 +779,7 @@ class LayerReader:
         if rate <= 0:
             return 0
         todo = self.fill_order()
-        total = sum(c.compressed_size for c in todo)
+        total = _range_bytes(todo)
         if not self._fits_in_cache(todo):
             return 0
         with self.stats._lock:
@@ -802,16 +802,19 @@ class LayerReader:
             if self._stop.is_set():
                 break
             want = [c for c in batch if not self._is_cached(c)]
-            wanted = set(want)
-            local += sum(c.compressed_size for c in batch if c not in wanted)
+            wanted = {(c.offset, c.end_offset) for c in want}
+            local += _range_bytes(c for c in batch if (c.offset, c.end_offset) not in wanted)
             if not want:
                 continue
+            if self.layer.spreads:
+                # one piece per span: decoding it verifies and caches the span's other pieces
+                want = _first_per_range(want)
             try:
                 futures = self.fetcher.request(self.target, want, background=True,
                                                max_bytes=BACKGROUND_REQUEST, kind=FILL)
             except ColdstartError:
                 break
-            window.append((sum(c.compressed_size for c in want), futures))
+            window.append((_range_bytes(want), futures))
             if len(window) >= BACKGROUND_DEPTH:
                 nbytes, oldest = window.pop(0)
                 fetched += settle(nbytes, oldest)
@@ -866,31 +869,31 @@ class LayerReader:
 
 
 def _growing_batches(chunks: list[Chunk], first: int, limit: int) -> list[list[Chunk]]:
-    """``chunks`` in order, cut into batches of ``first`` compressed bytes, then
-    ``PREFETCH_GROWTH`` times as many each, up to ``limit``."""
+    """``chunks`` in blob order, cut into batches of ``first`` compressed bytes, then
+    ``PREFETCH_GROWTH`` times as many each, up to ``limit``. Chunks that share one compressed
+    range (an indexed gzip layer's span holds many files' pieces; an eStargz gzip member
+    several small files) count it once and stay in one batch: a cut between them would fetch
+    that range once per batch."""
     out: list[list[Chunk]] = []
     size = want = 0
+    last = (-1, -1)
     for c in chunks:
-        if not out or size >= want:
-            want = first if not out else min(limit, want * PREFETCH_GROWTH)
-            out.append([])
-            size = 0
+        here = (c.offset, c.end_offset)
+        if here != last:
+            if not out or size >= want:
+                want = first if not out else min(limit, want * PREFETCH_GROWTH)
+                out.append([])
+                size = 0
+            size += c.compressed_size
+            last = here
         out[-1].append(c)
-        size += c.compressed_size
     return out
 
 
 def _batches(chunks: list[Chunk], limit: int) -> list[list[Chunk]]:
-    """``chunks`` in order, cut into batches of about ``limit`` compressed bytes each."""
-    batches: list[list[Chunk]] = [[]]
-    size = 0
-    for c in chunks:
-        if size >= limit:
-            batches.append([])
-            size = 0
-        batches[-1].append(c)
-        size += c.compressed_size
-    return batches
+    """``chunks`` in blob order, cut into batches of about ``limit`` compressed bytes each
+    (a range several chunks share: counted once, never cut, as in :func:`_growing_batches`)."""
+    return _growing_batches(chunks, limit, limit)
 
 
 def _hand_over(warmer: PageCacheWarmer, c: Chunk, f: Future[bytes]) -> None:
@@ -900,13 +903,31 @@ def _hand_over(warmer: PageCacheWarmer, c: Chunk, f: Future[bytes]) -> None:
         warmer.put(c, f.result())
 
 
+def _first_per_range(chunks: list[Chunk]) -> list[Chunk]:
+    """The first of ``chunks`` in each compressed range, in order."""
+    seen: set[tuple[int, int]] = set()
+    out: list[Chunk] = []
+    for c in chunks:
+        if (c.offset, c.end_offset) not in seen:
+            seen.add((c.offset, c.end_offset))
+            out.append(c)
+    return out
+
+
+def _range_bytes(chunks: Iterable[Chunk]) -> int:
+    """The compressed bytes of ``chunks``, each range counted once (chunks may share one:
+    see :func:`_growing_batches`)."""
+    return sum(b - a for a, b in {(c.offset, c.end_offset) for c in chunks if not c.zeros})
+
+
 def _settle(futures: dict[Chunk, Future[bytes]], timeout: float) -> int:
-    done = 0
+    """Wait for ``futures``; the compressed bytes of those that came (see _range_bytes)."""
     deadline = time.monotonic() + timeout
+    done: list[Chunk] = []
     for c, f in futures.items():
         try:
             f.result(timeout=max(0.0, deadline - time.monotonic()))
-            done += c.compressed_size
+            done.append(c)
         except (ColdstartError, TimeoutError):
             continue
-    return done
+    return _range_bytes(done)

@@ -10,7 +10,7 @@ import pytest
 from coldstart.cache import ChunkCache
 from coldstart.lazyfs import reader as reader_module
 from coldstart.lazyfs.fetcher import DEMAND, FILL, PREFETCH, ChunkFetcher
-from coldstart.lazyfs.reader import _growing_batches
+from coldstart.lazyfs.reader import LayerReader, _batches, _growing_batches
 from coldstart.prefetch.recorder import AccessRecorder
 from tests.integration.lazy.lazy_helpers import metadata_tar
 from tests.unit.lazy.test_lazy_reader import FORMATS, make, read_all
@@ -24,6 +24,22 @@ def test_growing_batches() -> None:
     sizes = [sum(c.compressed_size for c in b) for b in batches]
     assert sizes[:3] == [200, 800, 800]
     assert [c for b in batches for c in b] == chunks
+
+
+def test_chunks_sharing_one_range_stay_in_one_batch() -> None:
+    """An indexed gzip layer's span: many files' pieces, one compressed range each time. A
+    batch cut between them fetched the span once per batch (twice the bytes, measured)."""
+    from coldstart.format.toc import Chunk
+
+    spans = [(i * 1000, i * 1000 + 1000) for i in range(6)]
+    chunks = [Chunk(a, b, 0, 10, f"d{a}-{k}", k * 10) for a, b in spans for k in range(7)]
+    for batches in (_growing_batches(chunks, 1500, 3000), _batches(chunks, 2000)):
+        assert [c for b in batches for c in b] == chunks
+        ranges = [{(c.offset, c.end_offset) for c in b} for b in batches]
+        assert all(not (x & y) for i, x in enumerate(ranges) for y in ranges[i + 1:])
+    # each range counted once: 1500 bytes -> two spans in the first batch, then 3000
+    assert [len({c.offset for c in b}) for b in _growing_batches(chunks, 1500, 3000)] == [2, 3, 1]
+    assert _batches([], 10) == []
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -248,3 +264,40 @@ def test_a_fill_that_does_not_fit_in_the_cache_is_skipped_and_says_why(tmp_path:
     reader.background_rate = 1 << 40
     assert reader.fetch_rest() == 0 and src.counting.requests == 0
     assert "does not fit in the chunk cache" in reader.stats.last_error
+
+
+def test_the_fill_of_an_indexed_gzip_layer_reads_each_span_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each file's piece of a span is a chunk over the whole span: the fill's requests must
+    not cut a span in two (it was fetched once per request), and its byte counts (the pacing,
+    the states) must count a span once, not once per piece."""
+    import io
+    import tarfile
+
+    from coldstart.format.gzindex import open_indexed_layer
+    from tests.unit.format.test_format_gzindex import _big_tar, _indexed
+    from tests.unit.lazy.test_lazy_reader import GatedSource
+
+    tar = _big_tar()
+    blob, digest, index, _, _ = _indexed(tmp_path, tar)
+    with tarfile.open(fileobj=io.BytesIO(tar)) as tf:
+        files = {m.name.removeprefix("./"): tf.extractfile(m).read()  # type: ignore[union-attr]
+                 for m in tf.getmembers() if m.isreg()}
+    src = GatedSource(blob)
+    layer = open_indexed_layer(src, index, layer=digest)
+    assert len(layer.index.checkpoints) > 5
+    fetcher = ChunkFetcher(ChunkCache(tmp_path / "cache", max_bytes=1 << 30), concurrency=4,
+                           max_coalesce_bytes=16 << 20, request_timeout=5.0)
+    reader = LayerReader(digest, layer, src, fetcher, read_deadline=10.0)
+    monkeypatch.setattr(reader_module, "BACKGROUND_REQUEST", 4 << 10)   # cuts every span
+    reader.background_rate = 1 << 40
+    src.counting.reset()
+    reader.fetch_rest()
+    stats = reader.stats.as_dict()
+    assert stats["state"] == "complete"
+    assert stats["local_bytes"] == stats["total_bytes"] <= len(blob)
+    assert src.counting.bytes_read <= len(blob), (src.counting.bytes_read, len(blob))
+    before = src.counting.requests
+    for name, data in files.items():
+        assert read_all(reader, name) == data
+    assert src.counting.requests == before
