@@ -51,8 +51,9 @@ _ONE = textwrap.dedent('''
     src = Throttled(counting)
     layer = open_indexed_layer(src, Path(index_path).read_bytes(), layer=digest)
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
-        fetcher = ChunkFetcher(ChunkCache(Path(tmp) / "cache", max_bytes=8 << 30),
-                               concurrency=8, max_coalesce_bytes=16 << 20, request_timeout=60.0)
+        cache = ChunkCache(Path(tmp) / "cache", max_bytes=8 << 30)
+        fetcher = ChunkFetcher(cache, concurrency=8, max_coalesce_bytes=16 << 20,
+                               request_timeout=60.0)
         reader = LayerReader(digest, layer, src, fetcher, read_deadline=120.0)
         reader.background_rate = 1 << 40
         counting.reset()
@@ -61,6 +62,7 @@ _ONE = textwrap.dedent('''
         seconds = time.monotonic() - t0
         stats = reader.stats.as_dict()
         fetcher.close()
+        cache.close()       # its writer is done before the directory goes
     print(json.dumps({"seconds": seconds, "bytes": counting.bytes_read,
                       "requests": counting.requests, "blob": len(blob),
                       "state": stats["state"], "total_bytes": stats["total_bytes"]}))

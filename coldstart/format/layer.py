@@ -94,8 +94,9 @@ class SeekableLayer:
     Thread-safe: decoding shares no mutable state.
     """
 
-    #: whether decoding one chunk of a compressed range gives every chunk sharing that range
-    #: (:meth:`spread`): a fill then asks for one chunk per range
+    #: whether decoding one chunk of a compressed range gives the other chunks sharing that
+    #: range (:meth:`spread`; the first time that range is decoded): a fill then asks for
+    #: one chunk per range first
     spreads = False
 
     def __init__(self, blob: ReadAt, toc: TOC, toc_digest: str, *, footer: Footer,

@@ -585,7 +585,11 @@ class ChunkFetcher:
         try:
             again: list[Chunk] = []
             spread: dict[str, bytes] = {}
+            span = -1
             for c in group:
+                if c.offset != span:    # sorted: a span's pieces come together
+                    spread.clear()
+                    span = c.offset
                 if not self._finish_chunk(target, c, owned[c], raw, start,
                                           last=REFETCHES <= 0, spread=spread):
                     again.append(c)
@@ -671,12 +675,13 @@ class ChunkFetcher:
         Bytes that fail to decode or verify settle the chunk with the error if ``last``;
         otherwise they are dropped and nothing is settled (False: the caller fetches the chunk
         again). True once the chunk is settled. ``spread``: the pieces that decoding another
-        chunk of the same request found, verified and cached already (an indexed gzip
-        layer's span: :meth:`~coldstart.format.gzindex.IndexedLayer.spread`), by digest; a
-        chunk found there is not decoded and hashed again."""
+        chunk of the same span found, verified and cached already (an indexed gzip layer's
+        span: :meth:`~coldstart.format.gzindex.IndexedLayer.spread`), by digest; a chunk
+        found there with its own size is not decoded and hashed again (any other is: its
+        index may lie)."""
         res: bytes | BaseException
         ready = spread.pop(c.digest, None) if spread is not None and c.digest else None
-        if ready is not None:
+        if ready is not None and len(ready) == c.chunk_size:
             res = ready
         else:
             try:

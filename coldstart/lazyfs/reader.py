@@ -785,45 +785,67 @@ class LayerReader:
         with self.stats._lock:
             self.stats.state = "filling"
             self.stats.total_bytes = total
-        batches = _batches(todo, BACKGROUND_REQUEST)
         fetched = 0
         local = 0       # compressed bytes known local: found cached, or fetched by the fill
+        counted: set[tuple[int, int]] = set()      # their ranges (a range is counted once)
         start = clock()
-        window: list[tuple[int, dict[Chunk, Future[bytes]]]] = []
 
-        def settle(nbytes: int, futures: dict[Chunk, Future[bytes]]) -> int:
+        def count(ranges: Iterable[tuple[int, int]]) -> None:
             nonlocal local
-            local += _settle(futures, self.read_deadline * 4)
+            for r in ranges:
+                if r not in counted:
+                    counted.add(r)
+                    local += r[1] - r[0]
             with self.stats._lock:
                 self.stats.local_bytes = local
+
+        def settle(nbytes: int, futures: dict[Chunk, Future[bytes]]) -> int:
+            count(_ranges(_settled(futures, self.read_deadline * 4)))
             return nbytes
 
-        for batch in batches:
-            if self._stop.is_set():
-                break
-            want = [c for c in batch if not self._is_cached(c)]
-            wanted = {(c.offset, c.end_offset) for c in want}
-            local += _range_bytes(c for c in batch if (c.offset, c.end_offset) not in wanted)
-            if not want:
-                continue
-            if self.layer.spreads:
-                # one piece per span: decoding it verifies and caches the span's other pieces
-                want = _first_per_range(want)
-            try:
-                futures = self.fetcher.request(self.target, want, background=True,
-                                               max_bytes=BACKGROUND_REQUEST, kind=FILL)
-            except ColdstartError:
-                break
-            window.append((_range_bytes(want), futures))
-            if len(window) >= BACKGROUND_DEPTH:
-                nbytes, oldest = window.pop(0)
-                fetched += settle(nbytes, oldest)
-                # token bucket with no burst: never ahead of rate x elapsed
-                ahead = fetched / rate - (clock() - start)
-                if ahead > 0:
-                    sleep(ahead)
-        for nbytes, futures in window:
-            fetched += settle(nbytes, futures)
+        def run(batches: list[list[Chunk]], one_per_span: bool) -> bool:
+            """Fetch ``batches`` paced at ``rate``; False if stopped or a request failed."""
+            nonlocal fetched
+            window: list[tuple[int, dict[Chunk, Future[bytes]]]] = []
+            ok = True
+            for batch in batches:
+                if self._stop.is_set():
+                    ok = False
+                    break
+                want = [c for c in batch if not self._is_cached(c)]
+                wanted = _ranges(want)
+                count(r for r in _ranges(batch) if r not in wanted)
+                if not want:
+                    continue
+                if one_per_span:
+                    want = _first_per_range(want)
+                try:
+                    futures = self.fetcher.request(self.target, want, background=True,
+                                                   max_bytes=BACKGROUND_REQUEST, kind=FILL)
+                except ColdstartError:
+                    ok = False
+                    break
+                window.append((_range_bytes(want), futures))
+                if len(window) >= BACKGROUND_DEPTH:
+                    nbytes, oldest = window.pop(0)
+                    fetched += settle(nbytes, oldest)
+                    # token bucket with no burst: never ahead of rate x elapsed
+                    ahead = fetched / rate - (clock() - start)
+                    if ahead > 0:
+                        sleep(ahead)
+            for nbytes, futures in window:
+                fetched += settle(nbytes, futures)
+            return ok
+
+        spreads = self.layer.spreads
+        # where decoding one piece of a span caches the others (an indexed gzip layer), one
+        # piece per span is asked for; a span handed out before in this mount (its pieces since
+        # evicted), or a piece whose digest another fetch had in flight, leaves pieces
+        # missing: those are then asked for one by one
+        if run(_batches(todo, BACKGROUND_REQUEST), spreads) and spreads:
+            left = [c for c in todo if not self._is_cached(c)]
+            if left:
+                run(_batches(left, BACKGROUND_REQUEST), False)
         complete = not self._stop.is_set() and all(self._is_cached(c) for c in todo)
         with self.stats._lock:
             self.stats.background_done = True
@@ -869,11 +891,11 @@ class LayerReader:
 
 
 def _growing_batches(chunks: list[Chunk], first: int, limit: int) -> list[list[Chunk]]:
-    """``chunks`` in blob order, cut into batches of ``first`` compressed bytes, then
-    ``PREFETCH_GROWTH`` times as many each, up to ``limit``. Chunks that share one compressed
-    range (an indexed gzip layer's span holds many files' pieces; an eStargz gzip member
-    several small files) count it once and stay in one batch: a cut between them would fetch
-    that range once per batch."""
+    """``chunks`` (in blob order within each part of a fill or prefetch order), cut into
+    batches of ``first`` compressed bytes, then ``PREFETCH_GROWTH`` times as many each, up to
+    ``limit``. Consecutive chunks that share one compressed range (an indexed gzip layer's
+    span holds many files' pieces) count it once and stay in one batch: a cut between them
+    would fetch that range once per batch."""
     out: list[list[Chunk]] = []
     size = want = 0
     last = (-1, -1)
@@ -891,9 +913,23 @@ def _growing_batches(chunks: list[Chunk], first: int, limit: int) -> list[list[C
 
 
 def _batches(chunks: list[Chunk], limit: int) -> list[list[Chunk]]:
-    """``chunks`` in blob order, cut into batches of about ``limit`` compressed bytes each
-    (a range several chunks share: counted once, never cut, as in :func:`_growing_batches`)."""
-    return _growing_batches(chunks, limit, limit)
+    """``chunks`` in blob order, cut into batches of at most ``limit`` compressed bytes each
+    (one range larger than that: a batch of its own), so that a contiguous batch is one
+    request of at most ``limit``. A range several chunks share is counted once and never cut,
+    as in :func:`_growing_batches`."""
+    out: list[list[Chunk]] = []
+    size = 0
+    last = (-1, -1)
+    for c in chunks:
+        here = (c.offset, c.end_offset)
+        if here != last:
+            if not out or (size and size + c.compressed_size > limit):
+                out.append([])
+                size = 0
+            size += c.compressed_size
+            last = here
+        out[-1].append(c)
+    return out
 
 
 def _hand_over(warmer: PageCacheWarmer, c: Chunk, f: Future[bytes]) -> None:
@@ -914,14 +950,19 @@ def _first_per_range(chunks: list[Chunk]) -> list[Chunk]:
     return out
 
 
+def _ranges(chunks: Iterable[Chunk]) -> set[tuple[int, int]]:
+    """The compressed ranges ``chunks`` are fetched with (holes have none)."""
+    return {(c.offset, c.end_offset) for c in chunks if not c.zeros}
+
+
 def _range_bytes(chunks: Iterable[Chunk]) -> int:
     """The compressed bytes of ``chunks``, each range counted once (chunks may share one:
     see :func:`_growing_batches`)."""
-    return sum(b - a for a, b in {(c.offset, c.end_offset) for c in chunks if not c.zeros})
+    return sum(b - a for a, b in _ranges(chunks))
 
 
-def _settle(futures: dict[Chunk, Future[bytes]], timeout: float) -> int:
-    """Wait for ``futures``; the compressed bytes of those that came (see _range_bytes)."""
+def _settled(futures: dict[Chunk, Future[bytes]], timeout: float) -> list[Chunk]:
+    """Wait for ``futures`` (``timeout`` seconds in all); the chunks that came."""
     deadline = time.monotonic() + timeout
     done: list[Chunk] = []
     for c, f in futures.items():
@@ -930,4 +971,9 @@ def _settle(futures: dict[Chunk, Future[bytes]], timeout: float) -> int:
             done.append(c)
         except (ColdstartError, TimeoutError):
             continue
-    return _range_bytes(done)
+    return done
+
+
+def _settle(futures: dict[Chunk, Future[bytes]], timeout: float) -> int:
+    """Wait for ``futures``; the compressed bytes of those that came (see _range_bytes)."""
+    return _range_bytes(_settled(futures, timeout))

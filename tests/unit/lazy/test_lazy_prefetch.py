@@ -39,6 +39,9 @@ def test_chunks_sharing_one_range_stay_in_one_batch() -> None:
         assert all(not (x & y) for i, x in enumerate(ranges) for y in ranges[i + 1:])
     # each range counted once: 1500 bytes -> two spans in the first batch, then 3000
     assert [len({c.offset for c in b}) for b in _growing_batches(chunks, 1500, 3000)] == [2, 3, 1]
+    # the fill's batches stay within the limit (one request each): 2 spans of 1000 in 2000
+    assert [len({c.offset for c in b}) for b in _batches(chunks, 2000)] == [2, 2, 2]
+    assert [len({c.offset for c in b}) for b in _batches(chunks, 500)] == [1] * 6
     assert _batches([], 10) == []
 
 
@@ -301,3 +304,34 @@ def test_the_fill_of_an_indexed_gzip_layer_reads_each_span_once(
     for name, data in files.items():
         assert read_all(reader, name) == data
     assert src.counting.requests == before
+
+
+def test_the_fill_completes_a_span_handed_out_before_whose_pieces_were_evicted(
+        tmp_path: Path) -> None:
+    """A span is spread once per mount: when its other pieces left the cache since (LRU, a
+    failed write), asking for one piece caches nothing else, and the fill asks for them."""
+    from coldstart.format.gzindex import open_indexed_layer
+    from tests.unit.format.test_format_gzindex import _big_tar, _indexed
+    from tests.unit.lazy.test_lazy_reader import GatedSource
+
+    blob, digest, index, _, _ = _indexed(tmp_path, _big_tar())
+    src = GatedSource(blob)
+    layer = open_indexed_layer(src, index, layer=digest)
+    cache = ChunkCache(tmp_path / "cache", max_bytes=1 << 30)
+    fetcher = ChunkFetcher(cache, concurrency=4, max_coalesce_bytes=16 << 20,
+                           request_timeout=5.0)
+    reader = LayerReader(digest, layer, src, fetcher, read_deadline=10.0)
+    first = layer.resolve("pkg/m000.py").chunks[0]
+    read_all(reader, "pkg/m000.py")                 # its span is spread: all pieces cached
+    cache.flush()
+    others = [c for c in reader._unique_chunks()
+              if c.offset == first.offset and c.digest != first.digest][:3]
+    assert others and all(c.digest in cache for c in others)
+    for c in others:
+        cache.remove(c.digest)
+    reader.background_rate = 1 << 40
+    reader.fetch_rest()
+    stats = reader.stats.as_dict()
+    assert stats["state"] == "complete", stats
+    assert all(c.digest in cache for c in others)
+    assert stats["local_bytes"] == stats["total_bytes"]
