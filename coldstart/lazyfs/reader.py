@@ -890,19 +890,24 @@ class LayerReader:
         return bool(self.layer.toc.prefetch or self.prefetch_ranges)
 
 
-def _growing_batches(chunks: list[Chunk], first: int, limit: int) -> list[list[Chunk]]:
+def _growing_batches(chunks: list[Chunk], first: int, limit: int, *,
+                     within: bool = False) -> list[list[Chunk]]:
     """``chunks`` (in blob order within each part of a fill or prefetch order), cut into
     batches of ``first`` compressed bytes, then ``PREFETCH_GROWTH`` times as many each, up to
-    ``limit``. Consecutive chunks that share one compressed range (an indexed gzip layer's
-    span holds many files' pieces) count it once and stay in one batch: a cut between them
-    would fetch that range once per batch."""
+    ``limit``: a batch ends at the first range that reaches its size, or with ``within``
+    before the range that would take it past its size (a contiguous batch is then one request
+    of at most that size; one range larger than that is a batch of its own). Consecutive
+    chunks that share one compressed range (an indexed gzip layer's span holds many files'
+    pieces) count it once and stay in one batch: a cut between them would fetch that range
+    once per batch."""
     out: list[list[Chunk]] = []
     size = want = 0
     last = (-1, -1)
     for c in chunks:
         here = (c.offset, c.end_offset)
         if here != last:
-            if not out or size >= want:
+            full = size + c.compressed_size > want if within else size >= want
+            if not out or (size and full):
                 want = first if not out else min(limit, want * PREFETCH_GROWTH)
                 out.append([])
                 size = 0
@@ -913,23 +918,9 @@ def _growing_batches(chunks: list[Chunk], first: int, limit: int) -> list[list[C
 
 
 def _batches(chunks: list[Chunk], limit: int) -> list[list[Chunk]]:
-    """``chunks`` in blob order, cut into batches of at most ``limit`` compressed bytes each
-    (one range larger than that: a batch of its own), so that a contiguous batch is one
-    request of at most ``limit``. A range several chunks share is counted once and never cut,
-    as in :func:`_growing_batches`."""
-    out: list[list[Chunk]] = []
-    size = 0
-    last = (-1, -1)
-    for c in chunks:
-        here = (c.offset, c.end_offset)
-        if here != last:
-            if not out or (size and size + c.compressed_size > limit):
-                out.append([])
-                size = 0
-            size += c.compressed_size
-            last = here
-        out[-1].append(c)
-    return out
+    """The fill's batches: at most ``limit`` compressed bytes each (see
+    :func:`_growing_batches`, ``within``)."""
+    return _growing_batches(chunks, limit, limit, within=True)
 
 
 def _hand_over(warmer: PageCacheWarmer, c: Chunk, f: Future[bytes]) -> None:
