@@ -172,8 +172,10 @@ def test_removing_a_lazy_layer_unmounts_it_first(
     assert fs in [m["mountpoint"] for m in fuse.status()]
     snap.remove("v")
     snap.remove(chain)  # containerd forgets it now and removes it from us in its GC
+    # the snapshot's directory goes last (rmtree removes ``fs`` before it): wait for it, not
+    # for ``fs`` (a CI run once caught the directory between the two)
     deadline = time.monotonic() + 30
-    while os.path.exists(fs) and time.monotonic() < deadline:
+    while os.path.exists(os.path.dirname(fs)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not os.path.exists(os.path.dirname(fs))
     assert not is_mountpoint(fs)
