@@ -45,6 +45,7 @@ last unmount reclaims its chunks).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import mmap
@@ -185,11 +186,8 @@ def link_arg(text: str) -> Link:
 
 def verified_limit(registry_host: str, spec: LayerSpec, name: str, threads: int) -> int:
     """Bytes of file ``name`` in ``spec``'s layer, fetched, decoded and verified the fastest
-    plain way: parallel 8 MiB range GETs of its chunks, ``threads`` at once, each chunk
-    decompressed and checked against its digest (``Layer.decode_chunk``), then dropped (no
-    cache, no page cache, nothing handed to a reader). Returns the bytes verified."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    plain way (:func:`coldstart.benchmark.limits.verified_bytes`)."""
+    from coldstart.benchmark.limits import verified_bytes
     from coldstart.oci.reference import Reference
     from coldstart.oci.registry import RegistryClient
     from coldstart.remote import RegistryBlob
@@ -197,22 +195,8 @@ def verified_limit(registry_host: str, spec: LayerSpec, name: str, threads: int)
     client = RegistryClient(insecure_hosts=[registry_host])
     try:
         blob = RegistryBlob(client, Reference.parse(spec.reference), spec.digest, None)
-        layer = open_layer(blob, annotations=spec.annotations)
-        chunks = [c for c in layer.resolve(name).chunks if not c.zeros]
-        groups: list[list[Any]] = [[]]
-        for c in chunks:
-            if groups[-1] and c.end_offset - groups[-1][0].offset > 8 * MiB:
-                groups.append([])
-            groups[-1].append(c)
-
-        def one(group: list[Any]) -> int:
-            lo, hi = group[0].offset, group[-1].end_offset
-            data = blob.read_at(lo, hi - lo)
-            return sum(len(layer.decode_chunk(c, data[c.offset - lo:c.end_offset - lo]))
-                       for c in group)     # (decode_chunk takes bytes: a slice, as the server)
-
-        with ThreadPoolExecutor(threads) as pool:
-            return sum(pool.map(one, groups))
+        return verified_bytes(blob, open_layer(blob, annotations=spec.annotations), name,
+                              threads)
     finally:
         client.close()
 
@@ -297,16 +281,25 @@ def one_round(tree: Path, srv_tmp: Path, registry_host: str, specs: dict[str, La
     chunk cache), and the verified-bytes limit of the big blob."""
     res: dict[str, Any] = {}
 
-    def server(host: str = registry_host) -> Any:
+    @contextlib.contextmanager
+    def served(host: str = registry_host) -> Iterator[tuple[Phase, FuseServerClient]]:
+        """A fresh FUSE server reading from ``host``, the page cache dropped before it starts;
+        its temp directory emptied after."""
+        drop_page_cache(settle)
         port = free_port()
-        cm = fuse_server(srv_tmp, registry_host=host, cache_max=4 << 30, source_root=tree,
+        with fuse_server(srv_tmp, registry_host=host, cache_max=4 << 30, source_root=tree,
                          concurrency=concurrency,
-                         extra_args=("--metrics-address", f"127.0.0.1:{port}"))
-        return cm, port
-
-    def fresh() -> None:
+                         extra_args=("--metrics-address", f"127.0.0.1:{port}")
+                         ) as (proc, client, _):
+            yield Phase(proc.pid, port), client
         shutil.rmtree(srv_tmp, ignore_errors=True)
         srv_tmp.mkdir()
+
+    def mount(client: FuseServerClient, name: str, spec: LayerSpec) -> Path:
+        mp = srv_tmp / name
+        mp.mkdir(exist_ok=True)
+        client.mount(str(mp), spec)
+        return mp
 
     if "big" in specs:
         drop_page_cache(settle)
@@ -316,13 +309,8 @@ def one_round(tree: Path, srv_tmp: Path, registry_host: str, specs: dict[str, La
         res["big_limit"] = {"s": t, "server_cpu_s": 0.0, "reads": 0, "cpu_us_per_read": 0.0,
                             "machine_cpu_s": machine_busy() - b0}
 
-        drop_page_cache(settle)
-        cm, port = server()
-        with cm as (proc, client, _):
-            ph = Phase(proc.pid, port)
-            mp_big = srv_tmp / "big"
-            mp_big.mkdir(exist_ok=True)
-            client.mount(str(mp_big), specs["big"])
+        with served() as (ph, client):
+            mp_big = mount(client, "big", specs["big"])
             f = mp_big / "data/big.bin"
             res["big_cold"], n = ph.run(read_file, f)
             assert n == big_size
@@ -331,68 +319,45 @@ def one_round(tree: Path, srv_tmp: Path, registry_host: str, specs: dict[str, La
             # chunks local, page cache dropped: read through a second mount of the layer (a
             # node's next container; the first stays mounted: a layer's last unmount reclaims
             # its chunks)
-            mp_again = srv_tmp / "big-again"
-            mp_again.mkdir(exist_ok=True)
-            client.mount(str(mp_again), specs["big"])
+            mp_again = mount(client, "big-again", specs["big"])
             drop_page_cache(settle)
             res["big_chunk_cache"], _ = ph.run(read_file, mp_again / "data/big.bin")
             client.unmount(str(mp_again))
             client.unmount(str(mp_big))
-        fresh()
 
-        drop_page_cache(settle)
-        cm, port = server()
-        with cm as (proc, client, _):
-            ph = Phase(proc.pid, port)
-            mp_big = srv_tmp / "big"
-            mp_big.mkdir(exist_ok=True)
-            client.mount(str(mp_big), specs["big"])
+        with served() as (ph, client):
+            mp_big = mount(client, "big", specs["big"])
             res["big_mmap_cold"], n = ph.run(mmap_read, mp_big / "data/big.bin")
             assert n == big_size
             client.unmount(str(mp_big))
-        fresh()
 
         if link is not None:
-            drop_page_cache(settle)
             with shaping_proxy(registry_host, link) as proxy:
                 ref = specs["big"].reference        # "host/repo:tag", from push_layer
                 assert ref.startswith(registry_host + "/"), ref
                 shaped = dataclasses.replace(
                     specs["big"], reference=proxy.host + ref[len(registry_host):])
-                cm, port = server(proxy.host)
-                with cm as (proc, client, _):
-                    ph = Phase(proc.pid, port)
-                    mp_big = srv_tmp / "big"
-                    mp_big.mkdir(exist_ok=True)
-                    client.mount(str(mp_big), shaped)
+                with served(proxy.host) as (ph, client):
+                    mp_big = mount(client, "big", shaped)
                     down0 = proxy.bytes_down
                     res["big_cold_link"], n = ph.run(read_file, mp_big / "data/big.bin")
                     assert n == big_size
                     res["big_cold_link"]["link_bytes"] = proxy.bytes_down - down0
                     client.unmount(str(mp_big))
-            fresh()
 
     if "small" in specs:
-        drop_page_cache(settle)
-        cm, port = server()
-        with cm as (proc, client, _):
-            ph = Phase(proc.pid, port)
-            mp_small = srv_tmp / "small"
-            mp_small.mkdir(exist_ok=True)
-            client.mount(str(mp_small), specs["small"])
+        with served() as (ph, client):
+            mp_small = mount(client, "small", specs["small"])
             res["small_find_cold"], entries = ph.run(count_tree, mp_small)
             res["small_read_cold"], (files, total) = ph.run(read_tree, mp_small)
             assert files == small_files and total == small_bytes, (files, total)
             res["small_fetched"] = fetched(client, specs["small"].digest)
             res["small_entries"] = entries
-            mp_again = srv_tmp / "small-again"
-            mp_again.mkdir(exist_ok=True)
-            client.mount(str(mp_again), specs["small"])
+            mp_again = mount(client, "small-again", specs["small"])
             drop_page_cache(settle)
             res["small_read_chunk_cache"], _ = ph.run(read_tree, mp_again)
             client.unmount(str(mp_again))
             client.unmount(str(mp_small))
-        fresh()
     return res
 
 

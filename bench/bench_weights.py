@@ -156,11 +156,9 @@ def _child(args: argparse.Namespace) -> None:
 
 
 def _verified_limit(url: str, threads: int) -> int:
-    """What this machine can do with the lazy layer, as the fast path's ceiling: its chunks
-    fetched with parallel range GETs (8 MiB each, ``threads`` at once), each decoded and
-    verified against its digest, then dropped (no cache, no copy out)."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    """What this machine can do with the lazy layer, as the fast path's ceiling
+    (:func:`coldstart.benchmark.limits.verified_bytes` of its ``model.safetensors``)."""
+    from coldstart.benchmark.limits import verified_bytes
     from coldstart.format.layer import open_layer
     from coldstart.oci.reference import Reference
     from coldstart.oci.registry import RegistryClient
@@ -169,26 +167,12 @@ def _verified_limit(url: str, threads: int) -> int:
     ref_text, digest = url.split("@", 1)
     ref = Reference.parse(ref_text)
     client = RegistryClient(insecure_hosts=[ref.registry])
-    blob = RegistryBlob(client, ref, digest, None)
-    annotations = json.loads(os.environ["BENCH_LAYER_ANNOTATIONS"])
-    layer = open_layer(blob, annotations=annotations)
-    chunks = [c for c in layer.resolve("model.safetensors").chunks if not c.zeros]
-    groups: list[list[Any]] = [[]]
-    for c in chunks:
-        if groups[-1] and c.end_offset - groups[-1][0].offset > 8 * MiB:
-            groups.append([])
-        groups[-1].append(c)
-
-    def one(group: list[Any]) -> int:
-        lo, hi = group[0].offset, group[-1].end_offset
-        data = blob.read_at(lo, hi - lo)
-        return sum(len(layer.decode_chunk(c, data[c.offset - lo : c.end_offset - lo]))
-                   for c in group)
-
-    with ThreadPoolExecutor(threads) as pool:
-        total = sum(pool.map(one, groups))
-    client.close()
-    return total
+    try:
+        blob = RegistryBlob(client, ref, digest, None)
+        layer = open_layer(blob, annotations=json.loads(os.environ["BENCH_LAYER_ANNOTATIONS"]))
+        return verified_bytes(blob, layer, "model.safetensors", threads)
+    finally:
+        client.close()
 
 
 def _s3_raw(url: str, concurrency: int, chunk: int) -> int:
