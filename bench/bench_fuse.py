@@ -11,6 +11,9 @@ Through a lazy mount served by ``coldstart fuse-server`` from a local docker-reg
    (8 MiB each), decompressed and checked against their digests in a thread pool, then
    dropped: what any lazy reader of that blob could deliver here;
 2. 20,000 small files: cold ``find`` and cold read-everything, vs the same tree on tmpfs;
+   and one ``getxattr`` of ``trusted.overlay.metacopy`` per file (what overlayfs asks of
+   every file it looks up in a lower layer; the kernel caches no answer, so each is a round
+   trip to the server): the FUSE request's cost, in µs per call;
 3. registry bytes fetched ÷ bytes read;
 4. with ``--link 1gbit,2ms``: the cold ``cat`` again with the registry behind the bench's
    shaping proxy (``coldstart.benchmark.shaping``), its compressed bytes per second against
@@ -47,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import json
 import mmap
 import os
@@ -212,6 +216,21 @@ def read_tree(root: Path) -> tuple[int, int]:
     return files, total
 
 
+def getxattr_tree(root: Path) -> int:
+    """One ``getxattr`` that finds nothing per file (as overlayfs's lookup does); the count."""
+    calls = 0
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            try:
+                os.getxattr(os.path.join(dirpath, name), "trusted.overlay.metacopy",
+                            follow_symlinks=False)
+            except OSError as exc:
+                if exc.errno != errno.ENODATA:
+                    raise
+            calls += 1
+    return calls
+
+
 def count_tree(root: Path) -> int:
     return sum(len(d) + len(f) for _, d, f in os.walk(root))
 
@@ -353,6 +372,9 @@ def one_round(tree: Path, srv_tmp: Path, registry_host: str, specs: dict[str, La
             assert files == small_files and total == small_bytes, (files, total)
             res["small_fetched"] = fetched(client, specs["small"].digest)
             res["small_entries"] = entries
+            res["small_getxattr"], calls = ph.run(getxattr_tree, mp_small)
+            assert calls == small_files, (calls, small_files)
+            res["small_getxattr"]["us_per_call"] = res["small_getxattr"]["s"] / calls * 1e6
             mp_again = mount(client, "small-again", specs["small"])
             drop_page_cache(settle)
             res["small_read_chunk_cache"], _ = ph.run(read_tree, mp_again)
@@ -363,7 +385,8 @@ def one_round(tree: Path, srv_tmp: Path, registry_host: str, specs: dict[str, La
 
 BIG_PHASES = ["big_limit", "big_cold", "big_mmap_cold", "big_page_cache", "big_chunk_cache",
               "big_cold_link"]
-SMALL_PHASES = ["small_find_cold", "small_read_cold", "small_read_chunk_cache"]
+SMALL_PHASES = ["small_find_cold", "small_read_cold", "small_read_chunk_cache",
+                "small_getxattr"]
 PHASES = BIG_PHASES + SMALL_PHASES
 
 
@@ -385,6 +408,8 @@ def summarize(rounds: list[dict[str, Any]], big_size: int, big_compressed: int,
                              "machine_cpu_s")}
         if ph.startswith("big_"):
             row[ph]["MBps"] = round(big_size / row[ph]["s"] / 1e6, 1)
+        if ph == "small_getxattr":
+            row[ph]["us_per_call"] = round(median_of(rounds, ph, "us_per_call"), 1)
     if "big_limit" in rounds[0]:
         for ph in ("big_cold", "big_mmap_cold"):
             row[ph]["vs_limit"] = round(statistics.median(
@@ -508,6 +533,8 @@ def main() -> None:
                 speed = f"{m['MBps']} MB/s" if "MBps" in m else f"{m['s']:.2f} s"
                 if "vs_limit" in m:
                     speed += f" ({m['vs_limit']}x limit)"
+                if "us_per_call" in m:
+                    speed += f" ({m['us_per_call']} us/call)"
                 if "vs_link" in m:
                     speed += f" (link {m['link_MBps']} MB/s, {m['vs_link']}x)"
                 if m["reads"]:

@@ -78,7 +78,7 @@ add_common_options(cli)
 
 # an optional package -> the extra that installs it (pyproject.toml)
 _EXTRAS = {"torch": "weights", "numpy": "weights", "boto3": "weights", "botocore": "weights",
-           "yaml": "weights", "pyfuse3": "snapshotter", "trio": "snapshotter",
+           "yaml": "weights", "trio": "snapshotter",
            "prometheus_client": "snapshotter", "redis": "probe", "matplotlib": "plot"}
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything coldstart and its tests need on Debian 12, as root; safe to run again.
 #   apt: containerd + runc, the OCI registry, skopeo, ctr-remote (stargz-snapshotter), redis-server,
-#        FUSE 3 (and its headers, to build pyfuse3), busybox-static (test images), zstd
+#        FUSE 3 tools, busybox-static (test images), zstd
 #   a virtualenv in .venv with coldstart and all its extras, and torch: the CPU build by default
 #   (TORCH_VARIANT, see --help), then compiles the containerd protos into coldstart/_proto.
 set -euo pipefail
@@ -50,7 +50,7 @@ cd "$(dirname "$0")/.."
 APT_PACKAGES=(
   python3 python3-venv python3-dev gcc pkg-config
   containerd runc docker-registry skopeo stargz-snapshotter redis-server
-  fuse3 libfuse3-dev busybox-static zstd util-linux procps debootstrap
+  fuse3 busybox-static zstd util-linux procps debootstrap
   golang-go golang-github-containerd-stargz-snapshotter-dev golang-github-containerd-containerd-dev
 )
 missing=()

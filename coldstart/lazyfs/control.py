@@ -25,7 +25,7 @@ newer than its client) rebuilds its nearest known base: :func:`error_payload` an
 :func:`error_from_payload` are each other's inverse. The wire form is frozen: snapshotters and FUSE
 servers of different versions talk to each other across an upgrade.
 
-This module does no I/O and imports neither trio nor pyfuse3 (the snapshotter imports it): the
+This module does no I/O and does not import trio (the snapshotter imports it): the
 server's trio loop feeds received bytes to a :class:`LineBuffer` and hands each line to
 :func:`dispatch`, which calls a :class:`ControlHandler`.
 """

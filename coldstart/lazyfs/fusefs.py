@@ -1,26 +1,25 @@
 """The FUSE file system of the FUSE server: one mount per node, one top directory per layer.
 
-pyfuse3 serves one mount per process, so the server mounts this file system once at
-``<root>/fuse`` (like a shared-mode Nydus daemon); each lazily mounted layer is a directory
-``<root>/fuse/<key>`` that the server bind-mounts onto the snapshot's mountpoint.
+The server mounts this file system once at ``<root>/fuse`` (like a shared-mode Nydus daemon);
+each lazily mounted layer is a directory ``<root>/fuse/<key>`` that the server bind-mounts onto
+the snapshot's mountpoint. :mod:`coldstart.lazyfs.fusewire` speaks the kernel protocol and
+calls the operations here from its own thread.
 
 Everything but file contents is answered from the layer's verified TOC, in memory, without the
 network: lookup (including cached negative lookups), getattr, readdirplus, readlink, getxattr,
-listxattr, statfs. Layers are immutable, so the kernel may cache entries, attributes and pages
-for long (``entry_timeout``, ``attr_timeout``, ``keep_cache``). Whiteouts are shown the way
-overlayfs expects in a lower directory: ``.wh.<name>`` is a 0/0 character device ``<name>``,
-``.wh..wh..opq`` sets ``trusted.overlay.opaque=y`` on its directory; both ``.wh.`` entries and
-the prefetch landmarks are hidden.
+listxattr, statfs. Layers are immutable, so the kernel may cache entries, attributes, listings
+and pages for long (``entry_timeout``, ``attr_timeout``; files are opened without asking the
+server, which keeps their pages). Whiteouts are shown the way overlayfs expects in a lower
+directory: ``.wh.<name>`` is a 0/0 character device ``<name>``, ``.wh..wh..opq`` sets
+``trusted.overlay.opaque=y`` on its directory; both ``.wh.`` entries and the prefetch
+landmarks are hidden.
 
-A read is first tried on the loop against the chunk cache's in-memory index (a ``pread`` per
-chunk, nothing else that can block); what that cannot serve runs the blocking
-:class:`LayerReader` in one worker thread call (bounded by a limiter), so a slow fetch never
-blocks metadata requests. Errors become the errno of their ColdstartError kind.
-Every handler answers with an errno, whatever it meets: pyfuse3 re-raises anything but a
-``FUSEError`` out of ``pyfuse3.main()``, which would end the server and every mount of the node.
-An unexpected exception is logged with the layer digest and path, counted (``on_error``) and
-answered ``EIO``; on the read fast path it first falls back to the slow path.
-This is the only module that imports pyfuse3 (CONVENTIONS §2).
+A read is first tried in the session's loop against the chunk cache's in-memory index (a
+``pread`` per chunk, nothing else that can block); what that cannot serve runs the blocking
+:class:`LayerReader` in one of the session's worker threads, so a slow fetch never blocks
+metadata requests. Errors become the errno of their ColdstartError kind; an unexpected
+exception is logged with the layer digest and path, counted (``on_error``) and answered
+``EIO`` (on the read fast path it first falls back to the slow path).
 """
 
 from __future__ import annotations
@@ -34,11 +33,8 @@ import os
 import stat
 import threading
 from array import array
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
-from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
-
-import pyfuse3
-import trio
+from collections.abc import Callable, Iterator, Sequence
+from typing import Generic, TypeVar
 
 from coldstart.errors import ColdstartError, FailedPrecondition
 from coldstart.format.toc import (
@@ -49,9 +45,19 @@ from coldstart.format.toc import (
     Entry,
 )
 from coldstart.lazyfs.filewire import FILE_XATTR
+from coldstart.lazyfs.fusewire import (
+    ENOATTR,
+    ROOT_INODE,
+    Attr,
+    FuseError,
+    FuseSession,
+    Later,
+    StatFs,
+)
 from coldstart.lazyfs.reader import LayerReader, PartialRead
 
-__all__ = ["FuseFS", "LayerTree", "build_tree", "mount_options", "set_read_ahead"]
+__all__ = ["FSNAME", "FuseFS", "LayerTree", "build_tree", "fuse_adopt", "fuse_mount",
+           "set_read_ahead"]
 
 log = logging.getLogger(__name__)
 
@@ -77,19 +83,12 @@ _BLKSIZE = 128 << 10
 #: walks a layer of hundreds of thousands of files.
 KEEP_ANSWERS = 8192
 _DEBUG = os.environ.get("COLDSTART_FUSE_DEBUG") == "1"
+#: the mount's source, as ``mount`` and ``/proc/self/mountinfo`` show it
+FSNAME = "coldstart-lazy"
 #: the ``kind`` an unexpected handler exception is counted under
 INTERNAL_ERROR = "internal"
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
 _V = TypeVar("_V")
-
-
-def mount_options(fsname: str = "coldstart-lazy") -> set[str]:
-    """pyfuse3 mount options: read-only, shared with every user, suid/dev allowed (images
-    carry setuid binaries and device nodes), kernel permission checks."""
-    return {f"fsname={fsname}", "subtype=coldstart", "ro", "default_permissions",
-            "allow_other", "suid", "dev", "noatime"}
 
 
 class LayerTree:
@@ -114,7 +113,7 @@ class LayerTree:
         self.base = base
         self.reader = reader
         self.toc = reader.layer.toc
-        self.attrs: dict[int, pyfuse3.EntryAttributes] = {}
+        self.attrs: dict[int, Attr] = {}
         toc_entries = self.toc.entries
         self._names = toc_entries.names
         self._types = toc_entries.types
@@ -225,9 +224,9 @@ class LayerTree:
     def parent_of(self, slot: int) -> int:
         """The parent directory's inode of ``slot`` (the root's: ROOT_INODE)."""
         if slot == 0:
-            return pyfuse3.ROOT_INODE
+            return ROOT_INODE
         p = self._slot(self._shown_name(slot).rpartition("/")[0])
-        return pyfuse3.ROOT_INODE if p is None else self.base + p
+        return ROOT_INODE if p is None else self.base + p
 
     def nlink_of(self, slot: int) -> int:
         if self._type(slot) == "dir":
@@ -392,49 +391,33 @@ def build_tree(key: str, base: int, reader: LayerReader) -> LayerTree:
     return LayerTree(key, base, reader)
 
 
-def _guarded(op: Callable[Concatenate[FuseFS, _P], Awaitable[_R]]
-             ) -> Callable[Concatenate[FuseFS, _P], Coroutine[Any, Any, _R]]:
-    """Make a handler answer an errno whatever happens (see the module docstring)."""
-    @functools.wraps(op)
-    async def handler(self: FuseFS, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        try:
-            return await op(self, *args, **kwargs)
-        except pyfuse3.FUSEError:
-            raise
-        except ColdstartError as exc:
-            raise pyfuse3.FUSEError(exc.errno) from None
-        except Exception as exc:
-            inode = args[0] if args and isinstance(args[0], int) else None
-            self.internal_error(op.__name__, inode, exc)
-            raise pyfuse3.FUSEError(errno.EIO) from None
-    return handler
-
-
-class FuseFS(pyfuse3.Operations):
-    """pyfuse3 operations over every mounted layer; add/remove layers from the trio loop."""
-
-    supports_dot_lookup = True
-    enable_writeback_cache = False
-    enable_acl = False
+class FuseFS:
+    """The operations :class:`~coldstart.lazyfs.fusewire.FuseSession` serves, over every
+    mounted layer. The session's thread calls them; layers are added and removed from the
+    server's trio loop: the layer table is replaced whole (copy on write), never changed in
+    place under a reader."""
 
     def __init__(self, *, entry_timeout: float = 86400.0, attr_timeout: float = 86400.0,
                  read_threads: int = 16, on_error: Callable[[str], None] | None = None) -> None:
-        super().__init__()
         self._on_error = on_error
         #: unexpected exceptions met by handlers (each answered EIO or served the slow way)
         self.internal_errors = 0
         self.entry_timeout = entry_timeout
         self.attr_timeout = attr_timeout
-        self._limiter = trio.CapacityLimiter(max(1, read_threads))
+        #: worker threads for reads that need the chunk cache's slow path or the network
+        self.read_threads = max(1, read_threads)
+        #: key -> tree, and (sorted bases, base -> tree): replaced whole under _table_lock
         self._layers: dict[str, LayerTree] = {}
-        self._bases: list[int] = []
-        self._by_base: dict[int, LayerTree] = {}
-        self._next_base = pyfuse3.ROOT_INODE + 1
+        self._table: tuple[list[int], dict[int, LayerTree]] = ([], {})
+        self._table_lock = threading.Lock()
+        self._next_base = ROOT_INODE + 1
         self._alloc_lock = threading.Lock()
         self._root_attr = self._make_root_attr()
         #: (layer digest, slot, size) -> the file token ``getxattr(FILE_XATTR)`` answers with
         #: (the files socket's); None: the attribute does not exist
         self.file_token: Callable[[str, int, int], bytes] | None = None
+        #: the connection served (None before the mount and after its end)
+        self.session: FuseSession | None = None
 
     # -- layer table -----------------------------------------------------------------------
 
@@ -454,25 +437,30 @@ class FuseFS(pyfuse3.Operations):
 
     def add(self, tree: LayerTree) -> None:
         """Make ``tree`` visible as ``<mount>/<tree.key>``."""
-        if tree.key in self._layers:
-            raise ColdstartError(f"layer key {tree.key!r} is taken")
-        self._layers[tree.key] = tree
-        bisect.insort(self._bases, tree.base)
-        self._by_base[tree.base] = tree
+        with self._table_lock:
+            if tree.key in self._layers:
+                raise ColdstartError(f"layer key {tree.key!r} is taken")
+            bases, by_base = self._table
+            self._table = (sorted([*bases, tree.base]), {**by_base, tree.base: tree})
+            self._layers = {**self._layers, tree.key: tree}
 
     def remove(self, key: str) -> LayerTree | None:
         """Drop a layer; the kernel is told to forget its top-level name."""
-        tree = self._layers.pop(key, None)
-        if tree is None:
-            return None
-        self._bases.remove(tree.base)
-        del self._by_base[tree.base]
+        with self._table_lock:
+            tree = self._layers.get(key)
+            if tree is None:
+                return None
+            bases, by_base = self._table
+            self._table = ([b for b in bases if b != tree.base],
+                           {b: t for b, t in by_base.items() if b != tree.base})
+            self._layers = {k: t for k, t in self._layers.items() if k != key}
         tree.reader.close()
-        try:
-            pyfuse3.invalidate_entry_async(pyfuse3.ROOT_INODE, os.fsencode(key),
-                                           ignore_enoent=True)
-        except Exception as exc:  # best effort: the entry expires anyway
-            log.debug("invalidate %s: %s", key, exc)
+        session = self.session
+        if session is not None:
+            # in a thread of its own, like libfuse's: the kernel may hold the entry while a
+            # request about it waits for the session's loop
+            threading.Thread(target=_forget_name, args=(session, os.fsencode(key)),
+                             daemon=True, name=f"invalidate-{key}").start()
         return tree
 
     def layers(self) -> list[LayerTree]:
@@ -481,7 +469,7 @@ class FuseFS(pyfuse3.Operations):
     def file_at(self, digest: str, slot: int) -> tuple[LayerReader, Entry] | None:
         """The reader of the served layer ``digest`` and the entry shown at ``slot`` (None:
         no such layer or slot). Safe from any thread."""
-        for tree in list(self._layers.values()):
+        for tree in self._layers.values():
             if tree.reader.digest == digest:
                 try:
                     return tree.reader, tree.entry(slot)
@@ -489,18 +477,27 @@ class FuseFS(pyfuse3.Operations):
                     return None
         return None
 
+    def store_pages(self, inode: int, offset: int, data: bytes | memoryview) -> None:
+        """Put ``data`` into the kernel's page cache of ``inode`` at ``offset`` (FUSE
+        ``NOTIFY_STORE``): reads of those pages then never reach this process. The kernel must
+        know the inode (looked up); OSError otherwise, and while no connection is served.
+        Never call it from the session's thread: it may wait for a page that a read in
+        flight holds locked."""
+        session = self.session
+        if session is None:
+            raise OSError(errno.ENOTCONN, "no FUSE connection is served")
+        session.notify_store(inode, offset, data)
+
     def internal_error(self, op: str, inode: int | None, exc: BaseException) -> None:
         """Log an unexpected exception with the layer digest and path, and count it."""
         digest, path = "-", "?"
-        if inode == pyfuse3.ROOT_INODE:
+        if inode == ROOT_INODE:
             path = "/"
         elif inode is not None:
             with contextlib.suppress(Exception):
-                i = bisect.bisect_right(self._bases, inode) - 1
-                tree = self._by_base[self._bases[i]] if i >= 0 else None
-                if tree is not None and inode < tree.end:
-                    digest = tree.reader.digest
-                    path = "/" + tree.entry(inode - tree.base).name
+                tree = self._tree(inode)
+                digest = tree.reader.digest
+                path = "/" + tree.entry(inode - tree.base).name
         log.error("layer %s: %s of %r (inode %s) failed unexpectedly: %s: %s", digest, op, path,
                   inode, type(exc).__name__, exc, exc_info=exc)
         self.internal_errors += 1
@@ -508,19 +505,29 @@ class FuseFS(pyfuse3.Operations):
             with contextlib.suppress(Exception):
                 self._on_error(INTERNAL_ERROR)
 
+    def unexpected(self, op: str, inode: int, exc: BaseException) -> int:
+        """The errno a handler's exception is answered with: a ColdstartError's own (the
+        reader already logged the reason, with the layer digest and chunk); anything else
+        is logged with the layer and path, counted, and answered ``EIO``."""
+        if isinstance(exc, ColdstartError):
+            return exc.errno
+        self.internal_error(op, inode, exc)
+        return errno.EIO
+
     def _tree(self, inode: int) -> LayerTree:
-        i = bisect.bisect_right(self._bases, inode) - 1
+        bases, by_base = self._table
+        i = bisect.bisect_right(bases, inode) - 1
         if i >= 0:
-            tree = self._by_base[self._bases[i]]
+            tree = by_base[bases[i]]
             if inode < tree.end:
                 return tree
-        raise pyfuse3.FUSEError(errno.ESTALE if inode > pyfuse3.ROOT_INODE else errno.ENOENT)
+        raise FuseError(errno.ESTALE if inode > ROOT_INODE else errno.ENOENT)
 
     # -- attributes ------------------------------------------------------------------------
 
-    def _make_root_attr(self) -> pyfuse3.EntryAttributes:
-        a = pyfuse3.EntryAttributes()
-        a.st_ino = pyfuse3.ROOT_INODE
+    def _make_root_attr(self) -> Attr:
+        a = Attr()
+        a.st_ino = ROOT_INODE
         a.st_mode = stat.S_IFDIR | 0o755
         a.st_nlink = 2
         a.st_blksize = _BLKSIZE
@@ -528,13 +535,13 @@ class FuseFS(pyfuse3.Operations):
         a.attr_timeout = _TOP_ENTRY_TIMEOUT
         return a
 
-    def _attr(self, tree: LayerTree, inode: int) -> pyfuse3.EntryAttributes:
+    def _attr(self, tree: LayerTree, inode: int) -> Attr:
         a = tree.attrs.get(inode)
         if a is not None:
             return a
         i = inode - tree.base
         e = tree.entry(i)
-        a = pyfuse3.EntryAttributes()
+        a = Attr()
         a.st_ino = inode
         a.generation = 0
         a.st_mode = _TYPE_BITS[e.type] | (e.mode & 0o7777)
@@ -562,23 +569,21 @@ class FuseFS(pyfuse3.Operations):
         a.attr_timeout = self.attr_timeout
         return tree.remember(tree.attrs, inode, a)
 
-    def _negative(self) -> pyfuse3.EntryAttributes:
-        a = pyfuse3.EntryAttributes()
+    def _negative(self) -> Attr:
+        a = Attr()
         a.st_ino = 0
         a.entry_timeout = self.entry_timeout
         return a
 
     # -- metadata operations ---------------------------------------------------------------
 
-    @_guarded
-    async def lookup(self, parent_inode: int, name: bytes,
-                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        if parent_inode == pyfuse3.ROOT_INODE:
+    def lookup(self, parent_inode: int, name: bytes) -> Attr:
+        if parent_inode == ROOT_INODE:
             if name in (b".", b".."):
                 return self._root_attr
             tree = self._layers.get(os.fsdecode(name))
             if tree is None:
-                raise pyfuse3.FUSEError(errno.ENOENT)
+                raise FuseError(errno.ENOENT)
             return self._attr(tree, tree.root)
         tree = self._tree(parent_inode)
         tree.reader.fetcher.note_read()     # busy: cache writes and the fill wait
@@ -586,64 +591,56 @@ class FuseFS(pyfuse3.Operations):
             return self._attr(tree, parent_inode)
         if name == b"..":
             p = tree.parent_of(parent_inode - tree.base)
-            return self._root_attr if p == pyfuse3.ROOT_INODE else self._attr(tree, p)
+            return self._root_attr if p == ROOT_INODE else self._attr(tree, p)
         kids = tree.kids(parent_inode)
         if kids is None:
-            raise pyfuse3.FUSEError(errno.ENOTDIR)
+            raise FuseError(errno.ENOTDIR)
         ino = kids.get(name)
         if ino is None:
             return self._negative()
         return self._attr(tree, ino)
 
-    @_guarded
-    async def getattr(self, inode: int,
-                      ctx: pyfuse3.RequestContext | None = None) -> pyfuse3.EntryAttributes:
-        if inode == pyfuse3.ROOT_INODE:
+    def getattr(self, inode: int) -> Attr:
+        if inode == ROOT_INODE:
             return self._root_attr
         tree = self._tree(inode)
         return self._attr(tree, inode)
 
-    @_guarded
-    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+    def readlink(self, inode: int) -> bytes:
         tree = self._tree(inode)
         e = tree.entry(inode - tree.base)
         if e.type != "symlink":
-            raise pyfuse3.FUSEError(errno.EINVAL)
+            raise FuseError(errno.EINVAL)
         return os.fsencode(e.link_name)
 
-    @_guarded
-    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        if inode != pyfuse3.ROOT_INODE:
-            tree = self._tree(inode)
-            if tree.kids(inode) is None:
-                raise pyfuse3.FUSEError(errno.ENOTDIR)
-        return inode
+    def opendir(self, inode: int) -> bool:
+        """Whether the kernel may cache the listing (a layer's never changes; the top
+        directory's does)."""
+        if inode == ROOT_INODE:
+            return False
+        tree = self._tree(inode)
+        if tree.kids(inode) is None:
+            raise FuseError(errno.ENOTDIR)
+        return True
 
-    @_guarded
-    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        if fh == pyfuse3.ROOT_INODE:
+    def readdir(self, inode: int, start: int) -> Iterator[tuple[bytes, Attr, int]]:
+        """The entries of directory ``inode`` from position ``start`` on, with the position
+        after each."""
+        if inode == ROOT_INODE:
             tops = sorted(self._layers.items())
-            for i in range(start_id, len(tops)):
+            for i in range(start, len(tops)):
                 key, tree = tops[i]
-                if not pyfuse3.readdir_reply(token, os.fsencode(key),
-                                             self._attr(tree, tree.root), i + 1):
-                    return
+                yield os.fsencode(key), self._attr(tree, tree.root), i + 1
             return
-        tree = self._tree(fh)
-        items = tree.listing_of(fh)
-        for i in range(start_id, len(items)):
+        tree = self._tree(inode)
+        items = tree.listing_of(inode)
+        for i in range(start, len(items)):
             name, ino = items[i]
-            if not pyfuse3.readdir_reply(token, name, self._attr(tree, ino), i + 1):
-                return
+            yield name, self._attr(tree, ino), i + 1
 
-    @_guarded
-    async def releasedir(self, fh: int) -> None:
-        return None
-
-    @_guarded
-    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        if inode == pyfuse3.ROOT_INODE:
-            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+    def getxattr(self, inode: int, name: bytes) -> bytes:
+        if inode == ROOT_INODE:
+            raise FuseError(ENOATTR)
         tree = self._tree(inode)
         if name == _FILE_XATTR and self.file_token is not None:
             slot = inode - tree.base
@@ -652,93 +649,65 @@ class FuseFS(pyfuse3.Operations):
                 return self.file_token(tree.reader.digest, slot, e.size)
         value = tree.xattrs_of(inode).get(name)
         if value is None:
-            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+            raise FuseError(ENOATTR)
         return value
 
-    @_guarded
-    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
-        if inode == pyfuse3.ROOT_INODE:
+    def listxattr(self, inode: int) -> Sequence[bytes]:
+        if inode == ROOT_INODE:
             return []
         tree = self._tree(inode)
         return list(tree.xattrs_of(inode))
 
-    @_guarded
-    async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
-        if mode & os.W_OK:
-            raise pyfuse3.FUSEError(errno.EROFS)
-        return True
+    def access(self, inode: int, mask: int) -> None:
+        if mask & os.W_OK:
+            raise FuseError(errno.EROFS)
 
-    @_guarded
-    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
-        s = pyfuse3.StatvfsData()
-        total = sum(t.total_size for t in self._layers.values())
-        files = sum(len(t.entries) for t in self._layers.values())
-        s.f_bsize = 4096
-        s.f_frsize = 4096
-        s.f_blocks = max(1, (total + 4095) // 4096)
-        s.f_bfree = 0
-        s.f_bavail = 0
-        s.f_files = max(1, files)
-        s.f_ffree = 0
-        s.f_favail = 0
-        s.f_namemax = 255
-        return s
-
-    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
-        return None  # inodes live as long as their layer: nothing to count
+    def statfs(self) -> StatFs:
+        trees = list(self._layers.values())
+        total = sum(t.total_size for t in trees)
+        files = sum(len(t.entries) for t in trees)
+        return StatFs(blocks=max(1, (total + 4095) // 4096), files=max(1, files),
+                      bsize=4096, frsize=4096, namelen=255)
 
     # -- data ------------------------------------------------------------------------------
 
-    @_guarded
-    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
-            raise pyfuse3.FUSEError(errno.EROFS)
+    def read(self, inode: int, off: int, size: int) -> bytes | Later:
+        """File contents: answered in the session's loop when the chunk cache's in-memory
+        index has every chunk (a ``pread`` each; a thread hop costs more than that); else a
+        :class:`Later` that one worker finishes where the loop stopped (same chunk map, no
+        chunk looked up twice): cache, single flight, fetch, deadline. Files are opened
+        without the server (``OPEN`` is answered ENOSYS), so ``inode`` is the file's."""
         tree = self._tree(inode)
-        if tree.entry(inode - tree.base).type != "reg":
-            raise pyfuse3.FUSEError(errno.EINVAL)
-        tree.reader.fetcher.note_read()     # busy: a file served from the page cache is opened
-        return pyfuse3.FileInfo(fh=inode, keep_cache=True)
-
-    @_guarded
-    async def read(self, fh: int, off: int, size: int) -> bytes:
-        tree = self._tree(fh)
-        entry = tree.entries[fh - tree.base]
+        entry = tree.entries[inode - tree.base]
+        if entry.type != "reg":
+            raise FuseError(errno.EISDIR if entry.type == "dir" else errno.EINVAL)
         tree.reader.stats.fuse_reads += 1   # this loop alone counts: no lock
         if off >= entry.size:
             return b""
         if _DEBUG:
             log.debug("read size %d at %d of %r", size, off, entry.name)
-        # Fast path, in the loop: every chunk is in the in-memory index of the chunk cache (a
-        # pread each; no stat, no rescan, no planning). A thread hop costs more than that.
-        # Anything else goes to one worker call that finishes the read where the loop stopped
-        # (same chunk map, no chunk looked up twice): cache, single flight, fetch, deadline.
         partial: PartialRead | None = None
         try:
             got = tree.reader.read_cached(entry, off, size)
         except ColdstartError:
             got = None
         except Exception as exc:  # a broken cache must not fail a read the network can serve
-            self.internal_error("read (cached)", fh, exc)
+            self.internal_error("read (cached)", inode, exc)
             got = None
         if isinstance(got, bytes):
             return got
         if isinstance(got, PartialRead):
             partial = got
-        # a ColdstartError becomes its errno in _guarded (the reader already logged the reason
-        # with the layer digest and chunk); anything else is logged there and answered EIO
-        data: bytes = await trio.to_thread.run_sync(
-            tree.reader.read, entry, off, size, partial, limiter=self._limiter)
-        return data
+        # a ColdstartError becomes its errno (the reader already logged the reason with the
+        # layer digest and chunk); anything else is logged by unexpected() and answered EIO
+        return Later(functools.partial(tree.reader.read, entry, off, size, partial))
 
-    @_guarded
-    async def flush(self, fh: int) -> None:
-        # Read-only: nothing to flush. ENOSYS makes the kernel stop sending FLUSH on every
-        # close (one request per file saved).
-        raise pyfuse3.FUSEError(errno.ENOSYS)
 
-    @_guarded
-    async def release(self, fh: int) -> None:
-        return None
+def _forget_name(session: FuseSession, name: bytes) -> None:
+    try:
+        session.invalidate_entry(ROOT_INODE, name)
+    except OSError as exc:  # best effort: the entry expires anyway
+        log.debug("invalidate %r: %s", name, exc)
 
 
 def set_read_ahead(mountpoint: str, read_ahead_kb: int) -> bool:
@@ -772,34 +741,26 @@ def _unescape(path: str) -> str:
 
 
 
-# -- session (the server drives pyfuse3 only through these) --------------------------------------
+# -- session ---------------------------------------------------------------------------------
 
-def fuse_init(fs: FuseFS, mountpoint: str, options: set[str] | None = None) -> None:
-    """Mount ``fs`` at ``mountpoint`` (one per process); FailedPrecondition if it cannot."""
+def fuse_mount(fs: FuseFS, mountpoint: str) -> FuseSession:
+    """Mount ``fs`` at ``mountpoint`` (read-only, shared with every user, kernel permission
+    checks, setuid and devices honoured: images carry both); FailedPrecondition if it
+    cannot."""
     try:
-        pyfuse3.init(fs, mountpoint, options or mount_options())
-    except (RuntimeError, OSError) as exc:
+        session = FuseSession.mount(fs, mountpoint, fsname=FSNAME, subtype="coldstart",
+                                    options=("default_permissions", "allow_other"),
+                                    read_threads=fs.read_threads)
+    except OSError as exc:
         raise FailedPrecondition(f"cannot mount the FUSE file system at {mountpoint}: "
                                  f"{exc}") from exc
+    fs.session = session
+    return session
 
 
-async def fuse_main() -> None:
-    """Serve requests until :func:`fuse_terminate`."""
-    await pyfuse3.main(min_tasks=4, max_tasks=64)
-
-
-def fuse_terminate() -> None:
-    pyfuse3.terminate()
-
-
-def fuse_close(unmount: bool = True) -> None:
-    pyfuse3.close(unmount=unmount)
-
-
-def store_pages(inode: int, offset: int, data: bytes | memoryview) -> None:
-    """Put ``data`` into the kernel's page cache of ``inode`` at ``offset`` (FUSE
-    ``NOTIFY_STORE``): reads of those pages then never reach this process. The kernel must
-    know the inode (looked up); OSError otherwise. Never call it from the FUSE loop's thread:
-    it may wait for a page that a read in flight holds locked."""
-    # pyfuse3 takes any contiguous buffer (its stub says bytes): no copy of a chunk's slice
-    pyfuse3.notify_store(inode, offset, data)  # type: ignore[arg-type]
+def fuse_adopt(fs: FuseFS, fd: int) -> FuseSession:
+    """Serve ``fs`` on the connection ``fd`` a dead predecessor left (see
+    :mod:`coldstart.lazyfs.handover`)."""
+    session = FuseSession.adopt(fd, fs, read_threads=fs.read_threads)
+    fs.session = session
+    return session

@@ -31,7 +31,7 @@ from coldstart.errors import AlreadyExists, ColdstartError, FailedPrecondition, 
 from coldstart.format.gzindex import INDEX_FORMAT
 from coldstart.format.toc import TOC
 from coldstart.lazyfs.fetcher import lower_priority
-from coldstart.lazyfs.fusefs import FuseFS, LayerTree, build_tree, store_pages
+from coldstart.lazyfs.fusefs import FuseFS, LayerTree, build_tree
 from coldstart.lazyfs.memory import give_back_freed_memory
 from coldstart.lazyfs.mountstate import MountRecord, MountState
 from coldstart.lazyfs.mountsys import bind_mount, is_mountpoint, lazy_unmount
@@ -152,7 +152,8 @@ class LayerTable:
                     # cache (the warmer starts its thread on the first chunk; not while the
                     # connection we take over is not ours yet: nothing may write to it)
                     reader.page_cache = PageCacheWarmer(
-                        self.fuse_dir / key, _sizes(reader), store_pages, stats=reader.stats,
+                        self.fuse_dir / key, _sizes(reader), self.fs.store_pages,
+                        stats=reader.stats,
                         enabled=functools.partial(_not_recording, reader))
                 self.layers[spec.digest] = layer
                 self.fs.add(tree)

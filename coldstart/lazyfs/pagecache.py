@@ -52,7 +52,7 @@ MAX_AGE = 30.0
 #: the thread ends after this long with nothing to store
 IDLE_EXIT = 5.0
 
-#: ``(inode, offset, data)``: fusefs.store_pages, or a test's stand-in
+#: ``(inode, offset, data)``: FuseFS.store_pages, or a test's stand-in
 Store = Callable[[int, int, memoryview], None]
 
 _Item = tuple[Chunk, bytes, float] | threading.Event | None
@@ -63,7 +63,7 @@ class PageCacheWarmer:
 
     ``root`` is the layer's directory on the FUSE mount; ``sizes`` gives a file's size by
     name (a partial last page is stored only when it ends the file); ``store`` puts bytes
-    into an inode's page cache (:func:`coldstart.lazyfs.fusefs.store_pages`); ``stats``
+    into an inode's page cache (:meth:`coldstart.lazyfs.fusefs.FuseFS.store_pages`); ``stats``
     counts the bytes stored (``page_cache_bytes``); ``enabled`` is asked before each store
     (a layer that records must see every read, so it gets nothing pushed). A file the kernel
     cannot take (gone, not a regular file) is skipped, its reads go through FUSE as usual.

@@ -41,15 +41,7 @@ from coldstart.lazyfs import control, handover
 from coldstart.lazyfs.control import error_payload
 from coldstart.lazyfs.fetcher import ChunkFetcher
 from coldstart.lazyfs.fileshare import FileShare
-from coldstart.lazyfs.fusefs import (
-    FuseFS,
-    fuse_close,
-    fuse_init,
-    fuse_main,
-    fuse_terminate,
-    set_read_ahead,
-)
-from coldstart.lazyfs.handover import Takeover
+from coldstart.lazyfs.fusefs import FuseFS, fuse_adopt, fuse_mount, set_read_ahead
 from coldstart.lazyfs.indexes import IndexFinder
 from coldstart.lazyfs.layers import LayerTable
 from coldstart.lazyfs.memory import keep_freed_memory
@@ -294,7 +286,7 @@ class FuseServer:
                 raise FailedPrecondition(f"cannot create {self.fuse_dir}: {exc}") from exc
             listener = self._listen()
             self._serve_files()
-            fuse_init(self.fs, str(self.fuse_dir))
+            fuse_mount(self.fs, str(self.fuse_dir))
             mounted = True
             log.info("FUSE server pid %d: %s mounted, control socket %s", os.getpid(),
                      self.fuse_dir, self.socket_path)
@@ -326,11 +318,11 @@ class FuseServer:
             bound = [rec for rec in records if rec.key is not None and rec.base is not None
                      and rec.end is not None and is_mountpoint(rec.mountpoint)]
             await self.layers.restore(bound, takeover=True)
-            takeover = Takeover(self.fs, held)
+            fuse_adopt(self.fs, held)
             taken = self._held = True
+            log.info("took over the FUSE connection")
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._fuse_task)
-                nursery.start_soon(takeover.switch)
                 taken_ids = {id(rec) for rec in bound}
                 rest = [rec for rec in records if id(rec) not in taken_ids]
                 if rest:
@@ -343,18 +335,14 @@ class FuseServer:
             if not taken:
                 os.close(held)
             self._stopped(session=taken, unmount=self._clean_stop)
-            if taken and self._clean_stop:
-                # a session on /dev/fd/N unmounts nothing itself
-                with contextlib.suppress(ColdstartError, OSError):
-                    lazy_unmount(str(self.fuse_dir))
 
     def _hold(self) -> bool:
         """Give the holder a copy of our connection (a failure costs only the takeover)."""
-        fd = handover.find_fuse_fd()
+        session = self.fs.session
         try:
-            if fd is None:
-                raise FailedPrecondition("no /dev/fuse descriptor found in this process")
-            handover.hold(fd, self.root)
+            if session is None:
+                raise FailedPrecondition("no FUSE connection is served")
+            handover.hold(session.fd, self.root)
             return True
         except (ColdstartError, OSError) as exc:
             log.warning("the FUSE connection is not held outside this process (%s): if it "
@@ -367,7 +355,8 @@ class FuseServer:
         self._clean_stop = await self._wait_signal() != signal.SIGUSR2
         self._unlink_socket()
         await self.layers.stop(unmount=self._clean_stop)
-        fuse_terminate()
+        if self.fs.session is not None:
+            self.fs.session.terminate()
         nursery.cancel_scope.cancel()
 
     def _stopped(self, *, session: bool, unmount: bool) -> None:
@@ -379,9 +368,12 @@ class FuseServer:
         self.fetcher.close()
         with contextlib.suppress(Exception):
             self.cache.close()
-        if session:
+        fuse = self.fs.session
+        if session and fuse is not None:
+            fuse.terminate()
             with contextlib.suppress(Exception):
-                fuse_close(unmount=unmount)
+                fuse.close(unmount=unmount, mountpoint=str(self.fuse_dir))
+            self.fs.session = None
             if unmount:
                 handover.release(self.root)      # unmounted: nothing left to hold
         with contextlib.suppress(Exception):
@@ -394,7 +386,10 @@ class FuseServer:
         self._socket_ino = None
 
     async def _fuse_task(self) -> None:
-        await fuse_main()
+        """Serve the FUSE connection in a thread of its own until terminated or unmounted."""
+        session = self.fs.session
+        assert session is not None
+        await trio.to_thread.run_sync(session.serve, abandon_on_cancel=True)
 
     async def _wait_signal(self) -> int:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR2) as sigs:

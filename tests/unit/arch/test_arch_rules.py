@@ -61,14 +61,14 @@ RULES: dict[str, Rule] = {
     "prefetch": rule("errors config format"),
     "unpack": rule("errors config format oci files", "isal rapidgzip zstandard"),
     "lazyfs": rule("errors config format remote oci cache prefetch unixsock files unpack",
-                   "trio prometheus_client pyfuse3@lazyfs.fusefs pyfuse3@lazyfs.server"),
+                   "trio prometheus_client"),
     "snapshotter": rule("errors config files lazyfs.spec lazyfs.client lazyfs.control unixsock "
                         "_proto",
                         "grpc google prometheus_client"),
     "containerd": rule("errors config format oci remote lazyfs.spec progress _proto",
                        "grpc google"),
     # lazyfs.filewire, lazyfs.control: the files socket's protocol (a loader in a container
-    # reads lazily mounted files through the node), pure, no trio or pyfuse3
+    # reads lazily mounted files through the node), pure, no trio
     "weights": rule("errors config format.readat remote oci progress lazyfs.filewire "
                     "lazyfs.control", "torch numpy yaml"),
     "probe": rule("errors config", "redis grpc httpx@probe.sinks"),

@@ -1,15 +1,15 @@
-"""FUSE handlers answer an errno whatever they meet: pyfuse3 re-raises anything else out of
-``pyfuse3.main()``, which would end the FUSE server and every mount of the node."""
+"""FUSE handlers answer an errno whatever they meet: an unexpected exception is logged with
+the layer and path, counted and answered EIO (the session's loop asks ``unexpected`` for the
+errno), and a broken cache read falls back to the slow path."""
 
 from __future__ import annotations
 
 import errno
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
-import pyfuse3
 import pytest
-import trio
 
 from coldstart.cache import ChunkCache
 from coldstart.errors import NotFound
@@ -17,12 +17,12 @@ from coldstart.format.layer import open_layer
 from coldstart.format.readat import BytesReadAt
 from coldstart.lazyfs.fetcher import ChunkFetcher
 from coldstart.lazyfs.fusefs import INTERNAL_ERROR, FuseFS, LayerTree, build_tree
+from coldstart.lazyfs.fusewire import FuseError, Later
 from coldstart.lazyfs.reader import LayerReader
 from coldstart.remote import ReadAtSource
 from tests.integration.lazy.lazy_helpers import SourceTree, convert, metadata_tar
 
 NAME = "usr/share/doc/f010.txt"
-CTX = pyfuse3.RequestContext()
 
 
 @pytest.fixture
@@ -54,6 +54,20 @@ def _broken(*_args: object, **_kwargs: object) -> object:
     raise OSError(errno.EIO, "Input/output error: injected")
 
 
+def _answer(fs: FuseFS, op: str, inode: int, call: Callable[[], object]) -> object:
+    """What the session answers: the value (a Later run as its worker would), or the errno
+    of the FuseError raised or of ``unexpected``."""
+    try:
+        got = call()
+        if isinstance(got, Later):
+            got = got.work()
+        return got
+    except FuseError as exc:
+        return exc.errno
+    except Exception as exc:
+        return fs.unexpected(op, inode, exc)
+
+
 def test_a_broken_cache_read_falls_back_to_the_slow_path(
         fs_tree: tuple[FuseFS, LayerTree, list[str]], source: SourceTree,
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
@@ -61,7 +75,7 @@ def test_a_broken_cache_read_falls_back_to_the_slow_path(
     monkeypatch.setattr(tree.reader, "read_cached", _broken)
     ino = _ino(tree, NAME)
     with caplog.at_level(logging.ERROR, logger="coldstart.lazyfs.fusefs"):
-        data = trio.run(fs.read, ino, 0, 1 << 20)
+        data = _answer(fs, "read", ino, lambda: fs.read(ino, 0, 1 << 20))
     assert data == source.files[NAME]
     assert fs.internal_errors == 1 and counted == [INTERNAL_ERROR]
     assert any(tree.reader.digest in r.getMessage() and NAME in r.getMessage()
@@ -74,10 +88,9 @@ def test_an_unexpected_error_on_both_read_paths_is_eio(
     fs, tree, counted = fs_tree
     monkeypatch.setattr(tree.reader, "read_cached", _broken)
     monkeypatch.setattr(tree.reader, "read", _broken)
-    with caplog.at_level(logging.ERROR, logger="coldstart.lazyfs.fusefs"), \
-            pytest.raises(pyfuse3.FUSEError) as exc:
-        trio.run(fs.read, _ino(tree, NAME), 0, 4096)
-    assert exc.value.errno == errno.EIO
+    ino = _ino(tree, NAME)
+    with caplog.at_level(logging.ERROR, logger="coldstart.lazyfs.fusefs"):
+        assert _answer(fs, "read", ino, lambda: fs.read(ino, 0, 4096)) == errno.EIO
     assert fs.internal_errors == 2 and counted == [INTERNAL_ERROR] * 2
     assert sum(tree.reader.digest in r.getMessage() and NAME in r.getMessage()
                for r in caplog.records) == 2, caplog.text
@@ -88,28 +101,26 @@ def test_metadata_handlers_answer_an_errno_for_any_exception(
     fs, tree, counted = fs_tree
     ino = _ino(tree, NAME)
     monkeypatch.setattr(fs, "_attr", _broken)
-    for call in (lambda: fs.getattr(ino), lambda: fs.lookup(tree.root, b"usr", CTX)):
-        with pytest.raises(pyfuse3.FUSEError) as exc:
-            trio.run(call)
-        assert exc.value.errno == errno.EIO
+    for op, inode, call in (("getattr", ino, lambda: fs.getattr(ino)),
+                            ("lookup", tree.root, lambda: fs.lookup(tree.root, b"usr"))):
+        assert _answer(fs, op, inode, call) == errno.EIO
     assert fs.internal_errors == 2 and counted == [INTERNAL_ERROR] * 2
 
     def not_found(*_args: object) -> object:
         raise NotFound("gone")
 
     monkeypatch.setattr(fs, "_attr", not_found)  # an expected failure: its errno, not counted
-    with pytest.raises(pyfuse3.FUSEError) as exc:
-        trio.run(fs.getattr, ino)
-    assert exc.value.errno == errno.ENOENT and fs.internal_errors == 2
+    assert _answer(fs, "getattr", ino, lambda: fs.getattr(ino)) == errno.ENOENT
+    assert fs.internal_errors == 2
 
 
 def test_the_ordinary_errnos_are_unchanged(
         fs_tree: tuple[FuseFS, LayerTree, list[str]]) -> None:
     fs, tree, counted = fs_tree
-    with pytest.raises(pyfuse3.FUSEError) as exc:
-        trio.run(fs.readlink, _ino(tree, NAME), CTX)
+    with pytest.raises(FuseError) as exc:
+        fs.readlink(_ino(tree, NAME))
     assert exc.value.errno == errno.EINVAL
-    with pytest.raises(pyfuse3.FUSEError) as exc:
-        trio.run(fs.getattr, tree.end + 1000)
+    with pytest.raises(FuseError) as exc:
+        fs.getattr(tree.end + 1000)
     assert exc.value.errno == errno.ESTALE
     assert fs.internal_errors == 0 and counted == []

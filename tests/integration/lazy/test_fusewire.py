@@ -1,0 +1,250 @@
+"""The FUSE transport (:mod:`coldstart.lazyfs.fusewire`) on a real mount, with a small file
+system of its own: attributes, contents (in the loop and from a worker), listings longer than
+one request, symlinks, extended attributes and their size protocol, errors, the stop and the
+takeover of a connection by a second session."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from coldstart.lazyfs.fusewire import (
+    ENOATTR,
+    ROOT_INODE,
+    Attr,
+    FuseError,
+    FuseSession,
+    Later,
+    StatFs,
+)
+
+TEXT = b"hello, lazy world\n" * 1000
+SLOW = bytes(range(256)) * 600
+KIDS = [f"entry-with-a-long-name-{i:04d}" for i in range(300)]
+BIG_XATTR = b"y" * 3000
+MTIME_NS = 1_700_000_000_123_456_789
+
+
+class ToyFS:
+    """Inodes: 2 a.txt, 3 link -> a.txt, 4 dir/ (300 files, inodes 100+), 5 slow.bin (read
+    in a worker), 6 boom (its read fails unexpectedly)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.unexpected_errors: list[tuple[str, int, str]] = []
+        self.names = {b"a.txt": 2, b"link": 3, b"dir": 4, b"slow.bin": 5, b"boom": 6}
+        self.extra: dict[bytes, int] = {}
+
+    def _count(self, op: str) -> None:
+        self.calls[op] = self.calls.get(op, 0) + 1
+
+    def _attr(self, ino: int) -> Attr:
+        a = Attr()
+        a.st_ino = ino
+        a.entry_timeout = a.attr_timeout = 60.0
+        a.st_mtime_ns = a.st_ctime_ns = a.st_atime_ns = MTIME_NS
+        a.st_uid, a.st_gid = 1234, 5678
+        if ino in (ROOT_INODE, 4):
+            a.st_mode = stat.S_IFDIR | 0o755
+            a.st_nlink = 2
+        elif ino == 3:
+            a.st_mode = stat.S_IFLNK | 0o777
+            a.st_size = 5
+        else:
+            a.st_mode = stat.S_IFREG | 0o644
+            a.st_size = {2: len(TEXT), 5: len(SLOW), 6: 10}.get(ino, 0)
+        return a
+
+    def lookup(self, parent: int, name: bytes) -> Attr:
+        self._count("lookup")
+        if parent == ROOT_INODE:
+            ino = self.names.get(name) or self.extra.get(name)
+        elif parent == 4 and name.decode() in KIDS:
+            ino = 100 + KIDS.index(name.decode())
+        else:
+            ino = None
+        if ino is None:
+            a = Attr()
+            a.entry_timeout = 60.0      # a negative entry the kernel keeps
+            return a
+        return self._attr(ino)
+
+    def getattr(self, inode: int) -> Attr:
+        return self._attr(inode)
+
+    def readlink(self, inode: int) -> bytes:
+        if inode != 3:
+            raise FuseError(errno.EINVAL)
+        return b"a.txt"
+
+    def opendir(self, inode: int) -> bool:
+        if inode not in (ROOT_INODE, 4):
+            raise FuseError(errno.ENOTDIR)
+        return inode != ROOT_INODE
+
+    def readdir(self, inode: int, start: int) -> Iterator[tuple[bytes, Attr, int]]:
+        self._count("readdir")
+        if inode == ROOT_INODE:
+            items = sorted({**self.names, **self.extra}.items())
+        else:
+            items = [(k.encode(), 100 + i) for i, k in enumerate(KIDS)]
+        for i in range(start, len(items)):
+            name, ino = items[i]
+            yield name, self._attr(ino), i + 1
+
+    def read(self, inode: int, offset: int, size: int) -> bytes | Later:
+        self._count("read")
+        if inode == 2:
+            return TEXT[offset:offset + size]
+        if inode == 5:
+            def slow() -> bytes:
+                time.sleep(0.05)
+                return SLOW[offset:offset + size]
+            return Later(slow)
+        if inode == 6:
+            raise RuntimeError("injected")
+        return b""
+
+    def getxattr(self, inode: int, name: bytes) -> bytes:
+        values = {b"user.small": b"x", b"user.big": BIG_XATTR} if inode == 2 else {}
+        if name not in values:
+            raise FuseError(ENOATTR)
+        return values[name]
+
+    def listxattr(self, inode: int) -> list[bytes]:
+        return [b"user.small", b"user.big"] if inode == 2 else []
+
+    def access(self, inode: int, mask: int) -> None:
+        if mask & os.W_OK:
+            raise FuseError(errno.EROFS)
+
+    def statfs(self) -> StatFs:
+        return StatFs(blocks=100, files=306)
+
+    def unexpected(self, op: str, inode: int, exc: BaseException) -> int:
+        self.unexpected_errors.append((op, inode, str(exc)))
+        return errno.EIO
+
+
+def _serve(session: FuseSession) -> threading.Thread:
+    t = threading.Thread(target=session.serve, daemon=True)
+    t.start()
+    return t
+
+
+def _mounted(path: Path) -> bool:
+    return any(line.split()[4] == str(path)
+               for line in Path("/proc/self/mountinfo").read_text().splitlines())
+
+
+@pytest.fixture
+def toy(tmp_path: Path) -> Iterator[tuple[ToyFS, FuseSession, Path]]:
+    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
+        pytest.skip("needs /dev/fuse and root (mount(2) of a FUSE file system)")
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    fs = ToyFS()
+    session = FuseSession.mount(fs, str(mp), fsname="toy", subtype="toy",
+                                options=("default_permissions", "allow_other"),
+                                read_threads=2)
+    thread = _serve(session)
+    try:
+        yield fs, session, mp
+    finally:
+        session.close(unmount=True, mountpoint=str(mp))
+        thread.join(10)
+    assert not thread.is_alive()
+    assert not _mounted(mp)
+
+
+def test_attributes_contents_and_links(toy: tuple[ToyFS, FuseSession, Path]) -> None:
+    _, _, mp = toy
+    st = os.stat(mp / "a.txt")
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o644
+    assert (st.st_size, st.st_uid, st.st_gid) == (len(TEXT), 1234, 5678)
+    assert st.st_mtime_ns == MTIME_NS
+    assert (mp / "a.txt").read_bytes() == TEXT
+    assert (mp / "slow.bin").read_bytes() == SLOW       # answered from a worker thread
+    assert os.readlink(mp / "link") == "a.txt"
+    assert (mp / "link").read_bytes() == TEXT
+    s = os.statvfs(mp)
+    assert (s.f_blocks, s.f_files) == (100, 306)
+
+
+def test_a_listing_longer_than_one_request(toy: tuple[ToyFS, FuseSession, Path]) -> None:
+    fs, _, mp = toy
+    assert sorted(os.listdir(mp / "dir")) == KIDS
+    assert fs.calls["readdir"] > 2      # 300 long names do not fit one 4 KiB answer
+    st = os.stat(mp / "dir" / KIDS[-1])  # readdirplus told the kernel: no lookup needed
+    assert st.st_ino == 100 + len(KIDS) - 1
+    assert sorted(os.listdir(mp)) == sorted(n.decode() for n in fs.names)
+
+
+def test_extended_attributes_and_their_size_protocol(
+        toy: tuple[ToyFS, FuseSession, Path]) -> None:
+    _, _, mp = toy
+    f = mp / "a.txt"
+    assert os.getxattr(f, "user.small") == b"x"
+    assert os.getxattr(f, "user.big") == BIG_XATTR
+    assert sorted(os.listxattr(f)) == ["user.big", "user.small"]
+    with pytest.raises(OSError) as exc:
+        os.getxattr(f, "user.none")
+    assert exc.value.errno == errno.ENODATA
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(16)
+    n = libc.getxattr(os.fsencode(f), b"user.big", buf, ctypes.c_size_t(16))
+    assert n == -1 and ctypes.get_errno() == errno.ERANGE
+    assert libc.getxattr(os.fsencode(f), b"user.big", None, ctypes.c_size_t(0)) == 3000
+
+
+def test_errors_and_negative_entries(toy: tuple[ToyFS, FuseSession, Path]) -> None:
+    fs, _, mp = toy
+    with pytest.raises(OSError) as exc:
+        (mp / "boom").read_bytes()
+    assert exc.value.errno == errno.EIO
+    assert fs.unexpected_errors and fs.unexpected_errors[0][:2] == ("read", 6)
+    with pytest.raises(OSError) as exc:
+        open(mp / "a.txt", "r+b")  # noqa: SIM115 - the open itself must fail
+    assert exc.value.errno == errno.EROFS
+    looked = fs.calls["lookup"]
+    for _ in range(3):
+        assert not (mp / "missing").exists()
+    assert fs.calls["lookup"] == looked + 1     # the negative entry is cached
+
+
+def test_reads_carry_the_inode_without_an_open(toy: tuple[ToyFS, FuseSession, Path]) -> None:
+    _, _, mp = toy
+    # two files open at once: each read answers from its own inode (OPEN is never served)
+    with open(mp / "a.txt", "rb", buffering=0) as a, open(mp / "slow.bin", "rb",
+                                                          buffering=0) as b:
+        assert a.read(10) == TEXT[:10]
+        assert b.read(10) == SLOW[:10]
+
+
+def test_a_second_session_takes_the_connection_over(
+        toy: tuple[ToyFS, FuseSession, Path]) -> None:
+    fs, first, mp = toy
+    assert (mp / "a.txt").read_bytes()[:5] == b"hello"
+    held = os.dup(first.fd)                 # what the holder process keeps
+    first.terminate()
+    time.sleep(0.2)
+    first.close(unmount=False)              # a server that dies: the mount stays
+    assert _mounted(mp)
+    fs.extra[b"new"] = 2
+    second = FuseSession.adopt(held, fs, read_threads=2)
+    thread = _serve(second)
+    try:
+        assert (mp / "new").read_bytes() == TEXT    # a lookup the second session answered
+    finally:
+        second.close(unmount=True, mountpoint=str(mp))
+        thread.join(10)
+    assert not thread.is_alive()
+    assert not _mounted(mp)
