@@ -507,9 +507,9 @@ class ChunkFetcher:
                                  not background, kind)
 
     def note_read(self) -> None:
-        """The node is busy: a FUSE read was served, or a file looked up or opened (the loop
-        calls this: one clock read, no lock). A start-up whose data is in the page cache
-        still looks up and opens its files: it counts as reading."""
+        """The node is busy: a FUSE read was served, or a file looked up (the loop calls
+        this: one clock read, no lock). A start-up whose data is in the page cache still
+        looks its files up: it counts as reading (files are opened without the server)."""
         self.last_read = time.monotonic()
 
     def wait_quiet(self, timeout: float | None = None) -> bool:

@@ -64,6 +64,7 @@ NOTIFY_INVAL_ENTRY, NOTIFY_STORE, NOTIFY_RESEND = 3, 4, 7
 
 # FUSE_INIT flags we take when the kernel offers them
 _ASYNC_READ = 1 << 0
+_EXPORT_SUPPORT = 1 << 4        # lookups of "." and ".." (file handles)
 _BIG_WRITES = 1 << 5
 _DO_READDIRPLUS = 1 << 13
 _READDIRPLUS_AUTO = 1 << 14
@@ -71,8 +72,8 @@ _PARALLEL_DIROPS = 1 << 18
 _MAX_PAGES = 1 << 22
 _CACHE_SYMLINKS = 1 << 23
 _INIT_EXT = 1 << 30
-_WANTED = (_ASYNC_READ | _BIG_WRITES | _DO_READDIRPLUS | _READDIRPLUS_AUTO | _PARALLEL_DIROPS
-           | _MAX_PAGES | _CACHE_SYMLINKS | _INIT_EXT)
+_WANTED = (_ASYNC_READ | _EXPORT_SUPPORT | _BIG_WRITES | _DO_READDIRPLUS | _READDIRPLUS_AUTO
+           | _PARALLEL_DIROPS | _MAX_PAGES | _CACHE_SYMLINKS | _INIT_EXT)
 # open flags
 FOPEN_KEEP_CACHE = 1 << 1
 FOPEN_CACHE_DIR = 1 << 3
@@ -82,8 +83,10 @@ _MINOR = 38
 #: a request's largest answer, and the largest write we accept
 MAX_IO = 128 << 10
 _PAGE = 4096
-#: the read buffer: the largest request the kernel may send (a write of MAX_IO) and then some
-_BUFSIZE = MAX_IO + 2 * _PAGE
+#: the request buffer: the kernel refuses to read a request into a buffer that could not hold
+#: a write of the ``max_write`` negotiated at INIT, and a connection taken over was negotiated
+#: by a predecessor (libfuse, so pyfuse3-based servers, asks for 256 pages)
+_BUFSIZE = 256 * _PAGE + 2 * _PAGE
 
 _IN = struct.Struct("<IIQQIIIHH")          # fuse_in_header (40)
 _OUT = struct.Struct("<IiQ")               # fuse_out_header (16)
@@ -240,16 +243,17 @@ class FuseSession:
     """One FUSE connection: :meth:`mount` a new one or :meth:`adopt` a held one, then
     :meth:`serve` (blocks this thread) until :meth:`terminate` or the unmount."""
 
-    def __init__(self, fd: int, ops: FuseOperations, *, read_threads: int = 16,
-                 initialized: bool = False) -> None:
+    def __init__(self, fd: int, ops: FuseOperations, *, read_threads: int = 16) -> None:
         self.fd = fd
         self.ops = ops
-        self._initialized = initialized
         self._stop = False
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, read_threads), thread_name_prefix="fuse-read")
         self._closed = False
+        #: worker reads under way (stop() waits for them)
+        self._running = 0
+        self._running_changed = threading.Condition()
         #: set while serve() runs (close() waits for it to return: it owns the descriptor)
         self._serving = threading.Event()
         self._dispatch: dict[int, Callable[[int, int, memoryview], None]] = {
@@ -285,7 +289,7 @@ class FuseSession:
         """Serve the connection ``fd`` a dead predecessor initialized; the requests it had
         taken and not answered are queued again (before Linux 6.9 they wait until their
         callers are interrupted)."""
-        session = cls(fd, ops, read_threads=read_threads, initialized=True)
+        session = cls(fd, ops, read_threads=read_threads)
         try:
             os.write(fd, _OUT.pack(_OUT.size, NOTIFY_RESEND, 0))
         except OSError as exc:
@@ -298,6 +302,8 @@ class FuseSession:
     def serve(self) -> None:
         """Answer requests in this thread until :meth:`terminate`, the unmount, or the
         connection's abort."""
+        if self._closed:
+            return
         self._serving.set()
         try:
             self._loop()
@@ -345,23 +351,36 @@ class FuseSession:
                                                         nodeid, exc))
 
     def terminate(self) -> None:
-        """Make :meth:`serve` return (any thread); requests stay queued in the kernel."""
+        """Make :meth:`serve` return (any thread); requests it has not read stay queued in
+        the kernel."""
         self._stop = True
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"!")
 
-    def close(self, *, unmount: bool, mountpoint: str | None = None) -> None:
-        """Release the connection (after :meth:`serve` returned); ``unmount``: lazily
-        unmount ``mountpoint`` first (else a process holding a copy of the descriptor keeps
-        the mount alive for a successor)."""
-        if self._closed:
-            return
-        self._closed = True
+    def stop(self, timeout: float) -> None:
+        """End the loop and let the reads in progress answer (at most ``timeout`` seconds),
+        before what they read from is closed. Reads queued but not started are never
+        answered: the kernel hands them to a successor that takes the connection over
+        (``FUSE_NOTIFY_RESEND``), or they end with the unmount."""
         self.terminate()
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + timeout
         while self._serving.is_set() and time.monotonic() < deadline:
             time.sleep(0.01)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._running_changed:
+            self._running_changed.wait_for(lambda: self._running == 0,
+                                           max(0.0, deadline - time.monotonic()))
+
+    def close(self, *, unmount: bool, mountpoint: str | None = None) -> None:
+        """Release the connection (after :meth:`stop`; it is stopped here if not);
+        ``unmount``: lazily unmount ``mountpoint`` first (else a process holding a copy of
+        the descriptor keeps the mount alive for a successor). Answers and notifications
+        after this are dropped."""
+        if self._closed:
+            return
+        if self._serving.is_set() or not self._stop:
+            self.stop(5.0)
+        self._closed = True
         if (unmount and mountpoint is not None
                 and _libc.umount2(os.fsencode(mountpoint), _MNT_DETACH) != 0):
             err = ctypes.get_errno()
@@ -376,6 +395,8 @@ class FuseSession:
     def notify_store(self, inode: int, offset: int, data: bytes | memoryview) -> None:
         """Put ``data`` into the page cache of ``inode`` at ``offset`` (OSError if the kernel
         does not know the inode)."""
+        if self._closed:
+            raise OSError(errno.ENOTCONN, "the FUSE connection is closed")
         size = len(data)
         head = _OUT.pack(_OUT.size + _STORE.size + size, NOTIFY_STORE, 0)
         os.writev(self.fd, [head, _STORE.pack(inode, offset, size, 0), data])
@@ -383,12 +404,16 @@ class FuseSession:
     def invalidate_entry(self, parent: int, name: bytes) -> None:
         """Make the kernel forget the name ``name`` in ``parent`` (OSError ENOENT if it
         did not know it)."""
+        if self._closed:
+            raise OSError(errno.ENOTCONN, "the FUSE connection is closed")
         body = _INVAL_ENTRY.pack(parent, len(name), 0) + name + b"\0"
         os.write(self.fd, _OUT.pack(_OUT.size + len(body), NOTIFY_INVAL_ENTRY, 0) + body)
 
     # -- answers -----------------------------------------------------------------------------
 
     def _reply(self, unique: int, *parts: bytes | memoryview) -> None:
+        if self._closed:
+            return
         size = _OUT.size + sum(len(p) for p in parts)
         try:
             os.writev(self.fd, [_OUT.pack(size, 0, unique), *parts])
@@ -399,6 +424,8 @@ class FuseSession:
                 raise
 
     def _error(self, unique: int, err: int) -> None:
+        if self._closed:
+            return
         try:
             os.write(self.fd, _OUT.pack(_OUT.size, -err, unique))
         except OSError as exc:
@@ -413,7 +440,10 @@ class FuseSession:
 
     def _init(self, unique: int, nodeid: int, body: memoryview) -> None:
         major, minor, max_readahead, flags = _INIT_IN.unpack_from(body)
-        if major != _MAJOR:
+        if major > _MAJOR:      # the kernel asks again with ours
+            self._reply(unique, _INIT_OUT.pack(_MAJOR, _MINOR, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))
+            return
+        if major < _MAJOR:
             log.error("FUSE protocol %d.%d: only %d is spoken here", major, minor, _MAJOR)
             self._error(unique, errno.EPROTO)
             return
@@ -424,7 +454,6 @@ class FuseSession:
         out = _INIT_OUT.pack(_MAJOR, min(minor, _MINOR), max_readahead, wanted, 64, 48, MAX_IO,
                              1, MAX_IO // _PAGE, 0, 0, 0)
         del flags2      # nothing of the second word is wanted
-        self._initialized = True
         self._reply(unique, out)
 
     def _lookup(self, unique: int, nodeid: int, body: memoryview) -> None:
@@ -468,11 +497,24 @@ class FuseSession:
         _fh, offset, size = _READ_IN.unpack_from(body)
         got = self.ops.read(nodeid, offset, size)
         if isinstance(got, Later):
-            self._pool.submit(self._finish_read, unique, nodeid, got)
+            try:
+                self._pool.submit(self._finish_read, unique, nodeid, got)
+            except RuntimeError:    # stopping: left to a successor (or the unmount)
+                pass
         else:
             self._reply(unique, got)
 
     def _finish_read(self, unique: int, nodeid: int, later: Later) -> None:
+        with self._running_changed:
+            self._running += 1
+        try:
+            self._answer_later(unique, nodeid, later)
+        finally:
+            with self._running_changed:
+                self._running -= 1
+                self._running_changed.notify_all()
+
+    def _answer_later(self, unique: int, nodeid: int, later: Later) -> None:
         try:
             data = later.work()
         except FuseError as exc:
@@ -480,7 +522,10 @@ class FuseSession:
         except Exception as exc:
             self._error(unique, self.ops.unexpected("read", nodeid, exc))
         else:
-            self._reply(unique, data)
+            try:
+                self._reply(unique, data)
+            except Exception as exc:    # this thread's Future is never looked at: say it
+                self._error(unique, self.ops.unexpected("read (answer)", nodeid, exc))
 
     def _getxattr(self, unique: int, nodeid: int, body: memoryview) -> None:
         size, _pad = _GETXATTR_IN.unpack_from(body)

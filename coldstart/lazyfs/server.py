@@ -363,19 +363,23 @@ class FuseServer:
         """Close what we opened; ``session``: a FUSE session was started, ``unmount``: end
         it with the mount (else the holder keeps the connection for a successor)."""
         self._unlink_socket()
+        fuse = self.fs.session
+        if fuse is not None:
+            # first: the reads under way finish with the fetcher and cache still open (on a
+            # handover a reader never sees an error); the rest wait for the successor
+            with contextlib.suppress(Exception):
+                fuse.stop(timeout=self.config.fetch.read_deadline)
         if self.files is not None:
             self.files.close()
         self.fetcher.close()
         with contextlib.suppress(Exception):
             self.cache.close()
-        fuse = self.fs.session
-        if session and fuse is not None:
-            fuse.terminate()
-            with contextlib.suppress(Exception):
-                fuse.close(unmount=unmount, mountpoint=str(self.fuse_dir))
+        if fuse is not None:
             self.fs.session = None
-            if unmount:
-                handover.release(self.root)      # unmounted: nothing left to hold
+            with contextlib.suppress(Exception):
+                fuse.close(unmount=session and unmount, mountpoint=str(self.fuse_dir))
+        if session and unmount:
+            handover.release(self.root)      # unmounted: nothing left to hold
         with contextlib.suppress(Exception):
             self.client.close()
         log.info("FUSE server stopped")

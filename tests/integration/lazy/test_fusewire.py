@@ -9,6 +9,7 @@ import ctypes
 import errno
 import os
 import stat
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -248,3 +249,37 @@ def test_a_second_session_takes_the_connection_over(
         thread.join(10)
     assert not thread.is_alive()
     assert not _mounted(mp)
+
+
+class _LibfuseLike(FuseSession):
+    """A predecessor that negotiated what libfuse (so a pyfuse3-based server) does: writes
+    of 1 MiB (256 pages). The kernel then refuses to read requests into a smaller buffer."""
+
+    def _init(self, unique: int, nodeid: int, body: memoryview) -> None:
+        _major, minor, readahead, flags = struct.unpack_from("<IIII", body)
+        wanted = flags & ((1 << 0) | (1 << 22) | (1 << 30))     # async read, max pages, ext
+        self._reply(unique, struct.pack("<IIIIHHIIHHII24x", 7, min(minor, 38), readahead,
+                                        wanted, 64, 48, 1 << 20, 1, 256, 0, 0, 0))
+
+
+def test_a_connection_libfuse_negotiated_is_taken_over(tmp_path: Path) -> None:
+    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
+        pytest.skip("needs /dev/fuse and root (mount(2) of a FUSE file system)")
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    fs = ToyFS()
+    first = _LibfuseLike.mount(fs, str(mp), fsname="toy", subtype="toy", read_threads=2)
+    thread = _serve(first)
+    second: FuseSession | None = None
+    try:
+        os.stat(mp / "a.txt")               # INIT is done
+        held = os.dup(first.fd)
+        first.close(unmount=False)
+        thread.join(10)
+        second = FuseSession.adopt(held, fs, read_threads=2)
+        thread = _serve(second)
+        assert (mp / "slow.bin").read_bytes() == SLOW
+    finally:
+        (second or first).close(unmount=True, mountpoint=str(mp))
+        thread.join(10)
+    assert not thread.is_alive() and not _mounted(mp)
