@@ -34,6 +34,7 @@ import ctypes
 import ctypes.util
 import errno
 import logging
+import mmap
 import os
 import select
 import stat
@@ -83,11 +84,13 @@ _MINOR = 38
 #: a request's largest answer (reads of up to 1 MiB: a cold sequential read through the
 #: mount is a quarter of the requests of 256 KiB ones), and the largest write we accept
 MAX_IO = 1 << 20
-_PAGE = 4096
+_PAGE = mmap.PAGESIZE
 #: the request buffer: the kernel refuses to read a request into a buffer that could not hold
 #: a write of the ``max_write`` negotiated at INIT, and a connection taken over was negotiated
 #: by a predecessor (libfuse, so pyfuse3-based servers, asks for 256 pages)
 _BUFSIZE = max(MAX_IO, 256 * _PAGE) + 2 * _PAGE
+#: a buffer the kernel still refuses (EINVAL: a predecessor negotiated more) doubles up to this
+_MAX_BUFSIZE = 256 << 20
 
 _IN = struct.Struct("<IIQQIIIHH")          # fuse_in_header (40)
 _OUT = struct.Struct("<IiQ")               # fuse_out_header (16)
@@ -252,9 +255,9 @@ class FuseSession:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, read_threads), thread_name_prefix="fuse-read")
         self._closed = False
-        #: worker reads under way (stop() waits for them)
-        self._running = 0
-        self._running_changed = threading.Condition()
+        #: reads handed to the pool and not answered yet (stop() waits for them)
+        self._pending: set[concurrent.futures.Future[None]] = set()
+        self._stopping = False
         #: set while serve() runs (close() waits for it to return: it owns the descriptor)
         self._serving = threading.Event()
         self._dispatch: dict[int, Callable[[int, int, memoryview], None]] = {
@@ -335,7 +338,16 @@ class FuseSession:
                 if exc.errno == errno.ENODEV:      # unmounted, or the connection aborted
                     log.info("FUSE connection ended (unmounted or aborted)")
                     return
+                if exc.errno == errno.EINVAL and len(buf) < _MAX_BUFSIZE:
+                    # the connection's max_write (a predecessor's) needs more: the kernel
+                    # checks before it takes a request, so nothing is lost
+                    buf = bytearray(2 * len(buf))
+                    view = memoryview(buf)
+                    log.info("FUSE request buffer grown to %d bytes", len(buf))
+                    continue
                 raise
+            if n < _IN.size:
+                continue
             _len, opcode, unique, nodeid, *_ = unpack(buf)
             if opcode in _NO_REPLY:
                 continue
@@ -359,18 +371,19 @@ class FuseSession:
             os.write(self._wake_w, b"!")
 
     def stop(self, timeout: float) -> None:
-        """End the loop and let the reads in progress answer (at most ``timeout`` seconds),
-        before what they read from is closed. Reads queued but not started are never
-        answered: the kernel hands them to a successor that takes the connection over
-        (``FUSE_NOTIFY_RESEND``), or they end with the unmount."""
+        """End the loop and let every read it took answer (at most ``timeout`` seconds),
+        before what they read from is closed. Requests the loop has not read stay queued in
+        the kernel for a successor that takes the connection over."""
+        self._stopping = True
         self.terminate()
         deadline = time.monotonic() + timeout
         while self._serving.is_set() and time.monotonic() < deadline:
             time.sleep(0.01)
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        with self._running_changed:
-            self._running_changed.wait_for(lambda: self._running == 0,
-                                           max(0.0, deadline - time.monotonic()))
+        # every read the loop took is answered (the fetcher is still open): one left queued
+        # would wait for a successor's FUSE_NOTIFY_RESEND, which kernels before 6.9 lack
+        concurrent.futures.wait(list(self._pending),
+                                timeout=max(0.0, deadline - time.monotonic()))
+        self._pool.shutdown(wait=False)
 
     def close(self, *, unmount: bool, mountpoint: str | None = None) -> None:
         """Release the connection (after :meth:`stop`; it is stopped here if not);
@@ -379,7 +392,7 @@ class FuseSession:
         after this are dropped."""
         if self._closed:
             return
-        if self._serving.is_set() or not self._stop:
+        if not self._stopping:
             self.stop(5.0)
         self._closed = True
         if (unmount and mountpoint is not None
@@ -387,7 +400,19 @@ class FuseSession:
             err = ctypes.get_errno()
             if err not in (errno.EINVAL, errno.ENOENT):
                 log.warning("unmount of %s: %s", mountpoint, os.strerror(err))
-        for fd in (self.fd, self._wake_r, self._wake_w):
+        # the connection is let go, but its number stays taken (by /dev/null) until the
+        # process ends: a writer that checked _closed just before (a page-cache warmer, a
+        # read past the deadline, an abandoned loop) must not reach whatever opens next
+        try:
+            null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                os.dup2(null, self.fd, inheritable=False)
+            finally:
+                os.close(null)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+        for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
 
@@ -441,7 +466,7 @@ class FuseSession:
 
     def _init(self, unique: int, nodeid: int, body: memoryview) -> None:
         major, minor, max_readahead, flags = _INIT_IN.unpack_from(body)
-        if major > _MAJOR:      # the kernel asks again with ours
+        if major > _MAJOR:      # the protocol's answer to a newer major (Linux sends 7)
             self._reply(unique, _INIT_OUT.pack(_MAJOR, _MINOR, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))
             return
         if major < _MAJOR:
@@ -453,7 +478,7 @@ class FuseSession:
             (flags2,) = struct.unpack_from("<I", body, _INIT_IN.size)
         wanted = flags & _WANTED
         out = _INIT_OUT.pack(_MAJOR, min(minor, _MINOR), max_readahead, wanted, 64, 48, MAX_IO,
-                             1, MAX_IO // _PAGE, 0, 0, 0)
+                             1, max(1, MAX_IO // _PAGE), 0, 0, 0)
         del flags2      # nothing of the second word is wanted
         self._reply(unique, out)
 
@@ -499,21 +524,14 @@ class FuseSession:
         got = self.ops.read(nodeid, offset, size)
         if isinstance(got, Later):
             try:
-                self._pool.submit(self._finish_read, unique, nodeid, got)
-            except RuntimeError:    # stopping: left to a successor (or the unmount)
-                pass
+                fut = self._pool.submit(self._answer_later, unique, nodeid, got)
+            except RuntimeError:    # the pool is shut down: EIO rather than no answer
+                self._error(unique, errno.EIO)
+                return
+            self._pending.add(fut)
+            fut.add_done_callback(self._pending.discard)
         else:
             self._reply(unique, got)
-
-    def _finish_read(self, unique: int, nodeid: int, later: Later) -> None:
-        with self._running_changed:
-            self._running += 1
-        try:
-            self._answer_later(unique, nodeid, later)
-        finally:
-            with self._running_changed:
-                self._running -= 1
-                self._running_changed.notify_all()
 
     def _answer_later(self, unique: int, nodeid: int, later: Later) -> None:
         try:

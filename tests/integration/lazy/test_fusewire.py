@@ -12,7 +12,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -251,35 +251,58 @@ def test_a_second_session_takes_the_connection_over(
     assert not _mounted(mp)
 
 
-class _LibfuseLike(FuseSession):
-    """A predecessor that negotiated what libfuse (so a pyfuse3-based server) does: writes
-    of 1 MiB (256 pages). The kernel then refuses to read requests into a smaller buffer."""
+class _Predecessor(FuseSession):
+    """A predecessor that negotiated writes of 4 MiB (more than this transport asks for;
+    libfuse asks for 256 pages, 16 MiB on a kernel of 64 KiB pages): the kernel refuses to
+    read a request into a buffer that could not hold one, so the request buffer must grow."""
 
     def _init(self, unique: int, nodeid: int, body: memoryview) -> None:
         _major, minor, readahead, flags = struct.unpack_from("<IIII", body)
         wanted = flags & ((1 << 0) | (1 << 22) | (1 << 30))     # async read, max pages, ext
         self._reply(unique, struct.pack("<IIIIHHIIHHII24x", 7, min(minor, 38), readahead,
-                                        wanted, 64, 48, 1 << 20, 1, 256, 0, 0, 0))
+                                        wanted, 64, 48, 4 << 20, 1, 256, 0, 0, 0))
 
 
-def test_a_connection_libfuse_negotiated_is_taken_over(tmp_path: Path) -> None:
+def _within(seconds: float, mp: Path, fn: Callable[[], object]) -> object:
+    """``fn()`` in a thread; if it has not returned in time, the FUSE connection of ``mp`` is
+    aborted (a request nobody answers would hang the test) and the test fails."""
+    out: list[object] = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        dev = next(line.split()[2] for line in
+                   Path("/proc/self/mountinfo").read_text().splitlines()
+                   if line.split()[4] == str(mp))
+        Path(f"/sys/fs/fuse/connections/{dev.split(':')[1]}/abort").write_text("1")
+        pytest.fail(f"no answer within {seconds} s (connection aborted)")
+    return out[0] if out else None
+
+
+def test_a_connection_a_predecessor_negotiated_bigger_is_taken_over(tmp_path: Path) -> None:
     if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
         pytest.skip("needs /dev/fuse and root (mount(2) of a FUSE file system)")
     mp = tmp_path / "mnt"
     mp.mkdir()
     fs = ToyFS()
-    first = _LibfuseLike.mount(fs, str(mp), fsname="toy", subtype="toy", read_threads=2)
+    first = _Predecessor.mount(fs, str(mp), fsname="toy", subtype="toy", read_threads=2)
     thread = _serve(first)
+    held = -1
     second: FuseSession | None = None
     try:
-        os.stat(mp / "a.txt")               # INIT is done
+        _within(10, mp, lambda: os.stat(mp / "a.txt"))     # INIT done, and served after it
         held = os.dup(first.fd)
         first.close(unmount=False)
         thread.join(10)
         second = FuseSession.adopt(held, fs, read_threads=2)
+        held = -1
         thread = _serve(second)
-        assert (mp / "slow.bin").read_bytes() == SLOW
+        assert _within(10, mp, lambda: (mp / "slow.bin").read_bytes()) == SLOW
     finally:
+        if held >= 0:
+            os.close(held)
         (second or first).close(unmount=True, mountpoint=str(mp))
+        if _mounted(mp):
+            os.system(f"umount -l {mp}")
         thread.join(10)
     assert not thread.is_alive() and not _mounted(mp)
