@@ -188,9 +188,17 @@ def test_advise_puts_the_range_in_the_page_cache(tmp_path: Path) -> None:
     try:
         # longer than one hint reads on any device (16 MiB at most): asked for in steps
         blob.advise(4 * MiB, 40 * MiB)
+        want = 40 * MiB // PAGE
         deadline = time.monotonic() + 10
-        while resident_pages(path, 4 * MiB, 40 * MiB)[0] < 40 * MiB // PAGE:
-            assert time.monotonic() < deadline, "the advised range never arrived"
+        while (got := resident_pages(path, 4 * MiB, 40 * MiB)[0]) < want:
+            if time.monotonic() > deadline:
+                # WILLNEED is a hint: read-ahead allocates without retrying and may drop
+                # pages when memory is short (a VM whose host took its free pages back, as a
+                # CI run met): most of the range must have come, and its far end (the last
+                # step, so every step was asked for)
+                assert got >= 0.9 * want, f"the advised range never arrived ({got}/{want})"
+                assert resident_pages(path, 40 * MiB, 4 * MiB)[0] > 0, "its last step did not"
+                break
             time.sleep(0.01)
         assert resident_pages(path, 46 * MiB, 2 * MiB)[0] == 0   # only what was asked
         assert blob.bytes_read == 0 and blob.requests == 0        # a hint, not a read
