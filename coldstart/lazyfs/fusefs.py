@@ -751,7 +751,7 @@ def fuse_mount(fs: FuseFS, mountpoint: str) -> FuseSession:
         session = FuseSession.mount(fs, mountpoint, fsname=FSNAME, subtype="coldstart",
                                     options=("default_permissions", "allow_other"),
                                     read_threads=fs.read_threads)
-    except OSError as exc:
+    except (OSError, ColdstartError) as exc:
         raise FailedPrecondition(f"cannot mount the FUSE file system at {mountpoint}: "
                                  f"{exc}") from exc
     fs.session = session

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import ctypes
-import ctypes.util
 import errno
 import logging
 import mmap
@@ -43,6 +41,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
+
+from coldstart.errors import ColdstartError
+from coldstart.lazyfs import mountsys
 
 __all__ = ["Attr", "FuseError", "FuseOperations", "FuseSession", "Later", "StatFs"]
 
@@ -108,13 +109,6 @@ _INIT_OUT = struct.Struct("<IIIIHHIIHHII24x")  # fuse_init_out (64)
 _STORE = struct.Struct("<QQII")            # fuse_notify_store_out (24)
 _INVAL_ENTRY = struct.Struct("<QII")       # fuse_notify_inval_entry_out (16)
 
-MS_RDONLY, MS_NOATIME = 1, 1024
-_MNT_DETACH = 2
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
-                        ctypes.c_void_p]
-_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
 
 class FuseError(Exception):
@@ -276,16 +270,16 @@ class FuseSession:
               options: Sequence[str] = (), read_threads: int = 16) -> FuseSession:
         """Open ``/dev/fuse`` and mount it read-only at ``mountpoint`` (needs CAP_SYS_ADMIN).
         ``options``: kernel FUSE options (``allow_other``, ``default_permissions``); ``suid``
-        and ``dev`` are the default of mount(2)."""
+        and ``dev`` are the default of mount(2). OSError or ColdstartError if it cannot."""
         fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
         data = ",".join([f"fd={fd}", f"rootmode={stat.S_IFDIR:o}", f"user_id={os.getuid()}",
                          f"group_id={os.getgid()}", *options])
-        if _libc.mount(fsname.encode(), os.fsencode(mountpoint), f"fuse.{subtype}".encode(),
-                       MS_RDONLY | MS_NOATIME, data.encode()) != 0:
-            err = ctypes.get_errno()
+        try:
+            mountsys.mount(fsname, mountpoint, f"fuse.{subtype}",
+                           mountsys.MS_RDONLY | mountsys.MS_NOATIME, data)
+        except BaseException:
             os.close(fd)
-            raise OSError(err, f"mount of a FUSE file system at {mountpoint}: "
-                               f"{os.strerror(err)}")
+            raise
         return cls(fd, ops, read_threads=read_threads)
 
     @classmethod
@@ -395,11 +389,11 @@ class FuseSession:
         if not self._stopping:
             self.stop(5.0)
         self._closed = True
-        if (unmount and mountpoint is not None
-                and _libc.umount2(os.fsencode(mountpoint), _MNT_DETACH) != 0):
-            err = ctypes.get_errno()
-            if err not in (errno.EINVAL, errno.ENOENT):
-                log.warning("unmount of %s: %s", mountpoint, os.strerror(err))
+        if unmount and mountpoint is not None:
+            try:
+                mountsys.lazy_unmount(mountpoint)
+            except ColdstartError as exc:
+                log.warning("%s", exc)
         # the connection is let go, but its number stays taken (by /dev/null) until the
         # process ends: a writer that checked _closed just before (a page-cache warmer, a
         # read past the deadline, an abandoned loop) must not reach whatever opens next

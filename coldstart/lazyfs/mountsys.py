@@ -13,9 +13,10 @@ import os
 
 from coldstart.errors import ColdstartError, FailedPrecondition, InvalidArgument, NotFound
 
-__all__ = ["bind_mount", "is_mountpoint", "lazy_unmount", "mounted_paths"]
+__all__ = ["bind_mount", "is_mountpoint", "lazy_unmount", "mount", "mounted_paths"]
 
 MS_RDONLY = 1
+MS_NOATIME = 1024
 MS_REMOUNT = 32
 MS_BIND = 4096
 MNT_DETACH = 2
@@ -33,6 +34,13 @@ def _error(what: str, err: int) -> ColdstartError:
     if err in (errno.EINVAL, errno.ENOTDIR):
         return InvalidArgument(msg)
     return FailedPrecondition(msg)
+
+
+def mount(source: str, target: str, fstype: str, flags: int, data: str) -> None:
+    """mount(2); a ColdstartError naming the file system type, the target and the cause."""
+    if _libc.mount(source.encode(), os.fsencode(target), fstype.encode(), flags,
+                   data.encode()) != 0:
+        raise _error(f"mount of {fstype} at {target}", ctypes.get_errno())
 
 
 def bind_mount(source: str, target: str) -> None:

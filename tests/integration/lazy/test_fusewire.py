@@ -26,6 +26,10 @@ from coldstart.lazyfs.fusewire import (
     Later,
     StatFs,
 )
+from coldstart.lazyfs.mountsys import is_mountpoint, lazy_unmount
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse") or os.geteuid() != 0,
+                                reason="needs /dev/fuse and root (mount(2) of FUSE)")
 
 TEXT = b"hello, lazy world\n" * 1000
 SLOW = bytes(range(256)) * 600
@@ -141,15 +145,8 @@ def _serve(session: FuseSession) -> threading.Thread:
     return t
 
 
-def _mounted(path: Path) -> bool:
-    return any(line.split()[4] == str(path)
-               for line in Path("/proc/self/mountinfo").read_text().splitlines())
-
-
 @pytest.fixture
 def toy(tmp_path: Path) -> Iterator[tuple[ToyFS, FuseSession, Path]]:
-    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
-        pytest.skip("needs /dev/fuse and root (mount(2) of a FUSE file system)")
     mp = tmp_path / "mnt"
     mp.mkdir()
     fs = ToyFS()
@@ -163,7 +160,7 @@ def toy(tmp_path: Path) -> Iterator[tuple[ToyFS, FuseSession, Path]]:
         session.close(unmount=True, mountpoint=str(mp))
         thread.join(10)
     assert not thread.is_alive()
-    assert not _mounted(mp)
+    assert not is_mountpoint(str(mp))
 
 
 def test_attributes_contents_and_links(toy: tuple[ToyFS, FuseSession, Path]) -> None:
@@ -238,7 +235,7 @@ def test_a_second_session_takes_the_connection_over(
     first.terminate()
     time.sleep(0.2)
     first.close(unmount=False)              # a server that dies: the mount stays
-    assert _mounted(mp)
+    assert is_mountpoint(str(mp))
     fs.extra[b"new"] = 2
     second = FuseSession.adopt(held, fs, read_threads=2)
     thread = _serve(second)
@@ -248,7 +245,7 @@ def test_a_second_session_takes_the_connection_over(
         second.close(unmount=True, mountpoint=str(mp))
         thread.join(10)
     assert not thread.is_alive()
-    assert not _mounted(mp)
+    assert not is_mountpoint(str(mp))
 
 
 class _Predecessor(FuseSession):
@@ -280,8 +277,6 @@ def _within(seconds: float, mp: Path, fn: Callable[[], object]) -> object:
 
 
 def test_a_connection_a_predecessor_negotiated_bigger_is_taken_over(tmp_path: Path) -> None:
-    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
-        pytest.skip("needs /dev/fuse and root (mount(2) of a FUSE file system)")
     mp = tmp_path / "mnt"
     mp.mkdir()
     fs = ToyFS()
@@ -302,7 +297,6 @@ def test_a_connection_a_predecessor_negotiated_bigger_is_taken_over(tmp_path: Pa
         if held >= 0:
             os.close(held)
         (second or first).close(unmount=True, mountpoint=str(mp))
-        if _mounted(mp):
-            os.system(f"umount -l {mp}")
+        lazy_unmount(str(mp))
         thread.join(10)
-    assert not thread.is_alive() and not _mounted(mp)
+    assert not thread.is_alive() and not is_mountpoint(str(mp))
