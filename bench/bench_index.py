@@ -7,8 +7,15 @@ one run (issue 14):
   requests, rapidgzip on every core, containerd's applier semantics);
 * ``cs-index``: coldstart lazily through a gzip index (``coldstart index --push``, pinned on
   the node);
+* ``cs-index+profile``: the same with an index that also names the start-up's spans
+  (``coldstart index --profile``, from a ``coldstart optimize`` recording of this image): they
+  are prefetched at mount, as for an image ``coldstart optimize`` wrote, while the image itself
+  stays unconverted;
 * ``cs-zstd``: coldstart lazily on the same image converted to zstd:chunked
-  (``coldstart convert``), the best a converted image gives.
+  (``coldstart convert``);
+* ``cs-zstd+profile``: the same converted with the same profile (``coldstart convert
+  --profile``: the start-up's files first, prefetched at mount), the best a converted image
+  gives and what ``cs-index+profile`` compares with.
 
 The image is a built-in benchmark image (``coldstart bench-image``; default ``torch``: Debian
 12 + python3 + torch 2.13.0 CPU, its start-up imports torch). Per run: a fresh containerd and
@@ -17,12 +24,14 @@ run timed apart; registry bytes and requests from its access log. Prints a markd
 medians (min-max) and ratios to ``containerd``; ``--json FILE`` writes every run.
 
     sudo .venv/bin/python bench/bench_index.py [--image torch] [--runs 5] [--json out.json]
+        [--profile FILE]     # a saved recording (else one is recorded: ~1 min)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,7 +49,9 @@ from coldstart.stack.procs import coldstart_cli  # noqa: E402
 from coldstart.stack.registry import AccessLog, push_layout, start_registry  # noqa: E402
 from coldstart.stack.snapshotter import temp_local_stack  # noqa: E402
 
-MODES = ("containerd", "cs-full", "cs-index", "cs-zstd")
+MODES = ("containerd", "cs-full", "cs-index", "cs-index+profile", "cs-zstd", "cs-zstd+profile")
+#: the image each mode pulls
+IMAGE_OF = {"cs-zstd": "zstd", "cs-zstd+profile": "zstd-profile"}
 
 
 def drop_caches() -> None:
@@ -49,14 +60,14 @@ def drop_caches() -> None:
     time.sleep(1)
 
 
-def one(mode: str, refs: dict[str, str], artifact: str, cmd: list[str],
-        log_path: Path) -> dict[str, Any]:
+def one(mode: str, refs: dict[str, str], artifacts: dict[str, str], cmd: list[str],
+        log_path: Path, keep: Path | None = None) -> dict[str, Any]:
     with temp_local_stack(pull_mode=None) as st:
-        if mode == "cs-index":
-            (st.snapshotter.root / "trusted-indexes").write_text(artifact + "\n")
+        if mode in artifacts:
+            (st.snapshotter.root / "trusted-indexes").write_text(artifacts[mode] + "\n")
         drop_caches()
         log = AccessLog(log_path)
-        ref = refs["zstd" if mode == "cs-zstd" else "gzip"]
+        ref = refs[IMAGE_OF.get(mode, "gzip")]
         t0 = time.monotonic()
         if mode == "containerd":
             st.ctd.ctr("images", "pull", "--plain-http", ref, namespace="b", timeout=1800)
@@ -77,6 +88,14 @@ def one(mode: str, refs: dict[str, str], artifact: str, cmd: list[str],
                          timeout=1800)
         t2 = time.monotonic()
         blob = [r for r in log.requests() if "/blobs/" in r.path]
+        if keep is not None and mode != "containerd":
+            keep.mkdir(parents=True, exist_ok=True)
+            n = len(list(keep.glob(f"{mode}-*.fuse.log")))
+            shutil.copy(st.fuse_log, keep / f"{mode}-{n}.fuse.log")
+            shutil.copy(st.snapshotter.log, keep / f"{mode}-{n}.snapshotter.log")
+            (keep / f"{mode}-{n}.pull.log").write_text(
+                f"pull {time.strftime('%H:%M:%S', time.localtime(time.time() - (t2 - t0)))}"
+                f" +{t1 - t0:.3f} s, run +{t2 - t1:.3f} s\n")
         return {"mode": mode, "pull_s": t1 - t0, "run_s": t2 - t1, "total_s": t2 - t0,
                 "bytes": sum(r.bytes for r in blob), "requests": len(blob),
                 "out": run.stdout.strip(), "pull": how}
@@ -92,7 +111,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--mode", action="append", choices=MODES,
-                    help="Only these modes (repeatable; default: all four)")
+                    help="Only these modes (repeatable; default: all)")
+    ap.add_argument("--keep-logs", type=Path, metavar="DIR",
+                    help="Copy each coldstart run's FUSE server and snapshotter logs, and "
+                         "its pull and run times, here")
+    ap.add_argument("--profile", type=Path,
+                    help="The start-up profile of cs-index+profile and cs-zstd+profile "
+                         "(default: recorded now with coldstart optimize)")
     args = ap.parse_args()
     modes = tuple(args.mode or MODES)
     image = build_image(args.image, progress=lambda s: print(s, file=sys.stderr))
@@ -106,16 +131,41 @@ def main() -> None:
         assert proc.returncode == 0, proc.stderr
         index_s = time.monotonic() - t
         doc = json.loads(proc.stdout)
-        zs = f"{reg.host}/bench/{args.image}:zstd"
-        t = time.monotonic()
-        proc = coldstart_cli("convert", gz, zs, "--format", "zstd-chunked", timeout=3600)
-        assert proc.returncode == 0, proc.stderr
-        convert_s = time.monotonic() - t
-        refs = {"gzip": gz, "zstd": zs}
+        artifacts = {"cs-index": doc["artifact"]}
+        profiled: dict[str, Any] = {}
+        profile = args.profile
+        if {"cs-index+profile", "cs-zstd+profile"} & set(modes):
+            if profile is None:
+                profile = Path(tmp) / "profile.json"
+                proc = coldstart_cli("optimize", gz, f"oci:{tmp}/optimized", "--profile-out",
+                                     str(profile), "--", *image.command, timeout=3600)
+                assert proc.returncode == 0, proc.stderr
+            proc = coldstart_cli("index", gz, "--push", "--profile", str(profile), "-o",
+                                 "json", timeout=3600)
+            assert proc.returncode == 0, proc.stderr
+            profiled = json.loads(proc.stdout)
+            artifacts["cs-index+profile"] = profiled["artifact"]
+            print("index with the profile: " + ", ".join(
+                f"{la['prefetch_files']} files, {la['prefetch_bytes'] / 1e6:.1f} MB of spans"
+                for la in profiled["layers"]), file=sys.stderr)
+        refs = {"gzip": gz}
+        convert_s = 0.0
+        for mode, tag in IMAGE_OF.items():
+            if mode not in modes:
+                continue
+            refs[tag] = f"{reg.host}/bench/{args.image}:{tag}"
+            t = time.monotonic()
+            proc = coldstart_cli("convert", gz, refs[tag], "--format", "zstd-chunked",
+                                 *(["--profile", str(profile)] if "profile" in tag else []),
+                                 timeout=3600)
+            assert proc.returncode == 0, proc.stderr
+            if tag == "zstd":
+                convert_s = time.monotonic() - t
         rows: list[dict[str, Any]] = []
         for i in range(args.runs):
             for mode in modes:
-                r = one(mode, refs, doc["artifact"], image.command, reg.access_log)
+                r = one(mode, refs, artifacts, image.command, reg.access_log,
+                        args.keep_logs)
                 r["run"] = i
                 rows.append(r)
                 print(f"run {i} {mode}: pull {r['pull_s']:.2f} s, run {r['run_s']:.2f} s, "
@@ -148,6 +198,7 @@ def main() -> None:
               f"{base / med:.2f}x |")
     if args.json:
         args.json.write_text(json.dumps({"image": args.image, "rows": rows, "index": doc,
+                                         "index_with_profile": profiled,
                                          "index_s": index_s, "convert_s": convert_s},
                                         indent=1))
 

@@ -29,7 +29,12 @@ meta: ``{"version": 1, "layer": DIGEST, "size": BLOB_BYTES, "uncompressedSize": 
 "diffID": DIGEST, "span": BYTES, "checkpoints": [[in, bits, out, window_bytes], ...]}``, where
 ``in``/``bits`` follow zlib's zran.c: the block starts ``bits`` bits before byte ``in`` (this
 version: always 0, see :func:`coldstart.oci.gzindex.find_checkpoints`), ``out`` is its
-uncompressed offset, and the windows follow in checkpoint order.
+uncompressed offset, and the windows follow in checkpoint order. An index built with a start-up
+profile (``coldstart index --profile``) also holds ``"prefetch": {"files": [NAME, ...],
+"ranges": [[offset, length], ...]}``: the files the recorded start-up read, in access order,
+and the compressed ranges of the spans it touched, sorted and disjoint. A node prefetches those
+spans as soon as it mounts the layer (the blob's order cannot be changed: the spans are the
+start-up set). A lying list costs fetches, never wrong bytes: every piece is still checked.
 """
 
 from __future__ import annotations
@@ -96,6 +101,8 @@ MAX_SPAN = 64 << 20
 MAX_CHECKPOINTS = 1 << 24
 #: largest index, decompressed
 MAX_INDEX_BYTES = 1 << 30
+#: most files an index's start-up set may name
+MAX_PREFETCH_FILES = 1 << 20
 #: decoded spans kept per layer: the small files of one span are read together
 _KEEP_SPANS = 4
 
@@ -128,6 +135,17 @@ class GzipIndex:
     span: int
     checkpoints: tuple[Checkpoint, ...]
     toc_json: bytes
+    #: the recorded start-up's files (access order) and the spans it touched ``[start, end)``
+    prefetch_files: tuple[str, ...] = ()
+    prefetch_ranges: tuple[tuple[int, int], ...] = ()
+
+    def encode(self, level: int = 3) -> bytes:
+        """The index blob of this index."""
+        return encode_index(layer=self.layer, size=self.size,
+                            uncompressed_size=self.uncompressed_size, diff_id=self.diff_id,
+                            span=self.span, checkpoints=self.checkpoints,
+                            toc_json=self.toc_json, prefetch_files=self.prefetch_files,
+                            prefetch_ranges=self.prefetch_ranges, level=level)
 
     def span_end(self, i: int) -> tuple[int, int]:
         """Compressed end (exclusive) and uncompressed end of span ``i``."""
@@ -138,11 +156,17 @@ class GzipIndex:
 
 
 def encode_index(*, layer: str, size: int, uncompressed_size: int, diff_id: str, span: int,
-                 checkpoints: Sequence[Checkpoint], toc_json: bytes, level: int = 3) -> bytes:
+                 checkpoints: Sequence[Checkpoint], toc_json: bytes,
+                 prefetch_files: Sequence[str] = (),
+                 prefetch_ranges: Sequence[tuple[int, int]] = (), level: int = 3) -> bytes:
     """The index blob (see the module's doc)."""
-    meta = {"version": 1, "layer": layer, "size": size, "uncompressedSize": uncompressed_size,
-            "diffID": diff_id, "span": span,
-            "checkpoints": [[c.cin, c.bits, c.out, len(c.window)] for c in checkpoints]}
+    meta: dict[str, Any] = {
+        "version": 1, "layer": layer, "size": size, "uncompressedSize": uncompressed_size,
+        "diffID": diff_id, "span": span,
+        "checkpoints": [[c.cin, c.bits, c.out, len(c.window)] for c in checkpoints]}
+    if prefetch_files or prefetch_ranges:
+        meta["prefetch"] = {"files": list(prefetch_files),
+                            "ranges": [[a, b - a] for a, b in prefetch_ranges]}
     meta_json = json.dumps(meta, separators=(",", ":")).encode()
     parts = [_MAGIC, struct.pack("<Q", len(meta_json)), meta_json,
              struct.pack("<Q", len(toc_json)), toc_json, *(c.window for c in checkpoints)]
@@ -240,7 +264,44 @@ def parse_index(data: bytes, *, layer: str, size: int) -> GzipIndex:
         raise FormatError("gzip index: the last span is over the size limit")
     if pos != len(raw):
         raise FormatError(f"gzip index: {len(raw) - pos} bytes after the last window")
-    return GzipIndex(layer, size, usize, diff_id, span, tuple(points), toc_json)
+    files, ranges = _prefetch(meta.get("prefetch"), points, size)
+    return GzipIndex(layer, size, usize, diff_id, span, tuple(points), toc_json,
+                     prefetch_files=files, prefetch_ranges=ranges)
+
+
+def _prefetch(raw: Any, points: Sequence[Checkpoint],
+              size: int) -> tuple[tuple[str, ...], tuple[tuple[int, int], ...]]:
+    """The metadata's start-up set (see the module's doc), checked: FormatError if malformed.
+    Each range starts at a checkpoint and ends where a span ends, after the range before it;
+    there are no more ranges than spans, nor more names than :data:`MAX_PREFETCH_FILES`."""
+    if raw is None:
+        return (), ()
+    if not isinstance(raw, dict):
+        raise FormatError("gzip index: prefetch is not an object")
+    files, pairs = raw.get("files", []), raw.get("ranges", [])
+    if (not isinstance(files, list) or len(files) > MAX_PREFETCH_FILES
+            or not all(isinstance(f, str) for f in files)):
+        raise FormatError(f"gzip index: prefetch files is not a list of at most "
+                          f"{MAX_PREFETCH_FILES} names")
+    if not isinstance(pairs, list) or len(pairs) > len(points):
+        raise FormatError("gzip index: prefetch ranges is not a list of at most one range "
+                          "per span")
+    names = tuple(normalize_name(f, what="gzip index: prefetch file") for f in files)
+    starts = {p.cin for p in points}
+    ends = {p.cin for p in points[1:]} | {size}
+    ranges: list[tuple[int, int]] = []
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise FormatError(f"gzip index: prefetch range #{i} is not [offset, length]")
+        start, length = (_int(v, f"prefetch range #{i}") for v in pair)
+        what = f"gzip index: prefetch range #{i} ({start}+{length})"
+        if start not in starts or start + length not in ends or not length:
+            raise FormatError(f"{what} does not cover whole spans (it starts at no "
+                              f"checkpoint, or ends where no span ends)")
+        if ranges and start < ranges[-1][1]:
+            raise FormatError(f"{what} is not after the range before it")
+        ranges.append((start, start + length))
+    return names, tuple(ranges)
 
 
 #: ISA-L's inflate error (its stubs declare ``error`` an instance)
@@ -275,6 +336,11 @@ class IndexedLayer(SeekableLayer):
         super().__init__(blob, toc, index_digest, footer=Footer(INDEX_FORMAT, 0, index.size),
                          toc_offset=index.size, verified=True)
         self.index = index
+        if index.prefetch_files:
+            # the start-up set the index names (apart from the blob's order, which is the
+            # producer's); without one, a landmark in the tar keeps its meaning
+            self.toc.prefetch = list(index.prefetch_files)
+            self.prefetch_ranges = index.prefetch_ranges
         self._spans = {c.start: i for i, c in enumerate(index.checkpoints)}
         self._decoded: collections.OrderedDict[int, bytes] = collections.OrderedDict()
         self._lock = threading.Lock()

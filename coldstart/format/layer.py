@@ -98,6 +98,9 @@ class SeekableLayer:
     #: range (:meth:`spread`; the first time that range is decoded): a fill then asks for
     #: one chunk per range first
     spreads = False
+    #: compressed ranges ``[start, end)`` of the start-up set the layer's own metadata names
+    #: apart from its order (an indexed gzip layer's index); empty: none
+    prefetch_ranges: tuple[tuple[int, int], ...] = ()
 
     def __init__(self, blob: ReadAt, toc: TOC, toc_digest: str, *, footer: Footer,
                  toc_offset: int, verified: bool) -> None:

@@ -205,8 +205,9 @@ class LayerReader:
         #: while recording is on: notes each file read and its ranges (a start-up profile)
         self.recorder: AccessRecorder | None = None
         #: the compressed ranges of the prefetch span the recorded start-up touched (the
-        #: layer's prefetch-ranges annotation); None: prefetch the whole span
-        self.prefetch_ranges: list[tuple[int, int]] | None = None
+        #: layer's prefetch-ranges annotation, or what its index names); None: prefetch the
+        #: whole span
+        self.prefetch_ranges: list[tuple[int, int]] | None = list(layer.prefetch_ranges) or None
         #: hands each prefetched chunk, once verified, to the kernel's page cache (the
         #: warmer asks whether the layer records: the recorder must see every read)
         self.page_cache: PageCacheWarmer | None = None
@@ -638,6 +639,9 @@ class LayerReader:
         at most ``PREFETCH_STREAMS`` per layer and half the fetch pool node-wide at a time, so
         that the pool keeps threads for reads of files outside the set. With the layer's
         prefetch-ranges annotation only the chunks the recorded start-up touched are fetched.
+        A set named apart from the blob's order (a gzip index's: its spans lie where the
+        image's producer put the files) goes one range per request instead, in the order the
+        start-up first read them, each decoded by its own pool thread as it arrives.
         A read that needs a chunk in flight joins its fetch. Errors are logged and counted,
         not raised: the chunks they concern are left to on-demand reads.
         """
@@ -661,7 +665,15 @@ class LayerReader:
         fetched = 0
         window: list[tuple[int, dict[Chunk, Future[bytes]]]] = []
         room = max(1, self.fetcher.pool_size // 2)
-        for batch in _growing_batches(todo, PREFETCH_FIRST, PREFETCH_REQUEST):
+        if self._named_apart():
+            # the set is scattered over the blob (a gzip index's): its ranges in the order the
+            # start-up first read them, one request each, several in flight, each decoded by
+            # its own thread as it arrives (a large request is decoded by one thread, after
+            # all of it arrived)
+            batches = _batches(self._access_order(todo), 1)
+        else:
+            batches = _growing_batches(todo, PREFETCH_FIRST, PREFETCH_REQUEST)
+        for batch in batches:
             if self._stop.is_set():
                 break
             # half the pool at most, node-wide: reads of files outside the set find threads
@@ -701,12 +713,16 @@ class LayerReader:
                 warmer.put(c, data, wait=True)
 
     def _touched_chunks(self) -> list[Chunk]:
-        """The chunks the prefetch-ranges annotation names, in blob order. A layer written
+        """The chunks the prefetch ranges name (the layer's annotation, or for a set named
+        apart from the blob's order, a gzip index's, among that set's files), in blob
+        order. A layer written
         with its start-up files first (a landmark) holds them all in its prefetch span when
         the ranges end within it: only those entries are looked at, not the whole TOC
         (building every entry of a large layer costs a start-up about half a second)."""
         ranges = self.prefetch_ranges or []
         toc = self.layer.toc
+        if self._named_apart():
+            return [c for c in self._unique_chunks(toc.prefetch) if self._touched(c)]
         mark = toc.entries.get(PREFETCH_LANDMARK)
         if toc.prefetch and mark is not None and mark.chunks:
             front = self._unique_chunks(toc.prefetch)
@@ -717,6 +733,24 @@ class LayerReader:
             if span <= mark.chunks[0].offset and all(hi <= span for _, hi in ranges):
                 return [c for c in front if self._touched(c)]
         return [c for c in self._unique_chunks() if self._touched(c)]
+
+    def _named_apart(self) -> bool:
+        """Whether the layer names its start-up files apart from its order (a gzip index's
+        set: no landmark, the files lie where the image's producer put them)."""
+        toc = self.layer.toc
+        return bool(toc.prefetch) and PREFETCH_LANDMARK not in toc.entries
+
+    def _access_order(self, chunks: list[Chunk]) -> list[Chunk]:
+        """``chunks`` ordered by the first start-up file (``toc.prefetch``, in access order)
+        that has a chunk in their compressed range; a range's chunks stay together."""
+        rank: dict[int, int] = {}
+        entries = self.layer.toc.entries
+        for i, name in enumerate(self.layer.toc.prefetch):
+            e = entries.get(name)
+            for c in e.chunks if e is not None else ():
+                rank.setdefault(c.offset, i)
+        last = len(self.layer.toc.prefetch)
+        return sorted(chunks, key=lambda c: (rank.get(c.offset, last), c.offset, c.inner_offset))
 
     def _touched(self, c: Chunk) -> bool:
         """Whether the recorded start-up touched chunk ``c`` (True when nothing says)."""

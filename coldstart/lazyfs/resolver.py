@@ -126,8 +126,10 @@ class LayerResolver:
                              background_rate=self.background_rate,
                              neighbor_bytes=self.neighbor_bytes,
                              neighbor_max_bytes=self.neighbor_max_bytes)
-        # the spec's or the manifest's: which chunks the recorded start-up touched
-        reader.prefetch_ranges = _prefetch_ranges(spec.digest, annotations)
+        # the spec's or the manifest's: which chunks the recorded start-up touched (a layer
+        # read through a gzip index has none: its index may name them, the reader took those)
+        reader.prefetch_ranges = (_prefetch_ranges(spec.digest, annotations)
+                                  or reader.prefetch_ranges)
         return reader
 
     def _open_indexed(self, spec: LayerSpec, source: RegistryBlob) -> IndexedLayer:

@@ -52,7 +52,11 @@ from coldstart.oci.manifest import (
 from coldstart.oci.registry import RegistryClient
 from coldstart.oci.store import ImageStore, open_store
 from coldstart.prefetch.profile import LayerProfile, Profile
-from coldstart.prefetch.ranges import PREFETCH_RANGES_ANNOTATION, encode_ranges, merge_gaps
+from coldstart.prefetch.ranges import (
+    PREFETCH_RANGES_ANNOTATION,
+    encode_ranges,
+    touched_ranges,
+)
 from coldstart.progress import ByteProgress
 
 __all__ = [
@@ -73,10 +77,6 @@ FORMATS: Mapping[str, str] = {
     "zstd:chunked": "zstd:chunked",
     "estargz": "estargz",
 }
-
-#: the prefetch-ranges annotation may name up to this much more than the touched chunks, to
-#: close the gaps between them (fewer, larger requests at mount)
-PREFETCH_OVERFETCH = 0.15
 
 #: on a layer written with a prefetch list: how many files lie before its prefetch landmark
 PREFETCH_FILES_ANNOTATION = "dev.coldstart.prefetch.files"
@@ -545,19 +545,7 @@ def _touched_ranges(blob: Path, annotations: Mapping[str, str],
         toc = open_layer(src, annotations=annotations).toc
     finally:
         src.close()
-    out: list[tuple[int, int]] = []
-    for f in recorded.files:
-        e = toc.entries.get(f.path)
-        if e is None or e.type != "reg":
-            continue
-        for c in e.chunks:
-            if c.zeros:
-                continue
-            if not f.ranges or any(a < c.chunk_offset + c.chunk_size and b > c.chunk_offset
-                                   for a, b in f.ranges):
-                out.append((c.offset, c.end_offset))
-    # close the smallest gaps for at most 15 % more bytes: far fewer requests at mount
-    return encode_ranges(merge_gaps(out, PREFETCH_OVERFETCH))
+    return encode_ranges(touched_ranges(toc, recorded.files))
 
 
 def _toc_of(annotations: Mapping[str, str]) -> str | None:

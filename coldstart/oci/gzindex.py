@@ -14,16 +14,18 @@ import struct
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from coldstart.errors import FailedPrecondition, FormatError, IntegrityError
 from coldstart.format.gzindex import (
     ARTIFACT_TYPE,
+    INDEX_FORMAT,
     INDEX_LAYER_ANNOTATION,
     MEDIA_TYPE_INDEX,
     WINDOW,
     Checkpoint,
+    GzipIndex,
     build_index,
     parse_index,
 )
@@ -32,6 +34,7 @@ from coldstart.format.layer import (
     MEDIA_TYPE_GZIP,
     ZSTD_CHUNKED_MANIFEST_CHECKSUM,
 )
+from coldstart.format.tocjson import parse_toc
 from coldstart.oci.manifest import (
     DOCKER_LAYER_GZIP,
     OCI_MANIFEST,
@@ -44,9 +47,11 @@ from coldstart.oci.manifest import (
 from coldstart.oci.reference import Reference
 from coldstart.oci.referrers import push_referrer
 from coldstart.oci.registry import RegistryClient
+from coldstart.prefetch.profile import LayerProfile, Profile
+from coldstart.prefetch.ranges import touched_ranges
 
 __all__ = ["DEFAULT_SPAN", "ImageIndex", "LayerIndex", "find_checkpoints", "index_blob_file",
-           "index_image", "push_image_index"]
+           "index_image", "push_image_index", "with_profile"]
 
 #: uncompressed bytes between two checkpoints: a miss inflates half of it on average, and each
 #: checkpoint costs a 32 KiB window in the index
@@ -132,6 +137,9 @@ class LayerIndex:
     files: int = 0
     checkpoints: int = 0
     seconds: float = 0.0
+    #: the start-up set from a profile: files, and compressed bytes of the spans they touched
+    prefetch_files: int = 0
+    prefetch_bytes: int = 0
 
     @property
     def index_digest(self) -> str:
@@ -179,16 +187,37 @@ def _skip_reason(desc: Descriptor) -> str:
     return ""
 
 
+def with_profile(index: GzipIndex, recorded: LayerProfile) -> tuple[GzipIndex, list[str]]:
+    """``index`` with the start-up set of ``recorded`` (one layer's profile): the files it read
+    that the layer holds, in access order, and the spans it touched. Also returns the files the
+    layer does not hold as regular files (a profile of another build of the image)."""
+    toc = parse_toc(index.toc_json, format=INDEX_FORMAT, data_end=index.size)
+    names: list[str] = []
+    missing: list[str] = []
+    for f in recorded.files:
+        e = toc.entries.get(f.path)
+        (names if e is not None and e.type == "reg" else missing).append(f.path)
+    # only the spans touched: the prefetch asks for each span on its own (a gap closed would
+    # be a span fetched and inflated for nothing)
+    ranges = touched_ranges(toc, recorded.files, overfetch=0.0)
+    return replace(index, prefetch_files=tuple(names), prefetch_ranges=tuple(ranges)), missing
+
+
 def index_image(client: RegistryClient, ref: Reference, *, span: int = DEFAULT_SPAN,
                 workdir: Path, platform: Platform | None = None,
+                profile: Profile | None = None,
                 say: Callable[[str], None] = lambda _: None) -> ImageIndex:
     """Index every plain gzip layer of image ``ref`` (nothing is pushed: see
     :func:`push_image_index`). Each blob is downloaded (verified) into ``workdir``, indexed,
-    its diffID checked against the image config, and removed."""
+    its diffID checked against the image config, and removed. With ``profile`` (what
+    ``coldstart optimize`` recorded), each layer's index also names the spans its start-up
+    touched, which a node prefetches at mount; files of the profile that a layer does not hold
+    are skipped with a warning (``say``)."""
     resolved = client.resolve(ref, platform)
     config = ImageConfig.parse(client.get_blob(ref, resolved.manifest.config.digest))
     diff_ids = config.diff_ids
     out: list[LayerIndex] = []
+    matched = 0
     for i, desc in enumerate(resolved.manifest.layers):
         reason = _skip_reason(desc)
         if reason:
@@ -211,11 +240,27 @@ def index_image(client: RegistryClient, ref: Reference, *, span: int = DEFAULT_S
             raise IntegrityError(f"layer {desc.digest}: its tar stream is {diff_id}, the image "
                                  f"config says {diff_ids[i]}")
         index = parse_index(blob, layer=desc.digest, size=desc.size)
+        recorded = (profile.for_layer(i, diff_id, len(resolved.manifest.layers))
+                    if profile is not None else None)
+        if recorded is not None and recorded.files:
+            index, missing = with_profile(index, recorded)
+            blob = index.encode()
+            matched += 1
+            if missing:
+                say(f"warning: layer {desc.digest}: {len(missing)} files of the profile are "
+                    f"not regular files of this layer (first: {missing[0]!r}); skipped")
         li = LayerIndex(desc.digest, desc.size, blob=blob, files=files,
-                        checkpoints=len(index.checkpoints), seconds=time.monotonic() - t0)
+                        checkpoints=len(index.checkpoints), seconds=time.monotonic() - t0,
+                        prefetch_files=len(index.prefetch_files),
+                        prefetch_bytes=sum(b - a for a, b in index.prefetch_ranges))
         say(f"layer {desc.digest}: {files} files, {li.checkpoints} checkpoints, index "
-            f"{len(blob)} bytes ({li.seconds:.1f} s)")
+            f"{len(blob)} bytes ({li.seconds:.1f} s)"
+            + (f"; start-up set: {li.prefetch_files} files, {li.prefetch_bytes} bytes of "
+               f"spans" if recorded is not None else ""))
         out.append(li)
+    if profile is not None and not matched:
+        say("warning: the profile matches no indexed layer of this image (by diffID or "
+            "position): the indexes name no start-up set")
     subject = Descriptor(resolved.media_type, resolved.digest, len(resolved.manifest_bytes))
     return ImageIndex(ref, subject, span, tuple(out))
 

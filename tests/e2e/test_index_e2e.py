@@ -15,11 +15,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from coldstart.lazyfs.client import FuseServerClient
 from coldstart.oci.gzindex import LayerIndex, index_image, push_image_index
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
@@ -155,3 +157,62 @@ def test_a_lying_index_fails_the_read_then_the_layer_is_pulled_in_full(
                         check=False)
     small = next(e for e in rich_layers()[2] if e.path == "data/small.txt").data
     assert run.returncode == 0 and run.stdout == small.decode(), run
+
+
+def test_an_index_with_a_profile_prefetches_the_start_up_set_at_mount(
+        stack: LazyStack, registry: Registry, tmp_path: Path) -> None:
+    """``coldstart index --profile``: the image stays unconverted; its second layer's index
+    names the recorded files' spans, which the node fetches as soon as it mounts the layer
+    (before anything reads them), and the start-up's reads then need no request."""
+    with RegistryClient() as reg:
+        image = push_image(reg, f"{registry.host}/e2e-index/profiled:gzip", _layers("prof"))
+    profile = {"schema": "coldstart.dev/profile/v1", "image": image.ref, "layers": [
+        {"index": 1, "diff_id": image.diff_ids[1], "files": [
+            {"path": "data/b.txt", "t": 0.1, "ranges": [[0, 6000]]},
+            {"path": "data/cold.bin", "t": 0.2, "ranges": [[0, 4096]]},
+            {"path": "data/not-in-this-layer", "t": 0.3}]}]}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile))
+    proc = coldstart_cli("index", image.ref, "--push", "--span", "256KiB", "--profile",
+                         str(path), "-o", "json")
+    assert proc.returncode == 0, proc.stderr
+    assert "1 files of the profile are not regular files of this layer" in proc.stderr
+    doc = json.loads(proc.stdout)
+    named = doc["layers"][1]
+    assert named["prefetch_files"] == 2 and 0 < named["prefetch_bytes"] < (1 << 20), named
+    assert all(la["prefetch_files"] == 0 for i, la in enumerate(doc["layers"]) if i != 1)
+    _trust(stack, doc["artifact"])
+    layer = image.layer_digests[1]
+    log = AccessLog(registry.access_log)
+    assert "4 layers: 4 lazy" in _pull(stack, image.ref, "profiled")
+    client = FuseServerClient(stack.fuse_socket, timeout=10)
+
+    def prefetched() -> dict | None:
+        rows = [r for r in client.status() if r["digest"] == layer and r["prefetch_done"]]
+        return rows[0] if rows else None
+
+    deadline = time.monotonic() + 30
+    while (row := prefetched()) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert row is not None and row["prefetched_bytes"] > 0, client.status()
+    assert row["requests_by_kind"].get("demand", 0) == 0
+    # only the named spans came: most of the 2 MiB cold.bin stayed in the registry
+    assert 0 < log.blob_bytes(layer) <= named["prefetch_bytes"] < image.layer_sizes[1] - (1 << 20)
+    run = stack.ctd.ctr("run", "--rm", "--snapshotter", "coldstart", image.ref, "run-profiled",
+                        "/bin/sh", "-c", "cat /data/b.txt | wc -c", namespace="profiled")
+    assert run.stdout.strip() == "6000"
+    row = next(r for r in client.status() if r["digest"] == layer)
+    assert row["requests_by_kind"].get("demand", 0) == 0, row    # read from the prefetch
+
+
+@pytest.mark.parametrize("text, says", [("", "the profile is empty"), ("{nope", "not JSON"),
+                                         ('{"schema": "other"}', "schema")])
+def test_a_bad_profile_is_one_line_and_nothing_is_read(tmp_path: Path, text: str,
+                                                       says: str) -> None:
+    path = tmp_path / "p.json"
+    path.write_text(text)
+    # refused before the registry is asked (nothing listens on port 9)
+    proc = coldstart_cli("index", "127.0.0.1:9/none/app:gzip", "--profile", str(path))
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0] and str(path) in lines[0], proc.stderr

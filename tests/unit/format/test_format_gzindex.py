@@ -214,3 +214,61 @@ def test_a_forged_window_is_caught_by_the_span_before_it(tmp_path: Path) -> None
     chunk = next(c for e in layer.toc.entries.values() for c in e.chunks if c.offset == span1)
     with pytest.raises(IntegrityError, match="window of checkpoint #2"):
         layer.read_chunks([chunk])
+
+
+def test_a_profile_names_the_touched_spans_and_round_trips(tmp_path: Path) -> None:
+    from coldstart.oci.gzindex import with_profile
+    from coldstart.prefetch.profile import LayerProfile
+    from coldstart.prefetch.recorder import FileAccess
+
+    blob, digest, index, _, _ = _indexed(tmp_path, _big_tar())
+    parsed = parse_index(index, layer=digest, size=len(blob))
+    assert parsed.prefetch_files == () and parsed.prefetch_ranges == ()
+    recorded = LayerProfile(0, files=(
+        FileAccess("pkg/m300.py", 0.1),                      # no ranges: the whole file
+        FileAccess("pkg/big.bin", 0.2, [(0, 10)]),           # its first piece only
+        FileAccess("pkg/not-there", 0.3, [(0, 10)]),
+        FileAccess("pkg", 0.4)))                             # a directory: not a file read
+    got, missing = with_profile(parsed, recorded)
+    assert missing == ["pkg/not-there", "pkg"]
+    assert got.prefetch_files == ("pkg/m300.py", "pkg/big.bin")
+    layer = open_indexed_layer(BytesReadAt(blob), got.encode(), layer=digest)
+    assert layer.index.prefetch_ranges == got.prefetch_ranges
+    assert layer.toc.prefetch == ["pkg/m300.py", "pkg/big.bin"]
+    big = layer.toc.entries["pkg/big.bin"].chunks
+    wanted = [*layer.toc.entries["pkg/m300.py"].chunks, big[0]]
+
+    def named(c: object) -> bool:
+        return any(a <= c.offset and c.end_offset <= b   # type: ignore[attr-defined]
+                   for a, b in got.prefetch_ranges)
+
+    assert all(named(c) for c in wanted)
+    assert not named(big[-1])                # the rest of big.bin: not read, not named
+    assert sum(b - a for a, b in got.prefetch_ranges) < len(blob) // 2
+
+
+def test_a_malformed_start_up_set_is_refused(tmp_path: Path) -> None:
+    blob, digest, index, _, _ = _indexed(tmp_path, _big_tar())
+    parsed = parse_index(index, layer=digest, size=len(blob))
+    spans = [(p.cin, parsed.span_end(i)[0]) for i, p in enumerate(parsed.checkpoints)]
+    (a0, b0), (a1, b1), (a2, b2) = spans[:3]
+    good = {"files": ["pkg/m000.py"], "ranges": [[a0, b1 - a0], [a2, b2 - a2]]}
+    data = rewrite_index(index, meta=lambda m: m.update(prefetch=good))
+    assert parse_index(data, layer=digest, size=len(blob)).prefetch_ranges == ((a0, b1), (a2, b2))
+    bad = {
+        "not an object": ([1, 2], "not an object"),
+        "names": ({"files": "pkg/m000.py"}, "list of at most"),
+        "escaping name": ({"files": ["../etc/passwd"]}, "prefetch file"),
+        "too many ranges": ({"ranges": [[a0, b0 - a0]] * (len(spans) + 1)}, "one range per"),
+        "past the end": ({"ranges": [[spans[-1][0], len(blob) - spans[-1][0] + 5]]}, "whole"),
+        "inside a span": ({"ranges": [[a0 + 1, b0 - a0 - 1]]}, "whole spans"),
+        "empty": ({"ranges": [[a0, 0]]}, "whole spans"),
+        "unsorted": ({"ranges": [[a1, b1 - a1], [a0, b0 - a0]]}, "not after"),
+        "overlapping": ({"ranges": [[a0, b1 - a0], [a1, b1 - a1]]}, "not after"),
+        "not a pair": ({"ranges": [[a0]]}, "not \\[offset, length\\]"),
+    }
+    for what, (value, says) in bad.items():
+        data = rewrite_index(index, meta=lambda m, v=value: m.update(prefetch=v))
+        with pytest.raises(FormatError, match=says):
+            parse_index(data, layer=digest, size=len(blob))
+            pytest.fail(what)

@@ -335,3 +335,46 @@ def test_the_fill_completes_a_span_handed_out_before_whose_pieces_were_evicted(
     assert stats["state"] == "complete", stats
     assert all(c.digest in cache for c in others)
     assert stats["local_bytes"] == stats["total_bytes"]
+
+
+def test_an_indexed_layer_prefetches_the_spans_its_index_names(tmp_path: Path) -> None:
+    """A plain gzip layer cannot be reordered: its index names the recorded start-up's files
+    and spans (``coldstart index --profile``); the prefetch fetches those spans, one request
+    each, in the order the start-up first read them (here a file late in the blob first), and
+    the start-up's reads then need none."""
+    from coldstart.format.gzindex import open_indexed_layer, parse_index
+    from coldstart.oci.gzindex import with_profile
+    from coldstart.prefetch.profile import LayerProfile
+    from coldstart.prefetch.recorder import FileAccess
+    from tests.unit.format.test_format_gzindex import _big_tar, _indexed
+    from tests.unit.lazy.test_lazy_reader import GatedSource
+
+    blob, digest, index, _, _ = _indexed(tmp_path, _big_tar())
+    recorded = LayerProfile(0, files=tuple(
+        FileAccess(name, t / 100) for t, name in enumerate(
+            ("pkg/after", "pkg/m390.py", "pkg/m000.py", "pkg/m001.py"))))
+    named, _ = with_profile(parse_index(index, layer=digest, size=len(blob)), recorded)
+    src = GatedSource(blob)
+    layer = open_indexed_layer(src, named.encode(), layer=digest)
+    # two threads: one prefetch request at a time (half the pool), so they arrive in order
+    fetcher = ChunkFetcher(ChunkCache(tmp_path / "cache", max_bytes=1 << 30), concurrency=2,
+                           max_coalesce_bytes=16 << 20, request_timeout=5.0)
+    reader = LayerReader(digest, layer, src, fetcher, read_deadline=10.0)
+    assert reader.wants_prefetch and reader.prefetch_ranges == list(named.prefetch_ranges)
+    src.counting.reset()
+    assert reader.prefetch() > 0
+    order: list[int] = []
+    for f in recorded.files:
+        for c in layer.toc.entries[f.path].chunks:
+            if c.offset not in order:
+                order.append(c.offset)
+    assert len(order) >= 2 and order != sorted(order)
+    assert [a for a, _ in src.counting.ranges] == order
+    assert src.counting.bytes_read <= sum(b - a for a, b in named.prefetch_ranges)
+    assert reader.stats.as_dict()["on_demand_bytes"] == 0
+    before = src.counting.requests
+    for f in recorded.files:
+        read_all(reader, f.path)
+    assert src.counting.requests == before           # the start-up's reads: all local
+    read_all(reader, "pkg/big.bin")                  # outside the set: on demand
+    assert src.counting.requests > before
