@@ -27,8 +27,9 @@ __all__ = ["index"]
               default=None, metavar="FILE",
               help="A start-up profile (`coldstart optimize --profile-out`, run on this image "
                    "or a converted copy): each layer's index then names the spans its start-up "
-                   "touched, and a node fetches them in bulk as soon as it mounts the layer "
-                   "(the image stays as it is).")
+                   "touched, and a node fetches them as soon as it mounts the layer, one "
+                   "request per span in the order the start-up first read their files (the "
+                   "image stays as it is).")
 @registry_options
 @click.option("--platform", default=None, metavar="OS/ARCH[/VARIANT]",
               help="Platform to pick from an index (default: this host).")
@@ -56,7 +57,8 @@ def index(ref: str, push: bool, span: str, profile_path: Path | None,
     With --profile, the indexes also carry the start-up set, so a node prefetches it at
     mount as it does for an image that `coldstart optimize` wrote. To record one for an image
     you cannot convert: `coldstart optimize REF oci:/tmp/scratch --profile-out p.json` (the
-    recording runs on a converted copy; its diffIDs are REF's), then
+    recording runs on a converted copy, also written to the scratch layout; its diffIDs are
+    REF's), then
     `coldstart index REF --profile p.json --push`.
     """
     from coldstart.config import parse_size

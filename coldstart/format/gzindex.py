@@ -341,6 +341,7 @@ class IndexedLayer(SeekableLayer):
             # producer's); without one, a landmark in the tar keeps its meaning
             self.toc.prefetch = list(index.prefetch_files)
             self.prefetch_ranges = index.prefetch_ranges
+            self.prefetch_named_apart = True
         self._spans = {c.start: i for i, c in enumerate(index.checkpoints)}
         self._decoded: collections.OrderedDict[int, bytes] = collections.OrderedDict()
         self._lock = threading.Lock()

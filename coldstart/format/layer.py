@@ -101,6 +101,9 @@ class SeekableLayer:
     #: compressed ranges ``[start, end)`` of the start-up set the layer's own metadata names
     #: apart from its order (an indexed gzip layer's index); empty: none
     prefetch_ranges: tuple[tuple[int, int], ...] = ()
+    #: whether ``toc.prefetch`` is such a set (its files lie where the blob's producer put
+    #: them), not the files before a prefetch landmark
+    prefetch_named_apart = False
 
     def __init__(self, blob: ReadAt, toc: TOC, toc_digest: str, *, footer: Footer,
                  toc_offset: int, verified: bool) -> None:

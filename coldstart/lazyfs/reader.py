@@ -736,9 +736,8 @@ class LayerReader:
 
     def _named_apart(self) -> bool:
         """Whether the layer names its start-up files apart from its order (a gzip index's
-        set: no landmark, the files lie where the image's producer put them)."""
-        toc = self.layer.toc
-        return bool(toc.prefetch) and PREFETCH_LANDMARK not in toc.entries
+        set: the files lie where the image's producer put them, landmark or not)."""
+        return self.layer.prefetch_named_apart and bool(self.layer.toc.prefetch)
 
     def _access_order(self, chunks: list[Chunk]) -> list[Chunk]:
         """``chunks`` ordered by the first start-up file (``toc.prefetch``, in access order)

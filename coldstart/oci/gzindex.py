@@ -22,6 +22,7 @@ from coldstart.format.gzindex import (
     ARTIFACT_TYPE,
     INDEX_FORMAT,
     INDEX_LAYER_ANNOTATION,
+    MAX_PREFETCH_FILES,
     MEDIA_TYPE_INDEX,
     WINDOW,
     Checkpoint,
@@ -197,6 +198,7 @@ def with_profile(index: GzipIndex, recorded: LayerProfile) -> tuple[GzipIndex, l
     for f in recorded.files:
         e = toc.entries.get(f.path)
         (names if e is not None and e.type == "reg" else missing).append(f.path)
+    del names[MAX_PREFETCH_FILES:]      # what a reader takes (the start-up's first files)
     # only the spans touched: the prefetch asks for each span on its own (a gap closed would
     # be a span fetched and inflated for nothing)
     ranges = touched_ranges(toc, recorded.files, overfetch=0.0)
@@ -245,7 +247,7 @@ def index_image(client: RegistryClient, ref: Reference, *, span: int = DEFAULT_S
         if recorded is not None and recorded.files:
             index, missing = with_profile(index, recorded)
             blob = index.encode()
-            matched += 1
+            matched += bool(index.prefetch_files)
             if missing:
                 say(f"warning: layer {desc.digest}: {len(missing)} files of the profile are "
                     f"not regular files of this layer (first: {missing[0]!r}); skipped")
@@ -259,8 +261,8 @@ def index_image(client: RegistryClient, ref: Reference, *, span: int = DEFAULT_S
                f"spans" if recorded is not None else ""))
         out.append(li)
     if profile is not None and not matched:
-        say("warning: the profile matches no indexed layer of this image (by diffID or "
-            "position): the indexes name no start-up set")
+        say("warning: the profile names no file of this image's indexed layers (matched by "
+            "diffID, or by position): the indexes name no start-up set")
     subject = Descriptor(resolved.media_type, resolved.digest, len(resolved.manifest_bytes))
     return ImageIndex(ref, subject, span, tuple(out))
 

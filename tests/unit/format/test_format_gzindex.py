@@ -272,3 +272,28 @@ def test_a_malformed_start_up_set_is_refused(tmp_path: Path) -> None:
         with pytest.raises(FormatError, match=says):
             parse_index(data, layer=digest, size=len(blob))
             pytest.fail(what)
+
+
+def test_a_landmark_in_the_tar_keeps_its_meaning_unless_the_index_names_a_set(
+        tmp_path: Path) -> None:
+    """A plain gzip tar may hold a prefetch landmark (an eStargz layer recompressed): its
+    files before it stay the set, as the blob's order; a set the index names replaces it and
+    is marked as named apart from that order."""
+    import io
+
+    from coldstart.oci.gzindex import with_profile
+    from coldstart.prefetch.profile import LayerProfile
+    from coldstart.prefetch.recorder import FileAccess
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        add(tf, "first.txt", b"first\n" * 100)
+        add(tf, ".prefetch.landmark", b"\0")
+        add(tf, "later.txt", b"later\n" * 100)
+    blob, digest, index, _, _ = _indexed(tmp_path, buf.getvalue())
+    plain = open_indexed_layer(BytesReadAt(blob), index, layer=digest)
+    assert plain.toc.prefetch == ["first.txt"] and not plain.prefetch_named_apart
+    named, _ = with_profile(parse_index(index, layer=digest, size=len(blob)),
+                            LayerProfile(0, files=(FileAccess("later.txt", 0.0),)))
+    layer = open_indexed_layer(BytesReadAt(blob), named.encode(), layer=digest)
+    assert layer.toc.prefetch == ["later.txt"] and layer.prefetch_named_apart
