@@ -357,11 +357,15 @@ class IndexedLayer(SeekableLayer):
         first time that span is decoded (``[]`` afterwards): a span is one range request and
         one inflate, and the small files it holds are read together. The fetcher caches
         them, so a later read of any of them costs neither again."""
+        i = self._spans.get(chunk.offset)
+        if i is None:
+            return []
+        whole = self.index.span_end(i)[1] - self.index.checkpoints[i].out
         with self._lock:
             if chunk.offset in self._spread:
                 return []
             out = self._decoded.get(chunk.offset)
-            if out is None:
+            if out is None or len(out) < whole:    # decoded in part (``upto``): not yet
                 return []
             self._spread.add(chunk.offset)
         pieces = self._pieces
@@ -375,6 +379,16 @@ class IndexedLayer(SeekableLayer):
             if "sha256:" + hashlib.sha256(data).hexdigest() == digest:
                 got.append((digest, data))
         return got
+
+    def spread_from(self, chunk: Chunk, compressed: bytes) -> list[tuple[str, bytes]]:
+        """:meth:`spread` of ``chunk``'s span, inflating ``compressed`` (the span's bytes) whole
+        again when no whole decoding of it is kept (a prefetch decoded it in part; evicted
+        since); ``[]`` when the span was spread already. Raises as :meth:`decode_chunk`."""
+        with self._lock:
+            if chunk.offset in self._spread:
+                return []
+        self.decode_chunk(chunk, compressed)
+        return self.spread(chunk)
 
     def chunk_failed(self, chunk: Chunk, exc: BaseException) -> None:
         if self.on_bad is not None:
@@ -391,27 +405,38 @@ class IndexedLayer(SeekableLayer):
                               f"{end}")
         return i, point, uend - point.out
 
-    def decode_chunk(self, chunk: Chunk, compressed: bytes) -> bytes:
+    def decode_chunk(self, chunk: Chunk, compressed: bytes, *, upto: int | None = None) -> bytes:
+        """The chunk's bytes, verified; its span inflated from its checkpoint (or a decoding
+        of it kept), whole, or with ``upto`` only that far (at least to the chunk's end)."""
         owner = chunk.owner or "?"
         what = f"entry {owner!r} chunk at {chunk.chunk_offset} (+{chunk.chunk_size})"
         if len(compressed) != chunk.end_offset - chunk.offset:
             raise FormatError(f"{what}: got {len(compressed)} compressed bytes, expected "
                               f"{chunk.end_offset - chunk.offset}")
         i, point, length = self._span(chunk, what)
-        if chunk.inner_offset + chunk.chunk_size > min(length, MAX_DECODE):
+        need = chunk.inner_offset + chunk.chunk_size
+        if need > min(length, MAX_DECODE):
             raise FormatError(f"{what}: reaches past its span ({length} bytes)")
         key = chunk.offset
         with self._lock:
             out = self._decoded.get(key)
             if out is not None:
-                self._decoded.move_to_end(key)
+                # a decoding in part: of no use when it stops before this chunk, or when the
+                # caller wants the span whole (the other pieces are spread from it)
+                if len(out) < (need if upto is not None else length):
+                    out = None
+                else:
+                    self._decoded.move_to_end(key)
         if out is None:
-            out = inflate_span(compressed, point, length, what=what)
-            if len(out) != length:
+            # a span's bytes past what the caller needs are inflated for nothing: a prefetch
+            # needs its set's pieces now, and spreads the rest later (when the node is quiet)
+            limit = length if upto is None else min(length, max(upto, need))
+            out = inflate_span(compressed, point, limit, what=what)
+            if len(out) != limit:
                 raise FormatError(f"{what}: span #{i} inflates to {len(out)} bytes, its index "
                                   f"says {length}")
             nxt = self.index.checkpoints[i + 1] if i + 1 < len(self.index.checkpoints) \
-                else None
+                and limit == length else None
             if nxt is not None and nxt.window and not out.endswith(nxt.window):
                 # the next checkpoint's window is this span's end: one that is not would make
                 # the next span inflate to bytes the blob does not hold

@@ -149,11 +149,14 @@ class SeekableLayer:
 
     # -- decoding ---------------------------------------------------------------------------
 
-    def decode_chunk(self, chunk: Chunk, compressed: bytes) -> bytes:
+    def decode_chunk(self, chunk: Chunk, compressed: bytes, *, upto: int | None = None) -> bytes:
         """Decompress ``blob[chunk.offset:chunk.end_offset]`` and verify it: ``chunk_size`` bytes.
 
         Raises IntegrityError (wrong digest) or FormatError (corrupt, short, or a frame that
-        holds more than its declared size), each naming the entry and chunk.
+        holds more than its declared size), each naming the entry and chunk. ``upto``: the
+        decompressed bytes of the range the caller needs at most (its chunks' ends): a layer
+        that decodes whole ranges shared by many chunks (:attr:`spreads`) may stop there,
+        and then spreads nothing until the range is decoded whole (:meth:`spread_from`).
         """
         owner = chunk.owner or "?"
         what = f"entry {owner!r} chunk at {chunk.chunk_offset} (+{chunk.chunk_size})"
@@ -189,6 +192,11 @@ class SeekableLayer:
     def spread(self, chunk: Chunk) -> list[tuple[str, bytes]]:
         """Other chunks' verified bytes that decoding ``chunk`` produced: ``(digest, bytes)``
         for the cache (none here: a gzip member or zstd frame holds one chunk)."""
+        return []
+
+    def spread_from(self, chunk: Chunk, compressed: bytes) -> list[tuple[str, bytes]]:
+        """:meth:`spread` for a range decoded before only in part (``upto``) or not kept:
+        ``compressed`` (the range's bytes, fetched before) is decoded whole again if needed."""
         return []
 
     def read_chunks(self, chunks: list[Chunk]) -> list[bytes]:

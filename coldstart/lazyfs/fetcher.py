@@ -12,7 +12,8 @@ on the wire is transient, and the registry client's retries never see it, the re
 good one as far as HTTP goes); if it fails again it resolves with :class:`IntegrityError` (or
 the decoder's :class:`FormatError`). Unverified bytes are never served or cached.
 
-Background work (prefetch) runs in its own small pool and waits while on-demand fetches are in
+Background work (the fill; the deferred spread of the spans an indexed gzip layer's prefetch
+inflated only in part) runs in its own niced thread and waits while on-demand fetches are in
 flight, so it never delays a read that a process is blocked on.
 """
 
@@ -88,6 +89,10 @@ FETCH_KINDS = (DEMAND, PREFETCH, FILL)
 FILL_NICENESS = 19
 #: the fill sends nothing until no FUSE read was served for this long
 QUIET_SECONDS = 0.25
+#: compressed bytes of prefetched spans held node-wide for a deferred spread (an indexed gzip
+#: layer's: the prefetch inflates a span only as far as the start-up's pieces reach and caches
+#: the span's other files later, when the node is quiet); past it a span is spread at once
+DEFERRED_SPREAD_BYTES = 256 << 20
 
 
 @dataclass
@@ -247,6 +252,7 @@ class ChunkFetcher:
         self._inflight: dict[str, _Flight] = {}
         self._foreground = 0
         self._prefetching = 0       # prefetch requests queued or running, node-wide
+        self._deferred = 0          # compressed bytes held for deferred spreads
         self._closed = False
         self.last_read = 0.0       # monotonic time of the last FUSE read served
         # held by the one big file being streamed whole on the node (LayerReader._stream)
@@ -586,12 +592,20 @@ class ChunkFetcher:
             again: list[Chunk] = []
             spread: dict[str, bytes] = {}
             span = -1
+            upto: dict[int, int] | None = None
+            if kind == PREFETCH and target.layer.spreads:
+                upto = {}
+                for c in group:
+                    upto[c.offset] = max(upto.get(c.offset, 0), c.inner_offset + c.chunk_size)
+            later = False
             for c in group:
                 if c.offset != span:    # sorted: a span's pieces come together
                     spread.clear()
                     span = c.offset
+                    later = upto is not None and self._defer_spread(target, c, raw, start)
                 if not self._finish_chunk(target, c, owned[c], raw, start,
-                                          last=REFETCHES <= 0, spread=spread):
+                                          last=REFETCHES <= 0, spread=spread,
+                                          upto=upto[c.offset] if later and upto else None):
                     again.append(c)
             if again:
                 self._refetch(target, again, owned, kind)
@@ -600,6 +614,45 @@ class ChunkFetcher:
             self._settle_all(target, owned,
                              Unavailable(f"layer {target.digest}: fetch aborted"), foreground,
                              kind)
+
+    def _defer_spread(self, target: FetchTarget, c: Chunk, raw: bytes, start: int) -> bool:
+        """Hold the compressed bytes of ``c``'s range (a prefetched span of a layer that
+        spreads) for :meth:`_spread_later`, run by the fill's niced thread once the node is
+        quiet: the start-up's pieces are decoded now, the rest of the span later, without
+        fetching it again. False (spread it now) past ``DEFERRED_SPREAD_BYTES`` held."""
+        nbytes = c.end_offset - c.offset
+        with self._lock:
+            if self._closed or self._deferred + nbytes > DEFERRED_SPREAD_BYTES:
+                return False
+            self._deferred += nbytes
+        compressed = raw[c.offset - start : c.end_offset - start]
+        try:
+            self._bg_pool.submit(self._spread_later, target, c, compressed)
+        except RuntimeError:    # shut down under us
+            with self._lock:
+                self._deferred -= nbytes
+            return False
+        return True
+
+    def _spread_later(self, target: FetchTarget, c: Chunk, compressed: bytes) -> None:
+        """Cache the other pieces of ``c``'s span from its held bytes, once no read was
+        served for ``QUIET_SECONDS``: a failure costs only these pieces (they are fetched
+        when read, or by the fill)."""
+        try:
+            self._wait_foreground_idle({})
+            if self._closed or self.cache is None:
+                return
+            pieces = target.layer.spread_from(c, compressed)
+            for digest, piece in pieces:
+                self.cache.put_async(digest, piece, verified=True)
+            log.debug("layer %s: span at %d spread: %d pieces", target.digest, c.offset,
+                      len(pieces))
+        except (OSError, ColdstartError) as exc:
+            log.warning("layer %s: spreading the span at %d failed: %s", target.digest,
+                        c.offset, exc)
+        finally:
+            with self._lock:
+                self._deferred -= len(compressed)
 
     def _count_fetch(self, target: FetchTarget, nbytes: int, chunks: int, kind: str) -> None:
         with target.stats._lock:
@@ -654,8 +707,8 @@ class ChunkFetcher:
     def _cache_decoded(self, target: FetchTarget, c: Chunk, data: bytes,
                        spread: dict[str, bytes] | None) -> None:
         """Cache a verified chunk, and the other files' pieces of its span when it is an
-        indexed gzip layer's (verified too; also kept in ``spread`` for the request's own
-        chunks among them)."""
+        indexed gzip layer's and decoded whole (verified too; also kept in ``spread`` for the
+        request's own chunks among them)."""
         if not c.digest or self.cache is None:
             return
         try:
@@ -669,7 +722,7 @@ class ChunkFetcher:
 
     def _finish_chunk(self, target: FetchTarget, c: Chunk, fl: _Flight, raw: bytes,
                       start: int, *, last: bool = True,
-                      spread: dict[str, bytes] | None = None) -> bool:
+                      spread: dict[str, bytes] | None = None, upto: int | None = None) -> bool:
         """Decode and verify one fetched chunk, cache it, and wake its readers right away.
 
         Bytes that fail to decode or verify settle the chunk with the error if ``last``;
@@ -678,14 +731,16 @@ class ChunkFetcher:
         chunk of the same span found, verified and cached already (an indexed gzip layer's
         span: :meth:`~coldstart.format.gzindex.IndexedLayer.spread`), by digest; a chunk
         found there with its own size is not decoded and hashed again (any other is: its
-        index may lie)."""
+        index may lie). ``upto``: decode the chunk's range only that far
+        (:meth:`~coldstart.format.layer.SeekableLayer.decode_chunk`)."""
         res: bytes | BaseException
         ready = spread.pop(c.digest, None) if spread is not None and c.digest else None
         if ready is not None and len(ready) == c.chunk_size:
             res = ready
         else:
             try:
-                res = target.layer.decode_chunk(c, raw[c.offset - start : c.end_offset - start])
+                res = target.layer.decode_chunk(c, raw[c.offset - start : c.end_offset - start],
+                                                upto=upto)
             except Exception as exc:
                 kind = type(exc).__name__
                 if not last:

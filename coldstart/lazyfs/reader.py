@@ -641,7 +641,9 @@ class LayerReader:
         prefetch-ranges annotation only the chunks the recorded start-up touched are fetched.
         A set named apart from the blob's order (a gzip index's: its spans lie where the
         image's producer put the files) goes one range per request instead, in the order the
-        start-up first read them, each decoded by its own pool thread as it arrives.
+        start-up first read them, each decoded by its own pool thread as it arrives (a span
+        only as far as the set's pieces reach; its other pieces are cached when the node is
+        quiet: :meth:`~coldstart.lazyfs.fetcher.ChunkFetcher._defer_spread`).
         A read that needs a chunk in flight joins its fetch. Errors are logged and counted,
         not raised: the chunks they concern are left to on-demand reads.
         """

@@ -199,6 +199,57 @@ def test_a_decoded_span_hands_out_its_other_files_once(tmp_path: Path) -> None:
     assert layer.spread(first) == []                     # once per span
 
 
+def test_a_span_decoded_in_part_spreads_only_once_decoded_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefetch inflates a span only as far as its pieces reach (``upto``): the piece is
+    served and verified, nothing is spread from the part, a piece past it inflates the span
+    again, and :meth:`spread_from` (the deferred spread) hands out the rest once."""
+    import dataclasses
+
+    from coldstart.format import gzindex
+    tar = _big_tar()
+    blob, digest, index, _, _ = _indexed(tmp_path, tar)
+    layer = open_indexed_layer(BytesReadAt(blob), index, layer=digest)
+    limits: list[int] = []
+    inflate = gzindex.inflate_span
+
+    def counting(compressed: bytes, point: gzindex.Checkpoint, limit: int, *,
+                 what: str) -> bytes:
+        limits.append(limit)
+        return inflate(compressed, point, limit, what=what)
+    monkeypatch.setattr(gzindex, "inflate_span", counting)
+    first = layer.toc.entries["pkg/m000.py"].chunks[0]
+    whole = layer.index.span_end(0)[1]
+    compressed = blob[first.offset : first.end_offset]
+    need = first.inner_offset + first.chunk_size
+    assert need < whole // 4
+    assert layer.decode_chunk(first, compressed, upto=need) == _member(tar, "pkg/m000.py")
+    assert limits == [need]
+    assert layer.spread(first) == []                     # a part: nothing handed out
+    forged = dataclasses.replace(first, digest="sha256:" + "0" * 64)
+    with pytest.raises(IntegrityError):                  # a part is verified all the same
+        layer.decode_chunk(forged, compressed, upto=need)
+    later = next(c for c in layer.toc.entries["pkg/m030.py"].chunks)
+    assert later.offset == first.offset and later.inner_offset > need
+    assert layer.decode_chunk(later, compressed, upto=need) == _member(tar, "pkg/m030.py")
+    assert limits[-1] == later.inner_offset + later.chunk_size     # inflated again, further
+    pieces = dict(layer.spread_from(first, compressed))
+    assert limits[-1] == whole                           # whole, for the spread
+    same_span = {c.digest for e in layer.toc.entries.values() for c in e.chunks
+                 if c.offset == first.offset and c.digest != first.digest}
+    assert set(pieces) == same_span
+    assert all("sha256:" + hashlib.sha256(d).hexdigest() == k for k, d in pieces.items())
+    assert layer.spread_from(first, compressed) == [] and layer.spread(first) == []
+
+
+def _member(tar: bytes, name: str) -> bytes:
+    import io
+    with tarfile.open(fileobj=io.BytesIO(tar)) as tf:
+        f = tf.extractfile("./" + name)
+        assert f is not None
+        return f.read()
+
+
 def test_a_forged_window_is_caught_by_the_span_before_it(tmp_path: Path) -> None:
     import struct
     blob, digest, index, _, _ = _indexed(tmp_path, _big_tar())

@@ -378,3 +378,79 @@ def test_an_indexed_layer_prefetches_the_spans_its_index_names(tmp_path: Path) -
     assert src.counting.requests == before           # the start-up's reads: all local
     read_all(reader, "pkg/big.bin")                  # outside the set: on demand
     assert src.counting.requests > before
+
+
+@pytest.mark.parametrize("held", ["deferred", "over-the-budget"])
+def test_an_indexed_prefetch_spreads_its_spans_later_without_fetching_them_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, held: str) -> None:
+    """The prefetch of an indexed layer inflates each span only as far as the start-up's
+    pieces reach; the span's other files are cached once the node is quiet, from the bytes
+    the prefetch fetched (no second request). Past the node's budget of held bytes a span
+    is inflated whole and spread at once, as a read's is."""
+    import time
+
+    from coldstart.format import gzindex
+    from coldstart.format.gzindex import open_indexed_layer, parse_index
+    from coldstart.lazyfs import fetcher as fetcher_module
+    from coldstart.oci.gzindex import with_profile
+    from coldstart.prefetch.profile import LayerProfile
+    from coldstart.prefetch.recorder import FileAccess
+    from tests.unit.format.test_format_gzindex import _big_tar, _indexed
+    from tests.unit.lazy.test_lazy_reader import GatedSource
+
+    if held == "over-the-budget":
+        monkeypatch.setattr(fetcher_module, "DEFERRED_SPREAD_BYTES", 0)
+    limits: list[int] = []
+    inflate = gzindex.inflate_span
+
+    def counting(compressed: bytes, point: gzindex.Checkpoint, limit: int, *,
+                 what: str) -> bytes:
+        limits.append(limit)
+        return inflate(compressed, point, limit, what=what)
+    monkeypatch.setattr(gzindex, "inflate_span", counting)
+    blob, digest, index, _, _ = _indexed(tmp_path, _big_tar())
+    recorded = LayerProfile(0, files=tuple(
+        FileAccess(name, t / 100)
+        for t, name in enumerate(("pkg/m000.py", "pkg/m390.py", "pkg/after"))))
+    named, _ = with_profile(parse_index(index, layer=digest, size=len(blob)), recorded)
+    src = GatedSource(blob)
+    layer = open_indexed_layer(src, named.encode(), layer=digest)
+    cache = ChunkCache(tmp_path / "cache", max_bytes=1 << 30)
+    fetcher = ChunkFetcher(cache, concurrency=2, max_coalesce_bytes=16 << 20,
+                           request_timeout=5.0)
+    reader = LayerReader(digest, layer, src, fetcher, read_deadline=10.0)
+    need: dict[int, int] = {}         # span -> how far the start-up's pieces reach in it
+    for f in recorded.files:
+        for c in layer.toc.entries[f.path].chunks:
+            need[c.offset] = max(need.get(c.offset, 0), c.inner_offset + c.chunk_size)
+    spans = set(need)
+    whole = {p.cin: layer.index.span_end(i)[1] - p.out
+             for i, p in enumerate(layer.index.checkpoints) if p.cin in spans}
+    assert len(spans) >= 2 and any(need[s] < whole[s] for s in spans)
+    src.counting.reset()
+    limits.clear()
+    assert reader.prefetch() > 0
+    requests = src.counting.requests
+    assert requests == len(spans)
+    others = [c for c in reader._unique_chunks() if c.offset in spans
+              and c.owner not in {f.path for f in recorded.files}]
+    assert len(others) > 10
+    deadline = time.monotonic() + 10
+    while not all(c.digest in cache for c in others) and time.monotonic() < deadline:
+        cache.flush()
+        time.sleep(0.05)
+    assert all(c.digest in cache for c in others)        # spread: the span's other files
+    if held == "deferred":
+        # each span inflated as far as the set reaches, then (if that was a part) whole, to
+        # spread it: once each
+        assert sorted(limits) == sorted([*need.values(),
+                                         *(whole[s] for s in spans if need[s] < whole[s])])
+        assert fetcher._deferred == 0
+    else:
+        assert sorted(limits) == sorted(whole.values())
+    before = src.counting.requests
+    assert before == requests                            # from the bytes fetched once
+    for c in others[:20]:
+        read_all(reader, c.owner or "")
+    assert src.counting.requests == before
+    fetcher.close()
