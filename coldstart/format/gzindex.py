@@ -354,9 +354,10 @@ class IndexedLayer(SeekableLayer):
 
     def spread(self, chunk: Chunk) -> list[tuple[str, bytes]]:
         """The other files' pieces of ``chunk``'s span, each checked against its digest, the
-        first time that span is decoded (``[]`` afterwards): a span is one range request and
-        one inflate, and the small files it holds are read together. The fetcher caches
-        them, so a later read of any of them costs neither again."""
+        first time that span is decoded whole (``[]`` afterwards, and while only a part of it
+        was decoded): a span is one range request and one inflate, and the small files it
+        holds are read together. The fetcher caches them, so a later read of any of them costs
+        neither again."""
         i = self._spans.get(chunk.offset)
         if i is None:
             return []
@@ -368,27 +369,73 @@ class IndexedLayer(SeekableLayer):
             if out is None or len(out) < whole:    # decoded in part (``upto``): not yet
                 return []
             self._spread.add(chunk.offset)
+        return self._pieces_of(chunk.offset, out, chunk.digest)
+
+    def spread_from(self, chunk: Chunk, compressed: bytes) -> list[tuple[str, bytes]]:
+        """:meth:`spread` of ``chunk``'s span, inflating ``compressed`` (the span's bytes) whole
+        when no whole decoding of it is kept (a prefetch decoded it in part; evicted since);
+        ``[]`` when the span was spread already. ``chunk`` itself is not verified here (a
+        piece the index lies about costs only that piece: each is checked); FormatError or
+        IntegrityError when the span does not inflate as its index says."""
+        what = f"span at compressed byte {chunk.offset}"
+        with self._lock:
+            if chunk.offset in self._spread:
+                return []
+            out = self._decoded.get(chunk.offset)
+        i, point, length = self._span(chunk, what)
+        if out is None or len(out) < length:
+            if len(compressed) != chunk.end_offset - chunk.offset:
+                raise FormatError(f"{what}: got {len(compressed)} compressed bytes, expected "
+                                  f"{chunk.end_offset - chunk.offset}")
+            out = self._inflate(i, point, length, compressed, what)
+            self._keep(chunk.offset, out)
+        with self._lock:
+            if chunk.offset in self._spread:
+                return []
+            self._spread.add(chunk.offset)
+        return self._pieces_of(chunk.offset, out, chunk.digest)
+
+    def _pieces_of(self, offset: int, out: bytes, skip: str) -> list[tuple[str, bytes]]:
+        """The pieces of the span at ``offset`` in its decoding ``out`` whose bytes hash to
+        their digest, but the one with digest ``skip`` (the chunk decoded for a reader)."""
         pieces = self._pieces
         if pieces is None:
             pieces = self._pieces = _span_pieces(self.index.toc_json)
         got: list[tuple[str, bytes]] = []
-        for inner, size, digest in pieces.get(chunk.offset, ()):
-            if digest == chunk.digest or inner + size > len(out):
+        for inner, size, digest in pieces.get(offset, ()):
+            if digest == skip or inner + size > len(out):
                 continue
             data = out[inner : inner + size]
             if "sha256:" + hashlib.sha256(data).hexdigest() == digest:
                 got.append((digest, data))
         return got
 
-    def spread_from(self, chunk: Chunk, compressed: bytes) -> list[tuple[str, bytes]]:
-        """:meth:`spread` of ``chunk``'s span, inflating ``compressed`` (the span's bytes) whole
-        again when no whole decoding of it is kept (a prefetch decoded it in part; evicted
-        since); ``[]`` when the span was spread already. Raises as :meth:`decode_chunk`."""
+    def _keep(self, key: int, out: bytes) -> None:
+        """Keep a decoding of span ``key`` (a few are kept); never a part over a longer one."""
         with self._lock:
-            if chunk.offset in self._spread:
-                return []
-        self.decode_chunk(chunk, compressed)
-        return self.spread(chunk)
+            kept = self._decoded.get(key)
+            if kept is None or len(kept) < len(out):
+                self._decoded[key] = out
+            self._decoded.move_to_end(key)
+            while len(self._decoded) > _KEEP_SPANS:
+                self._decoded.popitem(last=False)
+
+    def _inflate(self, i: int, point: Checkpoint, limit: int, compressed: bytes,
+                 what: str) -> bytes:
+        """Span #i inflated from ``point``: ``limit`` bytes (FormatError if fewer), checked
+        against the next checkpoint's window when that is the whole span."""
+        out = inflate_span(compressed, point, limit, what=what)
+        length = self.index.span_end(i)[1] - point.out
+        if len(out) != limit:
+            raise FormatError(f"{what}: span #{i} inflates to {len(out)} bytes, fewer than "
+                              f"the {limit} of its {length} its index says it holds")
+        nxt = self.index.checkpoints[i + 1] if i + 1 < len(self.index.checkpoints) else None
+        if limit == length and nxt is not None and nxt.window and not out.endswith(nxt.window):
+            # the next checkpoint's window is this span's end: one that is not would make
+            # the next span inflate to bytes the blob does not hold
+            raise IntegrityError(f"{what}: the window of checkpoint #{i + 1} is not the "
+                                 f"output before it: the index lies")
+        return out
 
     def chunk_failed(self, chunk: Chunk, exc: BaseException) -> None:
         if self.on_bad is not None:
@@ -431,21 +478,8 @@ class IndexedLayer(SeekableLayer):
             # a span's bytes past what the caller needs are inflated for nothing: a prefetch
             # needs its set's pieces now, and spreads the rest later (when the node is quiet)
             limit = length if upto is None else min(length, max(upto, need))
-            out = inflate_span(compressed, point, limit, what=what)
-            if len(out) != limit:
-                raise FormatError(f"{what}: span #{i} inflates to {len(out)} bytes, its index "
-                                  f"says {length}")
-            nxt = self.index.checkpoints[i + 1] if i + 1 < len(self.index.checkpoints) \
-                and limit == length else None
-            if nxt is not None and nxt.window and not out.endswith(nxt.window):
-                # the next checkpoint's window is this span's end: one that is not would make
-                # the next span inflate to bytes the blob does not hold
-                raise IntegrityError(f"{what}: the window of checkpoint #{i + 1} is not the "
-                                     f"output before it: the index lies")
-            with self._lock:
-                self._decoded[key] = out
-                while len(self._decoded) > _KEEP_SPANS:
-                    self._decoded.popitem(last=False)
+            out = self._inflate(i, point, limit, compressed, what)
+            self._keep(key, out)
         data = out[chunk.inner_offset : chunk.inner_offset + chunk.chunk_size]
         got = "sha256:" + hashlib.sha256(data).hexdigest()
         if got != chunk.digest:

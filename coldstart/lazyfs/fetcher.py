@@ -244,6 +244,10 @@ class ChunkFetcher:
                                         initializer=_normal_priority)
         self._bg_pool = ThreadPoolExecutor(1, thread_name_prefix="fill",
                                            initializer=lower_priority)
+        # deferred spreads (:meth:`_defer_spread`) apart from the fill's requests: a read that
+        # joins a fill request waits for that one, not for the spreads queued before it
+        self._spread_pool = ThreadPoolExecutor(1, thread_name_prefix="spread",
+                                               initializer=lower_priority)
         # plans read-ahead off the FUSE loop (choosing chunks and asking the cache about them)
         self._planner = ThreadPoolExecutor(1, thread_name_prefix="plan",
                                            initializer=_normal_priority)
@@ -262,8 +266,10 @@ class ChunkFetcher:
         """Stop taking work; running requests finish (bounded by their timeouts)."""
         with self._lock:
             self._closed = True
+            self._deferred = 0      # the spreads not started are cancelled with their bytes
             self._idle.notify_all()
         self._bg_pool.shutdown(wait=False, cancel_futures=True)
+        self._spread_pool.shutdown(wait=False, cancel_futures=True)
         self._planner.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -622,22 +628,24 @@ class ChunkFetcher:
         fetching it again. False (spread it now) past ``DEFERRED_SPREAD_BYTES`` held."""
         nbytes = c.end_offset - c.offset
         with self._lock:
-            if self._closed or self._deferred + nbytes > DEFERRED_SPREAD_BYTES:
+            if (self._closed or self.cache is None
+                    or self._deferred + nbytes > DEFERRED_SPREAD_BYTES):
                 return False
             self._deferred += nbytes
         compressed = raw[c.offset - start : c.end_offset - start]
         try:
-            self._bg_pool.submit(self._spread_later, target, c, compressed)
+            self._spread_pool.submit(self._spread_later, target, c, compressed)
         except RuntimeError:    # shut down under us
-            with self._lock:
-                self._deferred -= nbytes
+            self._held_done(nbytes)
             return False
         return True
 
     def _spread_later(self, target: FetchTarget, c: Chunk, compressed: bytes) -> None:
-        """Cache the other pieces of ``c``'s span from its held bytes, once no read was
-        served for ``QUIET_SECONDS``: a failure costs only these pieces (they are fetched
-        when read, or by the fill)."""
+        """Cache the other pieces of ``c``'s span from its held bytes, once no on-demand
+        fetch is in flight and no read was served for ``QUIET_SECONDS``. A failure costs
+        only these pieces (they are fetched when read, or by the fill); it is reported, not
+        held against the index (the held bytes may have changed on the way: a fetch of the
+        span anew tells)."""
         try:
             self._wait_foreground_idle({})
             if self._closed or self.cache is None:
@@ -647,12 +655,34 @@ class ChunkFetcher:
                 self.cache.put_async(digest, piece, verified=True)
             log.debug("layer %s: span at %d spread: %d pieces", target.digest, c.offset,
                       len(pieces))
-        except (OSError, ColdstartError) as exc:
-            log.warning("layer %s: spreading the span at %d failed: %s", target.digest,
-                        c.offset, exc)
+        except ColdstartError as exc:
+            kind = type(exc).__name__
+            self._report(target, kind, f"layer {target.digest}: {kind}: {exc} (the span at "
+                         f"blob offset {c.offset}, held for its other files); they are "
+                         "fetched when read")
+        except Exception:
+            log.exception("layer %s: spreading the span at %d failed", target.digest,
+                          c.offset)
         finally:
-            with self._lock:
-                self._deferred -= len(compressed)
+            self._held_done(len(compressed))
+
+    def _held_done(self, nbytes: int) -> None:
+        with self._lock:
+            if not self._closed:
+                self._deferred -= nbytes
+            self._idle.notify_all()
+
+    def wait_deferred(self, timeout: float | None = None) -> bool:
+        """Block until no span is held for a deferred spread (at most ``timeout`` seconds;
+        False if some still are): the fill waits so, lest it fetch those spans again."""
+        give_up = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._deferred > 0 and not self._closed:
+                wait = None if give_up is None else give_up - time.monotonic()
+                if wait is not None and wait <= 0:
+                    return False
+                self._idle.wait(wait)
+            return True
 
     def _count_fetch(self, target: FetchTarget, nbytes: int, chunks: int, kind: str) -> None:
         with target.stats._lock:

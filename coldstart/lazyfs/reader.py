@@ -917,6 +917,9 @@ class LayerReader:
             # plans the fill (every entry of the TOC) only once the start-up pauses
             lower_priority()
             self.fetcher.wait_quiet()
+            # the spans the prefetch holds are spread first: the fill would fetch them again
+            while not self._stop.is_set() and not self.fetcher.wait_deferred(1.0):
+                pass
             self.fetch_rest()
 
     @property

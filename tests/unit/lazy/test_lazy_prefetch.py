@@ -436,7 +436,8 @@ def test_an_indexed_prefetch_spreads_its_spans_later_without_fetching_them_again
               and c.owner not in {f.path for f in recorded.files}]
     assert len(others) > 10
     deadline = time.monotonic() + 10
-    while not all(c.digest in cache for c in others) and time.monotonic() < deadline:
+    while (fetcher._deferred or not all(c.digest in cache for c in others)) \
+            and time.monotonic() < deadline:
         cache.flush()
         time.sleep(0.05)
     assert all(c.digest in cache for c in others)        # spread: the span's other files
@@ -453,4 +454,35 @@ def test_an_indexed_prefetch_spreads_its_spans_later_without_fetching_them_again
     for c in others[:20]:
         read_all(reader, c.owner or "")
     assert src.counting.requests == before
+    fetcher.close()
+
+
+def test_the_fill_after_an_indexed_prefetch_fetches_no_span_twice(tmp_path: Path) -> None:
+    """The fill starts once the node is quiet, when the prefetch's held spans may not be
+    spread yet: it waits for them, and asks the registry only for the other spans."""
+    from coldstart.format.gzindex import open_indexed_layer, parse_index
+    from coldstart.oci.gzindex import with_profile
+    from coldstart.prefetch.profile import LayerProfile
+    from coldstart.prefetch.recorder import FileAccess
+    from tests.unit.format.test_format_gzindex import _big_tar, _indexed
+    from tests.unit.lazy.test_lazy_reader import GatedSource
+
+    blob, digest, index, _, _ = _indexed(tmp_path, _big_tar())
+    recorded = LayerProfile(0, files=tuple(
+        FileAccess(name, t / 100)
+        for t, name in enumerate(("pkg/m000.py", "pkg/m390.py", "pkg/after"))))
+    named, _ = with_profile(parse_index(index, layer=digest, size=len(blob)), recorded)
+    src = GatedSource(blob)
+    layer = open_indexed_layer(src, named.encode(), layer=digest)
+    fetcher = ChunkFetcher(ChunkCache(tmp_path / "cache", max_bytes=1 << 30), concurrency=2,
+                           max_coalesce_bytes=16 << 20, request_timeout=5.0)
+    reader = LayerReader(digest, layer, src, fetcher, read_deadline=10.0)
+    reader.background_rate = 1 << 40
+    src.counting.reset()
+    reader.prefetch_then_rest()
+    assert reader.stats.as_dict()["state"] == "complete"
+    starts = [a for a, _ in src.counting.ranges]
+    assert len(starts) == len(set(starts)), starts       # no span asked for twice
+    assert src.counting.bytes_read == sum(
+        layer.index.span_end(i)[0] - p.cin for i, p in enumerate(layer.index.checkpoints))
     fetcher.close()
