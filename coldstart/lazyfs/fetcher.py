@@ -623,7 +623,7 @@ class ChunkFetcher:
 
     def _defer_spread(self, target: FetchTarget, c: Chunk, raw: bytes, start: int) -> bool:
         """Hold the compressed bytes of ``c``'s range (a prefetched span of a layer that
-        spreads) for :meth:`_spread_later`, run by the fill's niced thread once the node is
+        spreads) for :meth:`_spread_later`, run by the spread thread (niced) once the node is
         quiet: the start-up's pieces are decoded now, the rest of the span later, without
         fetching it again. False (spread it now) past ``DEFERRED_SPREAD_BYTES`` held."""
         nbytes = c.end_offset - c.offset
@@ -634,18 +634,20 @@ class ChunkFetcher:
             self._deferred += nbytes
         compressed = raw[c.offset - start : c.end_offset - start]
         try:
-            self._spread_pool.submit(self._spread_later, target, c, compressed)
+            self._spread_pool.submit(self._spread_later, target, c, compressed, nbytes)
         except RuntimeError:    # shut down under us
             self._held_done(nbytes)
             return False
         return True
 
-    def _spread_later(self, target: FetchTarget, c: Chunk, compressed: bytes) -> None:
-        """Cache the other pieces of ``c``'s span from its held bytes, once no on-demand
-        fetch is in flight and no read was served for ``QUIET_SECONDS``. A failure costs
-        only these pieces (they are fetched when read, or by the fill); it is reported, not
-        held against the index (the held bytes may have changed on the way: a fetch of the
-        span anew tells)."""
+    def _spread_later(self, target: FetchTarget, c: Chunk, compressed: bytes,
+                      nbytes: int) -> None:
+        """Cache the other pieces of ``c``'s span from its held bytes (``nbytes`` of the
+        budget), once no fetch for a read or a prefetch is in flight and no read was served
+        for ``QUIET_SECONDS``. A failure costs only these pieces (they are fetched when read,
+        or by the fill): logged and counted in telemetry, not a layer error, and not held
+        against the index (the held bytes may have changed on the way: a fetch of the span
+        anew tells)."""
         try:
             self._wait_foreground_idle({})
             if self._closed or self.cache is None:
@@ -655,16 +657,17 @@ class ChunkFetcher:
                 self.cache.put_async(digest, piece, verified=True)
             log.debug("layer %s: span at %d spread: %d pieces", target.digest, c.offset,
                       len(pieces))
-        except ColdstartError as exc:
+        except (ColdstartError, OSError) as exc:
             kind = type(exc).__name__
-            self._report(target, kind, f"layer {target.digest}: {kind}: {exc} (the span at "
-                         f"blob offset {c.offset}, held for its other files); they are "
-                         "fetched when read")
+            log.warning("layer %s: %s: %s (held for the span's other files); they are fetched "
+                        "when read", target.digest, kind, exc)
+            if self.telemetry is not None:
+                self.telemetry.error(kind)
         except Exception:
             log.exception("layer %s: spreading the span at %d failed", target.digest,
                           c.offset)
         finally:
-            self._held_done(len(compressed))
+            self._held_done(nbytes)
 
     def _held_done(self, nbytes: int) -> None:
         with self._lock:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from coldstart.cache import ChunkCache
+from coldstart.format.toc import Chunk
 from coldstart.lazyfs import reader as reader_module
 from coldstart.lazyfs.fetcher import DEMAND, FILL, PREFETCH, ChunkFetcher
 from coldstart.lazyfs.reader import LayerReader, _batches, _growing_batches
@@ -17,7 +18,6 @@ from tests.unit.lazy.test_lazy_reader import FORMATS, make, read_all
 
 
 def test_growing_batches() -> None:
-    from coldstart.format.toc import Chunk
 
     chunks = [Chunk(i * 100, i * 100 + 100, i * 100, 100, f"d{i}") for i in range(40)]
     batches = _growing_batches(chunks, 200, 800)
@@ -29,7 +29,6 @@ def test_growing_batches() -> None:
 def test_chunks_sharing_one_range_stay_in_one_batch() -> None:
     """An indexed gzip layer's span: many files' pieces, one compressed range each time. A
     batch cut between them fetched the span once per batch (twice the bytes, measured)."""
-    from coldstart.format.toc import Chunk
 
     spans = [(i * 1000, i * 1000 + 1000) for i in range(6)]
     chunks = [Chunk(a, b, 0, 10, f"d{a}-{k}", k * 10) for a, b in spans for k in range(7)]
@@ -457,10 +456,14 @@ def test_an_indexed_prefetch_spreads_its_spans_later_without_fetching_them_again
     fetcher.close()
 
 
-def test_the_fill_after_an_indexed_prefetch_fetches_no_span_twice(tmp_path: Path) -> None:
+def test_the_fill_after_an_indexed_prefetch_fetches_no_span_twice(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fill starts once the node is quiet, when the prefetch's held spans may not be
-    spread yet: it waits for them, and asks the registry only for the other spans."""
-    from coldstart.format.gzindex import open_indexed_layer, parse_index
+    spread yet (here each spread takes 0.3 s): it waits for them, and asks the registry only
+    for the other spans."""
+    import time
+
+    from coldstart.format.gzindex import IndexedLayer, open_indexed_layer, parse_index
     from coldstart.oci.gzindex import with_profile
     from coldstart.prefetch.profile import LayerProfile
     from coldstart.prefetch.recorder import FileAccess
@@ -474,15 +477,23 @@ def test_the_fill_after_an_indexed_prefetch_fetches_no_span_twice(tmp_path: Path
     named, _ = with_profile(parse_index(index, layer=digest, size=len(blob)), recorded)
     src = GatedSource(blob)
     layer = open_indexed_layer(src, named.encode(), layer=digest)
+    spread_from = IndexedLayer.spread_from
+
+    def slow(self: IndexedLayer, chunk: Chunk, compressed: bytes) -> list[tuple[str, bytes]]:
+        time.sleep(0.3)
+        return spread_from(self, chunk, compressed)
+    monkeypatch.setattr(IndexedLayer, "spread_from", slow)
     fetcher = ChunkFetcher(ChunkCache(tmp_path / "cache", max_bytes=1 << 30), concurrency=2,
                            max_coalesce_bytes=16 << 20, request_timeout=5.0)
-    reader = LayerReader(digest, layer, src, fetcher, read_deadline=10.0)
-    reader.background_rate = 1 << 40
-    src.counting.reset()
-    reader.prefetch_then_rest()
-    assert reader.stats.as_dict()["state"] == "complete"
-    starts = [a for a, _ in src.counting.ranges]
-    assert len(starts) == len(set(starts)), starts       # no span asked for twice
-    assert src.counting.bytes_read == sum(
-        layer.index.span_end(i)[0] - p.cin for i, p in enumerate(layer.index.checkpoints))
-    fetcher.close()
+    try:
+        reader = LayerReader(digest, layer, src, fetcher, read_deadline=10.0)
+        reader.background_rate = 1 << 40
+        src.counting.reset()
+        reader.prefetch_then_rest()
+        assert reader.stats.as_dict()["state"] == "complete"
+        starts = [a for a, _ in src.counting.ranges]
+        assert len(starts) == len(set(starts)), starts   # no span asked for twice
+        assert src.counting.bytes_read == sum(
+            layer.index.span_end(i)[0] - p.cin for i, p in enumerate(layer.index.checkpoints))
+    finally:
+        fetcher.close()
