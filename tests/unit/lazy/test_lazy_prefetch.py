@@ -18,7 +18,6 @@ from tests.unit.lazy.test_lazy_reader import FORMATS, make, read_all
 
 
 def test_growing_batches() -> None:
-
     chunks = [Chunk(i * 100, i * 100 + 100, i * 100, 100, f"d{i}") for i in range(40)]
     batches = _growing_batches(chunks, 200, 800)
     sizes = [sum(c.compressed_size for c in b) for b in batches]
@@ -29,7 +28,6 @@ def test_growing_batches() -> None:
 def test_chunks_sharing_one_range_stay_in_one_batch() -> None:
     """An indexed gzip layer's span: many files' pieces, one compressed range each time. A
     batch cut between them fetched the span once per batch (twice the bytes, measured)."""
-
     spans = [(i * 1000, i * 1000 + 1000) for i in range(6)]
     chunks = [Chunk(a, b, 0, 10, f"d{a}-{k}", k * 10) for a, b in spans for k in range(7)]
     for batches in (_growing_batches(chunks, 1500, 3000), _batches(chunks, 2000)):
