@@ -13,7 +13,7 @@ good one as far as HTTP goes); if it fails again it resolves with :class:`Integr
 the decoder's :class:`FormatError`). Unverified bytes are never served or cached.
 
 Background work (the fill; the deferred spread of the spans an indexed gzip layer's prefetch
-inflated only in part) runs in its own niced thread and waits while on-demand fetches are in
+inflated only in part) run in niced threads of their own and wait while on-demand fetches are in
 flight, so it never delays a read that a process is blocked on.
 """
 
