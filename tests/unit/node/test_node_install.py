@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -111,7 +112,9 @@ def test_dry_run_prints_the_diff_and_writes_nothing(tmp_path: Path) -> None:
     assert paths.containerd_config.read_bytes() == (CONFIGS / "containerd-2.x.toml").read_bytes()
     assert f"--- {paths.containerd_config}\n+++ {paths.containerd_config}\n" in r.stdout
     assert "\n-    snapshotter = 'overlayfs'\n" in r.stdout
-    assert '\n+    snapshotter = "coldstart"\n' in r.stdout
+    # tomlkit 0.15.3 keeps a replaced string's quotes (a literal stays literal); before, it
+    # wrote a basic string: either is the same TOML
+    assert re.search(r"\n\+    snapshotter = (\"coldstart\"|'coldstart')\n", r.stdout), r.stdout
     assert f"+++ {paths.systemd_dir / UNIT_NAME}" in r.stdout
     assert "+Type=notify\n" in r.stdout and "+KillMode=process\n" in r.stdout
 
