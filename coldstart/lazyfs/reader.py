@@ -716,11 +716,11 @@ class LayerReader:
 
     def _touched_chunks(self) -> list[Chunk]:
         """The chunks the prefetch ranges name (the layer's annotation, or for a set named
-        apart from the blob's order, a gzip index's, among that set's files), in blob
-        order. A layer written
-        with its start-up files first (a landmark) holds them all in its prefetch span when
-        the ranges end within it: only those entries are looked at, not the whole TOC
-        (building every entry of a large layer costs a start-up about half a second)."""
+        apart from the blob's order, a gzip index's, among that set's files), in blob order.
+        A layer written with its start-up files first (a landmark) holds them all in its
+        prefetch span when the ranges end within it: only those entries are looked at, not
+        the whole TOC (building every entry of a large layer costs a start-up about half a
+        second)."""
         ranges = self.prefetch_ranges or []
         toc = self.layer.toc
         if self._named_apart():

@@ -206,18 +206,10 @@ def test_a_span_decoded_in_part_spreads_only_once_decoded_whole(
     again, and :meth:`spread_from` (the deferred spread) hands out the rest once."""
     import dataclasses
 
-    from coldstart.format import gzindex
     tar = _big_tar()
     blob, digest, index, _, _ = _indexed(tmp_path, tar)
     layer = open_indexed_layer(BytesReadAt(blob), index, layer=digest)
-    limits: list[int] = []
-    inflate = gzindex.inflate_span
-
-    def counting(compressed: bytes, point: gzindex.Checkpoint, limit: int, *,
-                 what: str) -> bytes:
-        limits.append(limit)
-        return inflate(compressed, point, limit, what=what)
-    monkeypatch.setattr(gzindex, "inflate_span", counting)
+    limits = count_inflates(monkeypatch)
     first = layer.toc.entries["pkg/m000.py"].chunks[0]
     whole = layer.index.span_end(0)[1]
     compressed = blob[first.offset : first.end_offset]
@@ -245,6 +237,20 @@ def test_a_span_decoded_in_part_spreads_only_once_decoded_whole(
     n = len(limits)
     assert layer.decode_chunk(first, compressed, upto=need) == _member(tar, "pkg/m000.py")
     assert len(limits) == n                              # the whole decoding kept serves it
+
+
+def count_inflates(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The ``limit`` of every span inflate from now on, in order (a list that fills)."""
+    from coldstart.format import gzindex
+    limits: list[int] = []
+    inflate = gzindex.inflate_span
+
+    def counting(compressed: bytes, point: gzindex.Checkpoint, limit: int, *,
+                 what: str) -> bytes:
+        limits.append(limit)
+        return inflate(compressed, point, limit, what=what)
+    monkeypatch.setattr(gzindex, "inflate_span", counting)
+    return limits
 
 
 def _member(tar: bytes, name: str) -> bytes:

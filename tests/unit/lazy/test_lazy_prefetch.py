@@ -8,13 +8,15 @@ from pathlib import Path
 import pytest
 
 from coldstart.cache import ChunkCache
+from coldstart.format.gzindex import GzipIndex, IndexedLayer
 from coldstart.format.toc import Chunk
 from coldstart.lazyfs import reader as reader_module
 from coldstart.lazyfs.fetcher import DEMAND, FILL, PREFETCH, ChunkFetcher
 from coldstart.lazyfs.reader import LayerReader, _batches, _growing_batches
+from coldstart.prefetch.profile import LayerProfile
 from coldstart.prefetch.recorder import AccessRecorder
 from tests.integration.lazy.lazy_helpers import metadata_tar
-from tests.unit.lazy.test_lazy_reader import FORMATS, make, read_all
+from tests.unit.lazy.test_lazy_reader import FORMATS, GatedSource, make, read_all
 
 
 def test_growing_batches() -> None:
@@ -276,7 +278,6 @@ def test_the_fill_of_an_indexed_gzip_layer_reads_each_span_once(
 
     from coldstart.format.gzindex import open_indexed_layer
     from tests.unit.format.test_format_gzindex import _big_tar, _indexed
-    from tests.unit.lazy.test_lazy_reader import GatedSource
 
     tar = _big_tar()
     blob, digest, index, _, _ = _indexed(tmp_path, tar)
@@ -309,7 +310,6 @@ def test_the_fill_completes_a_span_handed_out_before_whose_pieces_were_evicted(
     failed write), asking for one piece caches nothing else, and the fill asks for them."""
     from coldstart.format.gzindex import open_indexed_layer
     from tests.unit.format.test_format_gzindex import _big_tar, _indexed
-    from tests.unit.lazy.test_lazy_reader import GatedSource
 
     blob, digest, index, _, _ = _indexed(tmp_path, _big_tar())
     src = GatedSource(blob)
@@ -334,25 +334,31 @@ def test_the_fill_completes_a_span_handed_out_before_whose_pieces_were_evicted(
     assert stats["local_bytes"] == stats["total_bytes"]
 
 
+def _profiled(tmp_path: Path, names: tuple[str, ...]
+              ) -> tuple[LayerProfile, GzipIndex, GatedSource, IndexedLayer]:
+    """``_big_tar``'s gzip layer indexed with a recorded start-up reading ``names`` (in that
+    order): the profile, the index carrying it, the blob's counting source, the layer."""
+    from coldstart.format.gzindex import open_indexed_layer, parse_index
+    from coldstart.oci.gzindex import with_profile
+    from coldstart.prefetch.recorder import FileAccess
+    from tests.unit.format.test_format_gzindex import _big_tar, _indexed
+
+    blob, digest, index, _, _ = _indexed(tmp_path, _big_tar())
+    recorded = LayerProfile(0, files=tuple(
+        FileAccess(name, t / 100) for t, name in enumerate(names)))
+    named, _ = with_profile(parse_index(index, layer=digest, size=len(blob)), recorded)
+    src = GatedSource(blob)
+    return recorded, named, src, open_indexed_layer(src, named.encode(), layer=digest)
+
+
 def test_an_indexed_layer_prefetches_the_spans_its_index_names(tmp_path: Path) -> None:
     """A plain gzip layer cannot be reordered: its index names the recorded start-up's files
     and spans (``coldstart index --profile``); the prefetch fetches those spans, one request
     each, in the order the start-up first read them (here a file late in the blob first), and
     the start-up's reads then need none."""
-    from coldstart.format.gzindex import open_indexed_layer, parse_index
-    from coldstart.oci.gzindex import with_profile
-    from coldstart.prefetch.profile import LayerProfile
-    from coldstart.prefetch.recorder import FileAccess
-    from tests.unit.format.test_format_gzindex import _big_tar, _indexed
-    from tests.unit.lazy.test_lazy_reader import GatedSource
-
-    blob, digest, index, _, _ = _indexed(tmp_path, _big_tar())
-    recorded = LayerProfile(0, files=tuple(
-        FileAccess(name, t / 100) for t, name in enumerate(
-            ("pkg/after", "pkg/m390.py", "pkg/m000.py", "pkg/m001.py"))))
-    named, _ = with_profile(parse_index(index, layer=digest, size=len(blob)), recorded)
-    src = GatedSource(blob)
-    layer = open_indexed_layer(src, named.encode(), layer=digest)
+    recorded, named, src, layer = _profiled(
+        tmp_path, ("pkg/after", "pkg/m390.py", "pkg/m000.py", "pkg/m001.py"))
+    digest = layer.index.layer
     # two threads: one prefetch request at a time (half the pool), so they arrive in order
     fetcher = ChunkFetcher(ChunkCache(tmp_path / "cache", max_bytes=1 << 30), concurrency=2,
                            max_coalesce_bytes=16 << 20, request_timeout=5.0)
@@ -386,32 +392,14 @@ def test_an_indexed_prefetch_spreads_its_spans_later_without_fetching_them_again
     is inflated whole and spread at once, as a read's is."""
     import time
 
-    from coldstart.format import gzindex
-    from coldstart.format.gzindex import open_indexed_layer, parse_index
     from coldstart.lazyfs import fetcher as fetcher_module
-    from coldstart.oci.gzindex import with_profile
-    from coldstart.prefetch.profile import LayerProfile
-    from coldstart.prefetch.recorder import FileAccess
-    from tests.unit.format.test_format_gzindex import _big_tar, _indexed
-    from tests.unit.lazy.test_lazy_reader import GatedSource
+    from tests.unit.format.test_format_gzindex import count_inflates
 
     if held == "over-the-budget":
         monkeypatch.setattr(fetcher_module, "DEFERRED_SPREAD_BYTES", 0)
-    limits: list[int] = []
-    inflate = gzindex.inflate_span
-
-    def counting(compressed: bytes, point: gzindex.Checkpoint, limit: int, *,
-                 what: str) -> bytes:
-        limits.append(limit)
-        return inflate(compressed, point, limit, what=what)
-    monkeypatch.setattr(gzindex, "inflate_span", counting)
-    blob, digest, index, _, _ = _indexed(tmp_path, _big_tar())
-    recorded = LayerProfile(0, files=tuple(
-        FileAccess(name, t / 100)
-        for t, name in enumerate(("pkg/m000.py", "pkg/m390.py", "pkg/after"))))
-    named, _ = with_profile(parse_index(index, layer=digest, size=len(blob)), recorded)
-    src = GatedSource(blob)
-    layer = open_indexed_layer(src, named.encode(), layer=digest)
+    limits = count_inflates(monkeypatch)
+    recorded, _, src, layer = _profiled(tmp_path, ("pkg/m000.py", "pkg/m390.py", "pkg/after"))
+    digest = layer.index.layer
     cache = ChunkCache(tmp_path / "cache", max_bytes=1 << 30)
     fetcher = ChunkFetcher(cache, concurrency=2, max_coalesce_bytes=16 << 20,
                            request_timeout=5.0)
@@ -461,20 +449,8 @@ def test_the_fill_after_an_indexed_prefetch_fetches_no_span_twice(
     for the other spans."""
     import time
 
-    from coldstart.format.gzindex import IndexedLayer, open_indexed_layer, parse_index
-    from coldstart.oci.gzindex import with_profile
-    from coldstart.prefetch.profile import LayerProfile
-    from coldstart.prefetch.recorder import FileAccess
-    from tests.unit.format.test_format_gzindex import _big_tar, _indexed
-    from tests.unit.lazy.test_lazy_reader import GatedSource
-
-    blob, digest, index, _, _ = _indexed(tmp_path, _big_tar())
-    recorded = LayerProfile(0, files=tuple(
-        FileAccess(name, t / 100)
-        for t, name in enumerate(("pkg/m000.py", "pkg/m390.py", "pkg/after"))))
-    named, _ = with_profile(parse_index(index, layer=digest, size=len(blob)), recorded)
-    src = GatedSource(blob)
-    layer = open_indexed_layer(src, named.encode(), layer=digest)
+    _, _, src, layer = _profiled(tmp_path, ("pkg/m000.py", "pkg/m390.py", "pkg/after"))
+    digest = layer.index.layer
     spread_from = IndexedLayer.spread_from
 
     def slow(self: IndexedLayer, chunk: Chunk, compressed: bytes) -> list[tuple[str, bytes]]:
