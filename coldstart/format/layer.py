@@ -387,8 +387,8 @@ def open_layer(blob: ReadAt, *, annotations: Mapping[str, str],
     else:
         toc_json, compressed_toc, data_end = _zstd_toc(tail, footer, annotations)
         exact = not footer.legacy
-    json_digest = "sha256:" + hashlib.sha256(toc_json).hexdigest()
     if estargz_digest is not None:
+        json_digest = "sha256:" + hashlib.sha256(toc_json).hexdigest()
         if json_digest != estargz_digest:
             raise IntegrityError(f"TOC digest {json_digest} does not match the annotation "
                                  f"{ESTARGZ_TOC_DIGEST}={estargz_digest}")
@@ -401,7 +401,7 @@ def open_layer(blob: ReadAt, *, annotations: Mapping[str, str],
         if estargz_digest is None:
             toc_digest = got
     if estargz_digest is None and zstd_checksum is None:
-        toc_digest = json_digest
+        toc_digest = "sha256:" + hashlib.sha256(toc_json).hexdigest()
     toc = parse_toc(toc_json, format=footer.format, data_end=data_end, exact_frames=exact)
     return SeekableLayer(blob, toc, toc_digest, footer=footer, toc_offset=data_end,
                          verified=estargz_digest is not None or zstd_checksum is not None)

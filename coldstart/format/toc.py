@@ -138,12 +138,14 @@ class TOCEntries(Mapping[str, Entry]):
     """
 
     __slots__ = ("_built", "_compact", "_compact_lock", "_index", "_keep", "_lock", "_made",
-                 "_make", "_order", "_sorted", "names", "types")
+                 "_make", "_order", "_small_chunks", "_sorted", "names", "types")
 
     def __init__(self, names: list[str], make: Callable[[int], Entry],
                  types: list[str] | None = None, *, index: dict[str, int] | None = None,
                  built: list[Entry | None] | None = None, keep: int = KEEP_ENTRIES,
-                 compact: Callable[[], None] | None = None) -> None:
+                 compact: Callable[[], None] | None = None,
+                 small_chunks: Callable[[int], list[tuple[int, int, int, int]]] | None = None,
+                 ) -> None:
         #: every name, by position (the inode order of the FUSE layer)
         self.names = names
         self._index: dict[str, int] | None = (
@@ -152,6 +154,7 @@ class TOCEntries(Mapping[str, Entry]):
         self._sorted: list[str] = []
         self._order: array[int] = array("q")
         self._compact = compact
+        self._small_chunks = small_chunks
         self._compact_lock = threading.Lock()
         self._make = make
         self._built = built
@@ -194,6 +197,16 @@ class TOCEntries(Mapping[str, Entry]):
             self._order = array("q", map(index.__getitem__, srt))
             self._sorted = srt
             self._index = None
+
+    def small_chunks(self, limit: int) -> list[tuple[int, int, int, int]]:
+        """(blob offset, inner offset, position, chunk number) of each chunk that is not a hole
+        of each regular file of at most ``limit`` bytes, in no order. The builder's own
+        (``small_chunks``) reads its columns without making the entries."""
+        if self._small_chunks is not None:
+            return self._small_chunks(limit)
+        return [(c.offset, c.inner_offset, p, k) for p, e in enumerate(self.values())
+                if e.type == "reg" and e.size <= limit
+                for k, c in enumerate(e.chunks) if not c.zeros]
 
     def at(self, i: int) -> Entry:
         """The entry at position ``i``."""

@@ -10,8 +10,8 @@ made from them on demand (:class:`~coldstart.format.toc.TOCEntries` keeps the re
 Making the columns takes a few tenths of a second for 200,000 entries, which a mount should
 not wait for: until :meth:`TOCColumns.compact` is called (the FUSE server does, in a thread,
 once the layer is mounted), entries are made from the decoder's objects, as they always were.
-Only the fast parser (:mod:`coldstart.format.tocjson`) builds these, from entries it has
-checked (every integer field fits in 64 bits); both ways make equal entries.
+Only the fast parser (:mod:`coldstart.format.tocjson`) builds these, from the typed entries it
+has checked (every integer field fits in 64 bits); both ways make equal entries.
 """
 
 from __future__ import annotations
@@ -19,10 +19,14 @@ from __future__ import annotations
 import bisect
 import threading
 from array import array
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any
 
 from coldstart.format.toc import MODE_PERM_MASK, Chunk, Entry
+
+if TYPE_CHECKING:
+    from coldstart.format.tocjson import _RawEntry
 
 __all__ = ["TOCColumns"]
 
@@ -58,33 +62,28 @@ def _digests(values: list[str | None]) -> tuple[bytes, bytes]:
 class TOCColumns:
     """The entries of a TOC (by position); :meth:`entry` makes one.
 
-    ``raws``: the checked JSON objects of the entries (not chunk continuations), ``types``
+    ``raws``: the typed JSON objects of the entries (not chunk continuations), ``types``
     their types; ``len(raws)`` of them, followed by ``len(names) - len(raws)`` synthesized
-    directories. ``cols``: columns of ``raws`` the parser read already (reused, not read
-    again); ``links``: hardlinks' normalized targets; ``chunks``: the chunks of files with
+    directories. ``links``: hardlinks' normalized targets; ``chunks``: the chunks of files with
     chunk entries; ``starts``: the sorted blob offsets of all chunks (eStargz gives no end).
     """
 
-    __slots__ = ("_chunk_digest", "_chunks", "_cols", "_data_end", "_dev", "_digest", "_end",
+    __slots__ = ("_chunk_digest", "_chunks", "_data_end", "_dev", "_digest", "_end",
                  "_exact_frames", "_gid", "_gnames", "_has_chunk_digest", "_has_digest",
-                 "_inner", "_keys", "_links", "_lock", "_m", "_make", "_mode", "_mtime",
-                 "_mtimes", "_names", "_offset", "_raws", "_size", "_starts", "_types", "_uid",
-                 "_unames", "_xattrs", "_zero_time", "_zeros")
+                 "_inner", "_links", "_lock", "_m", "_make", "_mode", "_mtime", "_mtimes",
+                 "_names", "_offset", "_raws", "_size", "_starts", "_types", "_uid", "_unames",
+                 "_xattrs", "_zeros")
 
-    def __init__(self, raws: list[dict[str, Any]], names: list[str], types: list[str], *,
-                 keys: set[str], cols: dict[str, list[Any]], mtimes: dict[str, int],
-                 zero_time: str, unames: list[str] | None, gnames: list[str] | None,
+    def __init__(self, raws: list[_RawEntry], names: list[str], types: list[str], *,
+                 mtimes: dict[str, int], unames: list[str] | None, gnames: list[str] | None,
                  links: dict[int, str], xattrs: dict[int, dict[str, bytes]],
                  chunks: dict[int, list[Chunk]], starts: list[int], data_end: int,
                  exact_frames: bool) -> None:
         self._m = len(raws)
-        self._raws: list[dict[str, Any]] | None = raws
+        self._raws: list[_RawEntry] | None = raws
         self._names = names
         self._types = types
-        self._keys = keys
-        self._cols = cols
         self._mtimes = mtimes
-        self._zero_time = zero_time
         self._unames = unames
         self._gnames = gnames
         self._links = links
@@ -115,34 +114,51 @@ class TOCColumns:
             return Entry(name, "dir", 0, 0o755)
         r = raws[i]
         t = self._types[i]
-        get = r.get
         size = 0
         digest = None
         cs: list[Chunk] = []
         if t == "reg":
-            size = get("size", 0)
-            digest = get("digest")
+            size = r.size
+            digest = r.digest
             multi = self._chunks.get(i)
             if multi is not None:
                 cs = list(multi)
             elif size > 0:
-                if get("chunkType") == "zeros":
-                    cs = [Chunk(0, 0, 0, size, get("chunkDigest") or "", 0, True, False, name)]
+                if r.chunkType == "zeros":
+                    cs = [Chunk(0, 0, 0, size, r.chunkDigest or "", 0, True, False, name)]
                 else:
-                    off = get("offset", 0)
-                    end = get("endOffset", 0)
-                    inner = get("innerOffset", 0)
-                    cs = [Chunk(off, end or self._next_start(off), 0, size, r["chunkDigest"],
-                                inner, False, self._exact_frames and end != 0 and inner == 0,
-                                name)]
+                    off, end, inner = r.offset, r.endOffset, r.innerOffset
+                    exact = self._exact_frames and end != 0 and inner == 0
+                    # the parser checked the chunk digest is there
+                    cs = [Chunk(off, end or self._next_start(off), 0, size,
+                                r.chunkDigest or "", inner, False, exact, name)]
         x = self._xattrs.get(i)
         return Entry(
-            name, t, size, get("mode", 0) & MODE_PERM_MASK, get("uid", 0), get("gid", 0),
+            name, t, size, r.mode & MODE_PERM_MASK, r.uid, r.gid,
             self._unames[i] if self._unames is not None else "",
             self._gnames[i] if self._gnames is not None else "",
-            self._mtimes[get("modtime", self._zero_time)],
-            self._links[i] if i in self._links else get("linkName", ""), get("devMajor", 0),
-            get("devMinor", 0), dict(x) if x is not None else {}, digest, cs)
+            self._mtimes[r.modtime], self._links.get(i, r.linkName),
+            r.devMajor, r.devMinor, dict(x) if x is not None else {}, digest, cs)
+
+    def small_chunks(self, limit: int) -> list[tuple[int, int, int, int]]:
+        """:meth:`~coldstart.format.toc.TOCEntries.small_chunks`, read from the decoder's
+        objects or the columns, with no entry made."""
+        raws = self._raws
+        if raws is not None:
+            sizes: Sequence[int] = [r.size for r in raws]
+            offsets: Sequence[int] = [r.offset for r in raws]
+            inners: Sequence[int] = [r.innerOffset for r in raws]
+            zeros: Sequence[bool | int] = [r.chunkType == "zeros" for r in raws]
+        else:                               # compacted: ``_fill`` made these before
+            sizes, offsets, inners, zeros = self._size, self._offset, self._inner, self._zeros
+        types, multi = self._types, self._chunks
+        out = [(offsets[i], inners[i], i, 0) for i in range(self._m)
+               if types[i] == "reg" and 0 < sizes[i] <= limit and not zeros[i]
+               and i not in multi]
+        for i, cs in multi.items():
+            if sizes[i] <= limit:
+                out += [(c.offset, c.inner_offset, i, k) for k, c in enumerate(cs) if not c.zeros]
+        return out
 
     def compact(self) -> None:
         """Make the columns and let go of the decoder's objects (once; thread-safe)."""
@@ -153,58 +169,50 @@ class TOCColumns:
             self._fill(raws)
             self._make = self._from_columns
             self._raws = None
-            self._cols = {}
 
-    def _fill(self, raws: list[dict[str, Any]]) -> None:
-        keys, cols, m = self._keys, self._cols, self._m
+    def _fill(self, raws: list[_RawEntry]) -> None:
+        def column(key: str) -> list[Any]:
+            return list(map(attrgetter(key), raws))
 
-        def column(key: str, default: Any = 0) -> list[Any]:
-            got = cols.get(key)
-            return got if got is not None else [r.get(key, default) for r in raws]
-
-        def ints(key: str) -> array[int]:
-            # a key no entry has: all zeros, with no pass over the entries
-            return _ints(column(key)) if key in keys else array("B", bytes(m))
-
-        self._size = ints("size")
-        self._mode = (_ints([v & MODE_PERM_MASK for v in column("mode")]) if "mode" in keys
-                      else array("B", bytes(m)))
-        self._uid = ints("uid")
-        self._gid = ints("gid")
+        self._size = _ints(column("size"))
+        modes = column("mode")
+        if modes and max(modes) > MODE_PERM_MASK:
+            modes = [v & MODE_PERM_MASK for v in modes]
+        self._mode = _ints(modes)
+        self._uid = _ints(column("uid"))
+        self._gid = _ints(column("gid"))
         # a list, not an array: Go's zero time is before 1678, past 64 bits of nanoseconds;
         # the list's items are the few distinct times' objects, shared
-        self._mtime = list(map(self._mtimes.__getitem__, column("modtime", self._zero_time)))
+        self._mtime = list(map(self._mtimes.__getitem__, column("modtime")))
         if self._unames is not None:
             self._unames = _shared(self._unames)
         if self._gnames is not None:
             self._gnames = _shared(self._gnames)
         # sparse: link names (hardlinks' normalized ones are in ``links`` already) and the
-        # device numbers of char and block devices
+        # device numbers of char and block devices; most layers have few or none (any() first)
         links = dict(self._links)
-        if "linkName" in keys:
-            for i, link in enumerate(column("linkName", "")):
+        link_names = column("linkName")
+        if any(link_names):
+            for i, link in enumerate(link_names):
                 if link and i not in links:
                     links[i] = link
+        majors, minors = column("devMajor"), column("devMinor")
         self._dev = {}
-        if "devMajor" in keys or "devMinor" in keys:
-            self._dev = {i: (r.get("devMajor", 0), r.get("devMinor", 0))
-                         for i, r in enumerate(raws) if "devMajor" in r or "devMinor" in r}
-        digests = column("digest", None) if "digest" in keys else [None] * m
+        if any(majors) or any(minors):
+            self._dev = {i: dev for i, dev in enumerate(zip(majors, minors, strict=True))
+                         if dev[0] or dev[1]}
+        digests = column("digest")
         self._digest, self._has_digest = _digests(digests)
         # the one chunk of a single-chunk file (files with chunk entries are in ``chunks``)
-        self._offset = ints("offset")
-        self._end = ints("endOffset")
-        self._inner = ints("innerOffset")
-        self._zeros = bytes(m)
-        if "chunkType" in keys:
-            self._zeros = bytes([t == "zeros" for t in column("chunkType", "")])
+        self._offset = _ints(column("offset"))
+        self._end = _ints(column("endOffset"))
+        self._inner = _ints(column("innerOffset"))
+        self._zeros = bytes([t == "zeros" for t in column("chunkType")])
         # only where an entry has one chunk of its own: the parser checked no others
         multi, sizes = self._chunks, self._size
-        chunk_digests: list[str | None] = [None] * m
-        if "chunkDigest" in keys:
-            chunk_digests = [d if t == "reg" and n > 0 and i not in multi else None
-                             for i, (d, t, n) in enumerate(zip(column("chunkDigest", None),
-                                                               self._types, sizes, strict=False))]
+        chunk_digests = [d if t == "reg" and n > 0 and i not in multi else None
+                         for i, (d, t, n) in enumerate(zip(column("chunkDigest"), self._types,
+                                                           sizes, strict=False))]
         if chunk_digests == digests:    # a file of one chunk: the same digest (zstd:chunked)
             self._chunk_digest, self._has_chunk_digest = self._digest, self._has_digest
         else:

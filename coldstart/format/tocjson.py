@@ -18,14 +18,14 @@ import bisect
 import json
 import re
 from collections.abc import Mapping
-from typing import Any
+from operator import attrgetter
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from coldstart.errors import FormatError
 from coldstart.format.timefmt import format_rfc3339, parse_rfc3339
 from coldstart.format.toc import (
-    ENTRY_TYPES,
     MODE_PERM_MASK,
     PREFETCH_LANDMARK,
     TOC,
@@ -44,7 +44,8 @@ _DIGEST = re.compile(r"sha256:[0-9a-f]{64}\Z")
 _ZERO_TIME = "0001-01-01T00:00:00Z"
 
 
-def _field(raw: Mapping[str, Any], key: str, kind: type, default: Any, name: str) -> Any:
+def _field(raw: Mapping[str, Any] | _RawEntry, key: str, kind: type, default: Any,
+           name: str) -> Any:
     value = raw.get(key, default)
     if value is None:
         return default
@@ -87,6 +88,14 @@ def parse_toc(data: bytes, *, format: str, data_end: int, exact_frames: bool = F
     """
     if len(data) > MAX_TOC_SIZE:
         raise FormatError(f"TOC is {len(data)} bytes, over the {MAX_TOC_SIZE} byte limit")
+    try:
+        typed: list[_RawEntry] | None = _TYPED.decode(data).entries
+    except (msgspec.ValidationError, msgspec.DecodeError, ValueError, RecursionError):
+        typed = None  # anything unusual: decoded as plain JSON below, where the checks name it
+    if typed is not None:
+        fast = _fast_or_none(typed, format, data_end, exact_frames)
+        if fast is not None:
+            return fast
     doc = _decode_json(data)
     if not isinstance(doc, dict):
         raise FormatError("TOC JSON is not an object")
@@ -95,13 +104,31 @@ def parse_toc(data: bytes, *, format: str, data_end: int, exact_frames: bool = F
     raw_entries = doc.get("entries")
     if not isinstance(raw_entries, list):
         raise FormatError("TOC has no 'entries' list")
-    try:
-        fast = _parse_fast(raw_entries, format, data_end, exact_frames)
-    except (TypeError, ValueError, AttributeError, KeyError, IndexError, FormatError):
-        fast = None  # the strict parser below names what is wrong
-    if fast is not None:
-        return fast
+    if typed is None:
+        # JSON the typed decoder refuses may still type-check (surrogates, which json reads)
+        fast = _parse_fast_json(raw_entries, format, data_end, exact_frames)
+        if fast is not None:
+            return fast
     return _parse_strict(raw_entries, format, data_end, exact_frames)
+
+
+def _parse_fast_json(raw_entries: list[Any], format: str, data_end: int,
+                     exact_frames: bool) -> TOC | None:
+    """The fast parser on decoded JSON objects: None where one does not type-check as a
+    :class:`_RawEntry` or the fast parser returns None (the strict parser decides those)."""
+    try:
+        typed = msgspec.convert(raw_entries, list[_RawEntry])
+    except (msgspec.ValidationError, TypeError, ValueError):
+        return None
+    return _fast_or_none(typed, format, data_end, exact_frames)
+
+
+def _fast_or_none(raws: list[_RawEntry], format: str, data_end: int,
+                  exact_frames: bool) -> TOC | None:
+    try:
+        return _parse_fast(raws, format, data_end, exact_frames)
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, FormatError):
+        return None  # the strict parser names what is wrong
 
 
 def _decode_json(data: bytes) -> Any:
@@ -199,7 +226,7 @@ def _parse_strict(raw_entries: list[Any], format: str, data_end: int,
     return toc
 
 
-def _chunk(raw: Mapping[str, Any], name: str, file_size: int) -> _RawChunk:
+def _chunk(raw: Mapping[str, Any] | _RawEntry, name: str, file_size: int) -> _RawChunk:
     ctype = _field(raw, "chunkType", str, "", name)
     if ctype not in ("", "zeros"):
         raise FormatError(f"entry {name!r}: unknown chunkType {ctype!r}")
@@ -291,21 +318,59 @@ def _chunks_of(name: str, size: int, raws: list[_RawChunk], data_end: int, exact
 
 # -- the fast path ------------------------------------------------------------------------------
 #
-# A TOC of 200,000 files must open in well under a second, so the usual TOC is checked column by
-# column (one comprehension per field, in C as far as possible) and its entries are built only
-# when first looked up (TOCEntries). Anything the columns do not show to be clean (a name to
-# normalize, a null field, a duplicate, a chunk that does not tile its file...) returns None,
-# and the strict parser decides, and names the entry. So both paths accept exactly the same
-# TOCs and build the same entries.
+# A TOC of 200,000 files must open in well under a second. msgspec decodes the usual TOC straight
+# into typed entries (:class:`_RawEntry`: every field's type and every integer's range checked in
+# C as it decodes), the rest is checked column by column (one comprehension per field), and the
+# entries are built only when first looked up (TOCEntries). Anything the types or the columns do
+# not show to be clean (a name to normalize, a null field, a duplicate, a chunk that does not
+# tile its file...) returns None, and the strict parser decides, and names the entry. So both
+# paths accept exactly the same TOCs and build the same entries.
 
-_INT_KEYS = ("size", "mode", "uid", "gid", "devMajor", "devMinor", "offset", "endOffset",
-             "chunkOffset", "chunkSize", "innerOffset")
-_STR_KEYS = ("linkName", "userName", "groupName", "chunkType")
-_FAST_TYPES = ENTRY_TYPES | {"chunk"}
 _INT_END = 1 << 63
+_U63 = Annotated[int, msgspec.Meta(ge=0, le=_INT_END - 1)]
 # a "." or ".." component (names are joined with NUL, which no valid name holds)
 _DOT_COMPONENT = re.compile(r"(?<![^/\0])\.\.?(?![^/\0])")
 _HEX = b"0123456789abcdef"
+
+
+class _RawEntry(msgspec.Struct, gc=False):
+    """A TOC entry's JSON object, typed: a field left out holds what the strict parser reads
+    in its place. ``type`` and ``chunkType`` are the Literal's own strings, shared by every
+    entry. Unknown keys are ignored, as the strict parser ignores them."""
+
+    name: str
+    type: Literal["dir", "reg", "symlink", "hardlink", "char", "block", "fifo", "chunk"]
+    size: _U63 = 0
+    modtime: str = _ZERO_TIME
+    mode: _U63 = 0
+    uid: _U63 = 0
+    gid: _U63 = 0
+    linkName: str = ""
+    userName: str = ""
+    groupName: str = ""
+    devMajor: _U63 = 0
+    devMinor: _U63 = 0
+    xattrs: dict[str, str] | None = None
+    digest: str | None = None
+    offset: _U63 = 0
+    endOffset: _U63 = 0
+    chunkOffset: _U63 = 0
+    chunkSize: _U63 = 0
+    chunkDigest: str | None = None
+    chunkType: Literal["", "zeros"] = ""
+    innerOffset: _U63 = 0
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The field ``key``, read as the strict parser reads a dict's (:func:`_chunk`)."""
+        return getattr(self, key, default)
+
+
+class _RawTOC(msgspec.Struct):
+    version: Literal[1]
+    entries: list[_RawEntry]
+
+
+_TYPED = msgspec.json.Decoder(_RawTOC)
 
 
 def _all_digests(ds: list[Any]) -> bool:
@@ -339,46 +404,21 @@ def _clean_names(joined: str) -> bool:
     return True
 
 
-def _ints_ok(col: list[Any]) -> bool:
-    """Every item an int, none negative, all within 64 bits (what TOCColumns stores)."""
-    return not col or (set(map(type, col)) == {int} and min(col) >= 0 and max(col) < _INT_END)
-
-
-def _parse_fast(raws: list[Any], format: str, data_end: int, exact_frames: bool) -> TOC | None:
+def _parse_fast(raws: list[_RawEntry], format: str, data_end: int,
+                exact_frames: bool) -> TOC | None:
     n = len(raws)
-    if n == 0 or set(map(type, raws)) != {dict}:
+    if n == 0:
         return None
-    names = [r.get("name") for r in raws]
-    joined = "\0".join(names)              # TypeError for a name that is not a string
+    joined = "\0".join([r.name for r in raws])
     if joined.count("\0") != n - 1 or not _clean_names(joined):
         return None
     # the names are kept, the decoder's objects are not: made again here, the names sit apart
     # from those objects in memory, which can then be given back to the system
     names = joined.split("\0")
-    types = [r.get("type") for r in raws]
+    types: list[str] = [r.type for r in raws]
     tset = set(types)
-    if not tset <= _FAST_TYPES:
-        return None
-    keys: set[str] = set().union(*raws)
-    # each field as a column of ``raws`` (what the checks below read, kept for the columns
-    # of the TOC when no chunk entries make those differ from ``raws``)
-    cols: dict[str, list[Any]] = {}
-    for k in _INT_KEYS:
-        if k in keys:
-            col = cols[k] = [r.get(k, 0) for r in raws]
-            if not _ints_ok(col):
-                return None
-    for k in _STR_KEYS:
-        if k in keys and set(map(type, [r.get(k, "") for r in raws])) != {str}:
-            return None
-    digests: list[Any] = []
-    if "digest" in keys:
-        cols["digest"] = [r.get("digest") for r in raws]
-        digests = [d for d in cols["digest"] if d is not None]
-    modtimes = cols["modtime"] = [r.get("modtime", _ZERO_TIME) for r in raws]
-    if set(map(type, modtimes)) != {str}:
-        return None
-    mtimes = {s: parse_rfc3339(s) for s in set(modtimes)}  # FormatError: the strict path names it
+    modtimes = {r.modtime for r in raws}
+    mtimes = {s: parse_rfc3339(s) for s in modtimes}  # FormatError: the strict path names it
 
     # entries (not chunk continuations) and the continuations of each multi-chunk file
     multi: dict[int, list[int]] = {}        # entry position -> raw indexes of its chunk entries
@@ -391,8 +431,7 @@ def _parse_fast(raws: list[Any], format: str, data_end: int, exact_frames: bool)
             if not epos:
                 return None
             head = epos[-1]
-            hr = raws[head]
-            if types[head] != "reg" or hr.get("size", 0) <= 0 or names[head] != names[j]:
+            if types[head] != "reg" or raws[head].size <= 0 or names[head] != names[j]:
                 return None
             multi.setdefault(len(epos) - 1, []).append(j)
         eraws = [raws[j] for j in epos]
@@ -427,109 +466,88 @@ def _parse_fast(raws: list[Any], format: str, data_end: int, exact_frames: bool)
 
     links: dict[int, str] = {}
     if "hardlink" in tset:
-        for i, t in enumerate(etypes[:m]):
+        for i, t in enumerate(etypes):
             if t == "hardlink":
-                link = normalize_name(eraws[i].get("linkName", ""), what="hardlink target")
+                link = normalize_name(eraws[i].linkName, what="hardlink target")
                 ti = index.get(link)
                 if ti is None or link == enames[i] or (etypes[ti] if ti < m else "dir") == "dir":
                     return None
                 links[i] = link
     xattrs: dict[int, dict[str, bytes]] = {}
-    if "xattrs" in keys:
-        for i, r in enumerate(eraws):
-            raw_x = r.get("xattrs")
-            if raw_x is None:
-                continue
-            if not isinstance(raw_x, dict):
-                return None
+    raw_xattrs = [r.xattrs for r in eraws]
+    if any(raw_xattrs):
+        for i, raw_x in enumerate(raw_xattrs):
             if raw_x:
                 xattrs[i] = {k: base64.b64decode(v, validate=True) for k, v in raw_x.items()}
-    unames = _carried(eraws, "userName", "uid") if "userName" in keys else None
-    gnames = _carried(eraws, "groupName", "gid") if "groupName" in keys else None
+    unames = _carried([r.userName for r in eraws], eraws, "uid")
+    gnames = _carried([r.groupName for r in eraws], eraws, "gid")
 
     # regular files with data: one chunk each unless chunk entries follow
-    regs = [i for i, t in enumerate(etypes[:m]) if t == "reg" and eraws[i].get("size", 0) > 0]
+    sizes = [r.size for r in eraws]
+    regs = [i for i, t in enumerate(etypes) if t == "reg" and sizes[i] > 0]
     single = [i for i in regs if i not in multi] if multi else regs
     sraws = [eraws[i] for i in single]
-    ctypes = [r.get("chunkType", "") for r in sraws] if "chunkType" in keys else []
-    if not set(ctypes) <= {"", "zeros"}:
+    if any([r.chunkOffset for r in sraws]):
         return None
-    if "chunkOffset" in keys and any([r.get("chunkOffset", 0) for r in sraws]):
+    declared = [r.chunkSize for r in sraws]
+    ssizes = [sizes[i] for i in single]
+    if declared != ssizes and any(c and c != s for c, s in zip(declared, ssizes, strict=True)):
         return None
-    if "chunkSize" in keys:
-        declared = [r.get("chunkSize", 0) for r in sraws]
-        if declared != [r["size"] for r in sraws] and any(
-                c and c != r["size"] for c, r in zip(declared, sraws, strict=True)):
-            return None
-    if "zeros" in ctypes:
-        data_raws = [r for r, c in zip(sraws, ctypes, strict=True) if c != "zeros"]
-        zero_digests = [d for d in (r.get("chunkDigest") for r, c in
-                                    zip(sraws, ctypes, strict=True) if c == "zeros") if d]
-        digests += zero_digests
-    else:
-        data_raws = sraws
-    chunk_digests = [r.get("chunkDigest") for r in data_raws]
+    digests = [d for d in [r.digest for r in raws] if d is not None]
+    data_raws = [r for r in sraws if r.chunkType != "zeros"]
+    if len(data_raws) != len(sraws):
+        digests += [r.chunkDigest for r in sraws if r.chunkType == "zeros" and r.chunkDigest]
+    chunk_digests = [r.chunkDigest for r in data_raws]
     if None in chunk_digests or "" in chunk_digests:
         return None
-    if not _all_digests(digests + chunk_digests):
+    # a file of one chunk has the same digest twice (zstd:chunked): each checked once
+    if not _all_digests(digests if chunk_digests == digests else digests + chunk_digests):
         return None
-    offsets = [r.get("offset", 0) for r in data_raws]
+    offsets = [r.offset for r in data_raws]
     if offsets and max(offsets) >= data_end:
         return None
-    ends = [r.get("endOffset", 0) for r in data_raws] if "endOffset" in keys else []
+    ends = [r.endOffset for r in data_raws]
     if ends and (max(ends) > data_end
                  or any(e and e <= o for o, e in zip(offsets, ends, strict=True))):
         return None
     starts: list[int] = []
-    if not ends or not all(ends) or multi:
+    if not all(ends) or multi:
         starts = offsets
         if multi:
-            starts = offsets + [raws[j].get("offset", 0) for js in multi.values() for j in js
-                                if raws[j].get("chunkType", "") != "zeros"]
-            starts += [eraws[i].get("offset", 0) for i in multi
-                       if eraws[i].get("chunkType", "") != "zeros"]
+            starts = offsets + [raws[j].offset for js in multi.values() for j in js
+                                if raws[j].chunkType != "zeros"]
+            starts += [eraws[i].offset for i in multi if eraws[i].chunkType != "zeros"]
         starts.sort()
     chunks: dict[int, list[Chunk]] = {}
     for i, js in multi.items():
-        name, size = enames[i], eraws[i]["size"]
+        name, size = enames[i], eraws[i].size
         rcs = [_chunk(eraws[i], name, size)] + [_chunk(raws[j], name, size) for j in js]
         chunks[i] = _chunks_of(name, size, rcs, data_end, exact_frames, starts)
 
-    total = sum(eraws[i]["size"] for i in regs)
+    total = sum([sizes[i] for i in regs])
     landmark = index.get(PREFETCH_LANDMARK)
     prefetch = enames[:landmark] if landmark is not None and landmark < m else []
     all_names = enames + synth if synth else list(enames)
-    etypes += ["dir"] * len(synth)
+    etypes = etypes + ["dir"] * len(synth) if synth else list(etypes)
 
-    etypes = _shared_types(etypes)
-    columns = TOCColumns(eraws, all_names, etypes, keys=keys,
-                         cols=cols if eraws is raws else {}, mtimes=mtimes,
-                         zero_time=_ZERO_TIME, unames=unames, gnames=gnames, links=links,
-                         xattrs=xattrs, chunks=chunks, starts=starts, data_end=data_end,
-                         exact_frames=exact_frames)
+    columns = TOCColumns(eraws, all_names, etypes, mtimes=mtimes, unames=unames,
+                         gnames=gnames, links=links, xattrs=xattrs, chunks=chunks,
+                         starts=starts, data_end=data_end, exact_frames=exact_frames)
     return TOC(format, TOCEntries(all_names, columns.entry, etypes, index=index,
-                                  compact=columns.compact), enames, prefetch,
+                                  compact=columns.compact, small_chunks=columns.small_chunks),
+               enames, prefetch,
                total_size=total)
 
 
-_TYPES = {t: t for t in ENTRY_TYPES}
-
-
-def _shared_types(types: list[str]) -> list[str]:
-    """``types`` as the module's own strings (the decoder makes one string per entry)."""
-    return [_TYPES[t] for t in types]
-
-
-def _carried(eraws: list[dict[str, Any]], key: str, idkey: str) -> list[str] | None:
+def _carried(col: list[str], eraws: list[_RawEntry], idkey: str) -> list[str] | None:
     """The eStargz writer omits userName/groupName when they repeat the last one seen for the
-    same id: carry them forward (None: every entry says its own, or none does)."""
-    col = [r.get(key, "") for r in eraws]
+    same id: carry them forward (``col``: the names as written; ``idkey``: "uid" or "gid";
+    None: no entry says one)."""
     if all(col) or not any(col):
         return col if any(col) else None
     last: dict[int, str] = {}
     out: list[str] = []
-    for r, v in zip(eraws, col, strict=True):
-        uid = r.get(idkey, 0)
+    for uid, v in zip(map(attrgetter(idkey), eraws), col, strict=True):
         v = v or last.get(uid, "")
         last[uid] = v
         out.append(v)

@@ -115,10 +115,7 @@ class _SmallChunks:
 
     def __init__(self, layer: SeekableLayer, limit: int) -> None:
         self._entries = entries = layer.toc.entries
-        found = sorted((c.offset, c.inner_offset, p, k)
-                       for p, e in enumerate(entries.values())
-                       if e.type == "reg" and e.size <= limit
-                       for k, c in enumerate(e.chunks) if not c.zeros)
+        found = sorted(entries.small_chunks(limit))
         self._offsets = array("q", [f[0] for f in found])
         self._positions = array("q", [f[2] for f in found])
         self._k = array("q", [f[3] for f in found])

@@ -8,14 +8,15 @@ import io
 import json
 import random
 import tarfile
+import typing
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from coldstart.errors import FormatError
-from coldstart.format.toc import TOC
-from coldstart.format.tocjson import _parse_fast, _parse_strict, parse_toc
+from coldstart.format.toc import ENTRY_TYPES, TOC
+from coldstart.format.tocjson import _TYPED, _parse_fast_json, _parse_strict, _RawEntry, parse_toc
 from tests.unit.format.layers import FORMATS, Converted, add, convert, every_kind_tar, toc_doc
 
 H = "0123456789abcdef" * 4
@@ -47,10 +48,7 @@ def _same_compacted(fast: TOC, strict: TOC) -> None:
 def _both(c: Converted, doc: dict[str, Any]) -> tuple[TOC | None, TOC | BaseException]:
     """(fast result or None, strict result or its exception) for ``doc`` on ``c``'s blob."""
     fmt, end, exact = c.layer.format, c.layer.toc_offset, c.layer.format != "estargz"
-    try:
-        fast = _parse_fast(copy.deepcopy(doc["entries"]), fmt, end, exact)
-    except (TypeError, ValueError, AttributeError, KeyError, IndexError, FormatError):
-        fast = None
+    fast = _parse_fast_json(copy.deepcopy(doc["entries"]), fmt, end, exact)
     strict: TOC | BaseException
     try:
         strict = _parse_strict(copy.deepcopy(doc["entries"]), fmt, end, exact)
@@ -164,3 +162,34 @@ def test_json_that_msgspec_refuses_is_decided_by_json(tmp_path: Path) -> None:
     as_bytes = parse_toc(raw.replace(name, name[:-1] + b'\xed\xb3\xbf"', 1), **kw)
     assert small["name"] + "\udcff" in escaped.entries
     _same(as_bytes, escaped)
+
+
+def test_ordinary_tocs_decode_straight_into_typed_entries(tmp_path: Path) -> None:
+    """The usual TOC type-checks as it decodes (the fast path's first step), and the typed
+    entry knows every entry type the strict parser does, and no other."""
+    assert set(typing.get_args(typing.get_type_hints(_RawEntry)["type"])) == ENTRY_TYPES | {"chunk"}
+    for c in _layers(tmp_path)[1::2]:     # every_kind_tar's names include surrogates: not these
+        typed = _TYPED.decode(json.dumps(toc_doc(c)).encode())
+        assert [e.name for e in typed.entries] == [e["name"] for e in toc_doc(c)["entries"]]
+
+
+def _generic_small_chunks(toc: TOC, limit: int) -> list[tuple[int, int, int, int]]:
+    return sorted((c.offset, c.inner_offset, p, k) for p, e in enumerate(toc.entries.values())
+                  if e.type == "reg" and e.size <= limit
+                  for k, c in enumerate(e.chunks) if not c.zeros)
+
+
+@pytest.mark.parametrize("limit", [0, 100, 8192, 1 << 40])
+def test_the_small_chunks_read_from_columns_are_those_of_the_entries(tmp_path: Path,
+                                                                     limit: int) -> None:
+    multi = False
+    for c in _layers(tmp_path):
+        fast, strict = _both(c, toc_doc(c))
+        assert fast is not None and isinstance(strict, TOC)
+        want = _generic_small_chunks(strict, limit)
+        assert sorted(strict.entries.small_chunks(limit)) == want     # the generic way
+        assert sorted(fast.entries.small_chunks(limit)) == want       # from the raw objects
+        fast.compact()
+        assert sorted(fast.entries.small_chunks(limit)) == want       # from the columns
+        multi = multi or any(k > 0 for _, _, _, k in want)
+    assert multi == (limit > 8192)        # app/big.bin's several chunks, once it is small
