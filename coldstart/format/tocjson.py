@@ -88,10 +88,15 @@ def parse_toc(data: bytes, *, format: str, data_end: int, exact_frames: bool = F
     """
     if len(data) > MAX_TOC_SIZE:
         raise FormatError(f"TOC is {len(data)} bytes, over the {MAX_TOC_SIZE} byte limit")
+    typed: list[_RawEntry] | None = None
     try:
-        typed: list[_RawEntry] | None = _TYPED.decode(data).entries
+        if not data.isascii():
+            # the typed decoder skips keys it does not know without reading their text: what
+            # json would refuse (bytes that are not UTF-8) must not pass through those
+            data.decode("utf-8", "surrogatepass")
+        typed = _TYPED.decode(data).entries
     except (msgspec.ValidationError, msgspec.DecodeError, ValueError, RecursionError):
-        typed = None  # anything unusual: decoded as plain JSON below, where the checks name it
+        pass  # anything unusual: decoded as plain JSON below, where the checks name it
     if typed is not None:
         fast = _fast_or_none(typed, format, data_end, exact_frames)
         if fast is not None:
@@ -361,7 +366,9 @@ class _RawEntry(msgspec.Struct, gc=False):
     innerOffset: _U63 = 0
 
     def get(self, key: str, default: Any = None) -> Any:
-        """The field ``key``, read as the strict parser reads a dict's (:func:`_chunk`)."""
+        """The field ``key``, read as the strict parser reads a dict's (:func:`_chunk`).
+        ``default`` only stands for a key that is no field: a field left out holds its own,
+        which is what every caller passes."""
         return getattr(self, key, default)
 
 

@@ -41,7 +41,13 @@ from coldstart.format import BytesReadAt, SeekableLayer, open_layer
 from coldstart.format import layer as layer_mod
 from coldstart.format.footer import estargz_footer, skippable_frame
 from coldstart.format.toc import ENTRY_TYPES, TOC, normalize_name
-from coldstart.format.tocjson import _decode_json, _parse_fast_json, _parse_strict, encode_toc
+from coldstart.format.tocjson import (
+    _decode_json,
+    _parse_fast_json,
+    _parse_strict,
+    encode_toc,
+    parse_toc,
+)
 from tests.unit.format.layers import Converted, add, convert, toc_doc, with_toc
 from tests.unit.fuzz.common import (
     INTS,
@@ -230,9 +236,47 @@ def check_toc_edits(case: TocEditCase) -> None:
     check_layer(blob, annotations, case.probe)
 
 
+def _strict_toc(text: bytes, fmt: str, end: int, exact: bool) -> TOC | None:
+    """What the strict parser alone makes of TOC text (json decides what JSON is), or None."""
+    try:
+        doc = _decode_json(text)
+    except FormatError:
+        return None
+    if not isinstance(doc, dict) or doc.get("version") != 1:
+        return None
+    entries = doc.get("entries")
+    if not isinstance(entries, list):
+        return None
+    try:
+        return _parse_strict(entries, fmt, end, exact)
+    except FormatError:
+        return None
+
+
+def check_text_agrees(c: Converted, text: bytes) -> None:
+    """``parse_toc`` on the text (typed decoding first) accepts exactly what the strict parser
+    accepts, with the same entries."""
+    fmt, end, exact = c.layer.format, c.layer.toc_offset, c.layer.format != "estargz"
+    try:
+        got: TOC | None = parse_toc(text, format=fmt, data_end=end, exact_frames=exact)
+    except FormatError:
+        got = None
+    strict = _strict_toc(text, fmt, end, exact)
+    if strict is None:
+        assert got is None, "parse_toc accepted what the strict parser refuses"
+        return
+    assert got is not None, "parse_toc refused what the strict parser accepts"
+    assert got.order == strict.order and got.prefetch == strict.prefetch
+    assert set(got.entries) == set(strict.entries) and got.total_size == strict.total_size
+    for name, e in strict.entries.items():
+        assert got.entries[name] == e, name
+
+
 def check_parsers_agree(case: TocEditCase) -> None:
-    """The fast parser returns nothing (the strict one decides), or what the strict one does."""
+    """The fast parser returns nothing (the strict one decides), or what the strict one does;
+    parse_toc on the text agrees with the strict parser."""
     c, _ = base(case.base)
+    check_text_agrees(c, case.toc_json())
     try:
         doc = _decode_json(case.toc_json())
     except FormatError:
@@ -276,12 +320,15 @@ def toc_bytes_cases() -> st.SearchStrategy[TocBytesCase]:
 
 
 def check_toc_bytes(case: TocBytesCase) -> None:
-    """A re-signed TOC with mutated text: :func:`check_layer`."""
+    """A re-signed TOC with mutated text: parsed as the strict parser would
+    (:func:`check_text_agrees`), and :func:`check_layer`."""
     c, _ = base(case.base)
     doc = toc_doc(c)
     text = encode_toc(doc["entries"], **{k: v for k, v in doc.items()
                                          if k not in ("version", "entries")})
-    blob, annotations = with_toc(c, mutate_bytes(text, case.mutations))
+    mutated = mutate_bytes(text, case.mutations)
+    check_text_agrees(c, mutated)
+    blob, annotations = with_toc(c, mutated)
     check_layer(blob, annotations, case.probe)
 
 
@@ -507,6 +554,24 @@ def test_regression_minimal_fuzzer_inputs() -> None:
     check_toc_edits(TocEditCase(3, [JsonEdit("set", (1, 2, 2), Nudge(-1), "name")]))
     check_toc_bytes(TocBytesCase(0, [Mutation("delete", 4203, 9)]))
     check_blob(BlobCase(2, [Mutation("flip", 2230, 0)], verified=False))
+
+
+@pytest.mark.parametrize("bad", [b'"\xff"', b'"\xe2\x82"', b'["\xc3"]', b'{"\xc3": 1}'])
+@pytest.mark.parametrize("where", ["entry", "top"])
+def test_regression_bytes_that_are_not_utf8_in_a_key_no_field_reads(bad: bytes,
+                                                                     where: str) -> None:
+    """Were accepted: the typed decoder skips the value of a key it does not know without
+    reading its text, where json refuses bytes that are not UTF-8."""
+    c, _ = base(1)
+    text = json.dumps(toc_doc(c)).encode()
+    if where == "entry":
+        text = text.replace(b'"name": ', b'"x-extra": ' + bad + b', "name": ', 1)
+    else:
+        text = text.replace(b'{"version": 1', b'{"x-extra": ' + bad + b', "version": 1', 1)
+    assert b"x-extra" in text
+    check_text_agrees(c, text)
+    with pytest.raises(FormatError, match="not valid JSON"):
+        parse_toc(text, format=c.layer.format, data_end=c.layer.toc_offset)
 
 
 @pytest.mark.parametrize("position", ["²:1:1:1", "9" * 5000 + ":1:1:1"], ids=["superscript",
