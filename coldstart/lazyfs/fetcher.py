@@ -157,12 +157,14 @@ class LayerStats:
 
 @dataclass
 class FetchTarget:
-    """One layer as the fetcher sees it."""
+    """One layer as the fetcher sees it (``stopped``: set once the layer is no longer served;
+    work held for later, such as a deferred spread, is then dropped)."""
 
     digest: str
     layer: SeekableLayer
     source: Source
     stats: LayerStats
+    stopped: threading.Event = field(default_factory=threading.Event)
 
 
 def coalesce(chunks: Iterable[Chunk], max_bytes: int, max_gap: int = 0) -> list[list[Chunk]]:
@@ -650,8 +652,8 @@ class ChunkFetcher:
         anew tells)."""
         try:
             self._wait_foreground_idle({})
-            if self._closed or self.cache is None:
-                return
+            if self._closed or self.cache is None or target.stopped.is_set():
+                return      # unmounted meanwhile: its chunks are not wanted (nor reclaimed)
             pieces = target.layer.spread_from(c, compressed)
             for digest, piece in pieces:
                 self.cache.put_async(digest, piece, verified=True)

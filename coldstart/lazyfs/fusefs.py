@@ -400,8 +400,10 @@ class FuseFS:
     def __init__(self, *, entry_timeout: float = 86400.0, attr_timeout: float = 86400.0,
                  read_threads: int = 16, on_error: Callable[[str], None] | None = None) -> None:
         self._on_error = on_error
-        #: unexpected exceptions met by handlers (each answered EIO or served the slow way)
+        #: unexpected exceptions met by handlers (each answered EIO or served the slow way;
+        #: counted from the loop and the read workers alike, under a lock of its own)
         self.internal_errors = 0
+        self._errors_lock = threading.Lock()
         self.entry_timeout = entry_timeout
         self.attr_timeout = attr_timeout
         #: worker threads for reads that need the chunk cache's slow path or the network
@@ -500,7 +502,8 @@ class FuseFS:
                 path = "/" + tree.entry(inode - tree.base).name
         log.error("layer %s: %s of %r (inode %s) failed unexpectedly: %s: %s", digest, op, path,
                   inode, type(exc).__name__, exc, exc_info=exc)
-        self.internal_errors += 1
+        with self._errors_lock:
+            self.internal_errors += 1
         if self._on_error is not None:
             with contextlib.suppress(Exception):
                 self._on_error(INTERNAL_ERROR)

@@ -182,7 +182,8 @@ class LayerReader:
         self._small: _SmallChunks | None = None
         self._small_lock = threading.Lock()
         self.stats = LayerStats()
-        self.target = FetchTarget(digest, layer, source, self.stats)
+        self._stop = threading.Event()      # set by close(): the layer is no longer served
+        self.target = FetchTarget(digest, layer, source, self.stats, self._stop)
         # per file: where its recent runs of reads end (a few: a loader copying a tensor
         # with several threads reads it as that many interleaved sequential runs)
         self._last_end: dict[str, list[int]] = {}
@@ -198,7 +199,6 @@ class LayerReader:
         self._planned: dict[str, tuple[int, int, int]] = {}
         self._window = (0, 0)   # blob range of the last small-file window fetched
         self._lock = threading.Lock()
-        self._stop = threading.Event()
         #: while recording is on: notes each file read and its ranges (a start-up profile)
         self.recorder: AccessRecorder | None = None
         #: the compressed ranges of the prefetch span the recorded start-up touched (the

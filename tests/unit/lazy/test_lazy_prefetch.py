@@ -442,6 +442,40 @@ def test_an_indexed_prefetch_spreads_its_spans_later_without_fetching_them_again
     fetcher.close()
 
 
+def test_a_deferred_spread_of_a_layer_no_longer_served_is_dropped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A span held for a deferred spread whose layer is unmounted (its reader closed) before
+    the node is quiet is let go: its other files are not cached (the unmount's reclaim would
+    miss them), and the held bytes are given back."""
+    import time
+
+    from coldstart.lazyfs import fetcher as fetcher_module
+
+    monkeypatch.setattr(fetcher_module, "QUIET_SECONDS", 3.0)
+    recorded, _, src, layer = _profiled(tmp_path, ("pkg/m000.py", "pkg/m390.py", "pkg/after"))
+    cache = ChunkCache(tmp_path / "cache", max_bytes=1 << 30)
+    fetcher = ChunkFetcher(cache, concurrency=2, max_coalesce_bytes=16 << 20,
+                           request_timeout=5.0)
+    reader = LayerReader(layer.index.layer, layer, src, fetcher, read_deadline=10.0)
+    try:
+        fetcher.note_read()              # a start-up reading: spreads wait QUIET_SECONDS
+        assert reader.prefetch() > 0
+        assert fetcher._deferred > 0     # held
+        reader.close()                   # unmounted
+        read = {f.path for f in recorded.files}
+        spans = {c.offset for f in recorded.files for c in layer.toc.entries[f.path].chunks}
+        others = [c for c in reader._unique_chunks() if c.offset in spans and c.owner not in read]
+        assert len(others) > 10
+        assert fetcher.wait_deferred(timeout=15)
+        cache.flush()
+        assert not any(c.digest in cache for c in others)
+        assert all(c.digest in cache for f in recorded.files
+                   for c in layer.toc.entries[f.path].chunks)
+        assert time.monotonic() - fetcher.last_read >= fetcher_module.QUIET_SECONDS
+    finally:
+        fetcher.close()
+
+
 def test_the_fill_after_an_indexed_prefetch_fetches_no_span_twice(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fill starts once the node is quiet, when the prefetch's held spans may not be
