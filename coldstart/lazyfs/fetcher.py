@@ -533,15 +533,18 @@ class ChunkFetcher:
         return not self._wait_foreground_idle({}, timeout)
 
     def _wait_foreground_idle(self, owned: dict[Chunk, _Flight],
-                              timeout: float | None = None) -> bool:
+                              timeout: float | None = None,
+                              stop: threading.Event | None = None) -> bool:
         """Hold a background request while on-demand fetches are in flight, and until no read
         was served for ``QUIET_SECONDS``: the start-up reading its files has the CPU and the
         link first (its decoding, hashing and cache writes are what the fill would take).
         Returns True at once when a read joins one of ``owned`` (it must not wait), or when
-        ``timeout`` seconds passed."""
+        ``timeout`` seconds passed; False at once once ``stop`` is set (see :meth:`wake`)."""
         give_up = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while not self._closed:
+                if stop is not None and stop.is_set():
+                    return False
                 if any(fl.urgent for fl in owned.values()):
                     return True
                 now = time.monotonic()
@@ -651,10 +654,16 @@ class ChunkFetcher:
         against the index (the held bytes may have changed on the way: a fetch of the span
         anew tells)."""
         try:
-            self._wait_foreground_idle({})
-            if self._closed or self.cache is None or target.stopped.is_set():
-                return      # unmounted meanwhile: its chunks are not wanted (nor reclaimed)
-            pieces = target.layer.spread_from(c, compressed)
+            self._wait_foreground_idle({}, stop=target.stopped)
+            if self._closed or self.cache is None:
+                return
+            # a layer unmounted meanwhile: its chunks are not wanted (nor would the unmount's
+            # reclaim find them); checked again after the decode, just before they are cached
+            pieces = [] if target.stopped.is_set() else target.layer.spread_from(c, compressed)
+            if target.stopped.is_set():
+                log.debug("layer %s: no longer served; the span at %d is not spread",
+                          target.digest, c.offset)
+                return
             for digest, piece in pieces:
                 self.cache.put_async(digest, piece, verified=True)
             log.debug("layer %s: span at %d spread: %d pieces", target.digest, c.offset,
@@ -675,6 +684,12 @@ class ChunkFetcher:
         with self._lock:
             if not self._closed:
                 self._deferred -= nbytes
+            self._idle.notify_all()
+
+    def wake(self) -> None:
+        """Wake the threads waiting for a quiet node: a layer was stopped (its
+        :attr:`FetchTarget.stopped` set), and its held work is to go now."""
+        with self._lock:
             self._idle.notify_all()
 
     def wait_deferred(self, timeout: float | None = None) -> bool:

@@ -210,8 +210,10 @@ class LayerReader:
         self.page_cache: PageCacheWarmer | None = None
 
     def close(self) -> None:
-        """Stop prefetching (and warming the page cache)."""
+        """Stop prefetching (and warming the page cache); work held for the layer (deferred
+        spreads) is dropped."""
         self._stop.set()
+        self.fetcher.wake()
         if self.page_cache is not None:
             self.page_cache.close()
 
