@@ -182,6 +182,8 @@ def _generic_small_chunks(toc: TOC, limit: int) -> list[tuple[int, int, int, int
 @pytest.mark.parametrize("limit", [0, 100, 8192, 1 << 40])
 def test_the_small_chunks_read_from_columns_are_those_of_the_entries(tmp_path: Path,
                                                                      limit: int) -> None:
+    """The small-file index read from the typed entries, and from the columns once compacted,
+    holds the chunks the entries themselves name (the reader's neighbour windows use it)."""
     multi = False
     for c in _layers(tmp_path):
         fast, strict = _both(c, toc_doc(c))
