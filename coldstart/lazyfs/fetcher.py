@@ -692,12 +692,16 @@ class ChunkFetcher:
         with self._lock:
             self._idle.notify_all()
 
-    def wait_deferred(self, timeout: float | None = None) -> bool:
+    def wait_deferred(self, timeout: float | None = None,
+                      stop: threading.Event | None = None) -> bool:
         """Block until no span is held for a deferred spread (at most ``timeout`` seconds;
-        False if some still are): the fill waits so, lest it fetch those spans again."""
+        False if some still are), or ``stop`` is set (see :meth:`wake`): the fill waits so,
+        lest it fetch those spans again."""
         give_up = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while self._deferred > 0 and not self._closed:
+                if stop is not None and stop.is_set():
+                    return True
                 wait = None if give_up is None else give_up - time.monotonic()
                 if wait is not None and wait <= 0:
                     return False

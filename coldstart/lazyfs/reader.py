@@ -917,8 +917,7 @@ class LayerReader:
             lower_priority()
             self.fetcher.wait_quiet()
             # the spans the prefetch holds are spread first: the fill would fetch them again
-            while not self._stop.is_set() and not self.fetcher.wait_deferred(1.0):
-                pass
+            self.fetcher.wait_deferred(stop=self._stop)
             self.fetch_rest()
 
     @property
