@@ -126,15 +126,17 @@ def _memory(pid: int | None) -> tuple[float, float]:
 
 
 def _fuse_mounts(base: Path) -> list[Path]:
-    """The FUSE mount points under ``base`` (the lazily mounted layers), one per file system
-    (the FUSE server's own mount and the snapshot's bind mount of it are one)."""
-    out: dict[int, Path] = {}
+    """The FUSE mount points under ``base`` that show one layer each: the snapshots' binds,
+    not the FUSE server's own mounts (``<root>/fuse`` and ``<root>/fuse-plain`` show every
+    layer)."""
+    out: list[Path] = []
     for line in Path("/proc/self/mounts").read_text().splitlines():
         fields = line.split()
         if fields[2].startswith("fuse") and fields[1].startswith(str(base)):
             path = Path(fields[1].replace("\\040", " "))
-            out.setdefault(os.stat(path).st_dev, path)
-    return list(out.values())
+            if path.name not in ("fuse", "fuse-plain") and path not in out:
+                out.append(path)
+    return out
 
 
 def _walk(root: Path) -> int:

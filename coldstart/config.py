@@ -204,6 +204,13 @@ class FuseConfig(_Checked):
     attr_timeout: float = 86400.0
     # read-ahead set on each FUSE mount's backing device, KiB
     read_ahead_kb: int = 1024
+    # serve the layers that show no extended attribute (none in the TOC, no opaque directory,
+    # no *.safetensors file: the weights loader's token is one) on a second FUSE connection
+    # that answers no getxattr: overlayfs then stops asking each lower file for
+    # trusted.overlay.* (a round trip each, a third of a PyTorch start-up's requests). A
+    # getxattr of their files fails with EOPNOTSUPP (ENODATA on a local disk); listing still
+    # answers an empty list. false: every new layer on the first connection
+    split_xattrs: bool = True
     # host:port for the FUSE server's Prometheus metrics (fetches, cache, page cache, errors
     # per layer); "" disables; must differ from the top-level metrics_address
     metrics_address: str = ""

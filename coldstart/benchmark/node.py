@@ -56,6 +56,9 @@ class ModeSpec:
     background_rate: int | None = 0
     # coldstart's fuse.page_cache (prefetched chunks handed to the kernel's page cache)
     page_cache: bool = True
+    # coldstart's fuse.split_xattrs (layers with no attribute on the connection that answers
+    # no getxattr)
+    split_xattrs: bool = True
 
 
 MODES: dict[str, ModeSpec] = {m.name: m for m in (
@@ -78,6 +81,9 @@ MODES: dict[str, ModeSpec] = {m.name: m for m in (
     ModeSpec("coldstart+profile-nowarm", "coldstart", "zstd:chunked-profile",
              "coldstart+profile without handing the prefetched chunks to the kernel's page "
              "cache (fuse.page_cache = false; an ablation)", page_cache=False),
+    ModeSpec("coldstart+profile-xattrs", "coldstart", "zstd:chunked-profile",
+             "coldstart+profile with every layer on the FUSE connection that answers getxattr "
+             "(fuse.split_xattrs = false; an ablation)", split_xattrs=False),
 )}
 
 
@@ -234,7 +240,7 @@ def start_node(mode: ModeSpec, base: Path, *, insecure: tuple[str, ...] = (),
                 sn = stack.enter_context(start_snapshotter(
                     base / "sn", metrics=False, log_level="info",
                     background_rate=mode.background_rate, record=record,
-                    page_cache=mode.page_cache))
+                    page_cache=mode.page_cache, split_xattrs=mode.split_xattrs))
                 proxies["coldstart"] = sn.socket
                 daemons["snapshotter"] = lambda: sn.proc.pid if sn.proc else None
                 daemons["fuse-server"] = lambda: sn.fuse_pid

@@ -137,15 +137,16 @@ class TOCEntries(Mapping[str, Entry]):
     (True, 'dir', 2)
     """
 
-    __slots__ = ("_built", "_compact", "_compact_lock", "_index", "_keep", "_lock", "_made",
-                 "_make", "_order", "_small_chunks", "_sorted", "names", "types")
+    __slots__ = ("_any_xattrs", "_built", "_compact", "_compact_lock", "_index", "_keep",
+                 "_lock", "_made", "_make", "_order", "_small_chunks", "_sorted", "names",
+                 "types")
 
     def __init__(self, names: list[str], make: Callable[[int], Entry],
                  types: list[str] | None = None, *, index: dict[str, int] | None = None,
                  built: list[Entry | None] | None = None, keep: int = KEEP_ENTRIES,
                  compact: Callable[[], None] | None = None,
                  small_chunks: Callable[[int], list[tuple[int, int, int, int]]] | None = None,
-                 ) -> None:
+                 any_xattrs: bool | None = None) -> None:
         #: every name, by position (the inode order of the FUSE layer)
         self.names = names
         self._index: dict[str, int] | None = (
@@ -155,6 +156,7 @@ class TOCEntries(Mapping[str, Entry]):
         self._order: array[int] = array("q")
         self._compact = compact
         self._small_chunks = small_chunks
+        self._any_xattrs = any_xattrs
         self._compact_lock = threading.Lock()
         self._make = make
         self._built = built
@@ -207,6 +209,13 @@ class TOCEntries(Mapping[str, Entry]):
         return [(c.offset, c.inner_offset, p, k) for p, e in enumerate(self.values())
                 if e.type == "reg" and e.size <= limit
                 for k, c in enumerate(e.chunks) if not c.zeros]
+
+    def any_xattrs(self) -> bool:
+        """Whether some entry has extended attributes (the builder may know it without making
+        the entries: ``any_xattrs``)."""
+        if self._any_xattrs is None:
+            self._any_xattrs = any(e.xattrs for e in self.values())
+        return self._any_xattrs
 
     def at(self, i: int) -> Entry:
         """The entry at position ``i``."""

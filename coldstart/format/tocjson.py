@@ -541,7 +541,8 @@ def _parse_fast(raws: list[_RawEntry], format: str, data_end: int,
                          gnames=gnames, links=links, xattrs=xattrs, chunks=chunks,
                          starts=starts, data_end=data_end, exact_frames=exact_frames)
     return TOC(format, TOCEntries(all_names, columns.entry, etypes, index=index,
-                                  compact=columns.compact, small_chunks=columns.small_chunks),
+                                  compact=columns.compact, small_chunks=columns.small_chunks,
+                                  any_xattrs=any(xattrs.values())),
                enames, prefetch,
                total_size=total)
 

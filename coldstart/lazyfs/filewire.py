@@ -3,14 +3,16 @@ node for the bytes of a file on a lazily mounted layer (the server: :mod:`.files
 client: :mod:`coldstart.weights.nodefile`).
 
 The trust boundary is the file itself. The FUSE file system answers ``getxattr`` of
-:data:`FILE_XATTR` on a regular file with a *file token*: the layer's digest, the file's slot
-and size, and an HMAC of the three under a secret only the FUSE server holds. The name is never
-listed (``listxattr``), so copies of the tree (``tar``, overlayfs' copy-up of a file the
-container changes) do not carry it. The kernel lets a process read a ``user.*`` attribute only
-where it may read the file (``default_permissions``; through overlayfs, checked with the
-caller's credentials on the container's own inode), so a token proves that its holder can read
-that file of its own image, and the socket serves nothing else: a container reaches the bytes
-of files it can already read, at the speed of the node, and no other layer's.
+:data:`FILE_XATTR` on a regular file (of a layer that holds a :data:`TOKEN_SUFFIXES` file: the
+others are served where getxattr is not answered at all) with a *file token*: the layer's
+digest, the file's slot and size, and an HMAC of the three under a secret only the FUSE server
+holds. The name is never listed (``listxattr``), so copies of the tree (``tar``, overlayfs'
+copy-up of a file the container changes) do not carry it. The kernel lets a process read a
+``user.*`` attribute only where it may read the file (``default_permissions``; through
+overlayfs, checked with the caller's credentials on the container's own inode), so a token
+proves that its holder can read that file of its own image, and the socket serves nothing else:
+a container reaches the bytes of files it can already read, at the speed of the node, and no
+other layer's.
 
 One JSON object per line, as on the control socket (:mod:`coldstart.lazyfs.control`: framing,
 replies and error payloads are that module's); every request names its file by token, so a
@@ -53,6 +55,7 @@ __all__ = [
     "SEALS",
     "SOCKET_ENV",
     "STAT",
+    "TOKEN_SUFFIXES",
     "FileToken",
     "read_request",
     "socket_path",
@@ -61,6 +64,10 @@ __all__ = [
 
 #: the attribute a lazily mounted regular file answers with its token (never listed)
 FILE_XATTR = "user.coldstart.file"
+#: the files loaders read through the socket (:mod:`coldstart.weights` reads safetensors): a
+#: layer holding one is served on the FUSE connection that answers extended attributes (the
+#: others answer none: see :mod:`coldstart.lazyfs.fusefs`), so only their files have a token
+TOKEN_SUFFIXES = (".safetensors",)
 #: where a process finds the files socket: this variable ("" turns the fast path off), else
 #: :data:`DEFAULT_SOCKET` if it exists (the node's ``/run/coldstart/files``, mounted in)
 SOCKET_ENV = "COLDSTART_FILES_SOCKET"

@@ -1,9 +1,14 @@
-"""The FUSE file system of the FUSE server: one mount per node, one top directory per layer.
+"""The FUSE file system of the FUSE server: one per node, one top directory per layer.
 
-The server mounts this file system once at ``<root>/fuse`` (like a shared-mode Nydus daemon);
-each lazily mounted layer is a directory ``<root>/fuse/<key>`` that the server bind-mounts onto
-the snapshot's mountpoint. :mod:`coldstart.lazyfs.fusewire` speaks the kernel protocol and
-calls the operations here from its own thread.
+The server mounts this file system at ``<root>/fuse`` (like a shared-mode Nydus daemon), and
+again at ``<root>/fuse-plain``: a second connection that answers no getxattr, so the kernel
+stops asking (overlayfs asks every lower file and directory for its ``trusted.overlay.*``
+attributes: a round trip each; listxattr is still answered). A layer that shows none (no
+attribute in its TOC, no opaque directory, no file a loader asks a token of:
+``*.safetensors``) is served from the second (:attr:`LayerTree.plain`). Each lazily mounted
+layer is a directory ``<mount>/<key>`` that the server bind-mounts onto the snapshot's
+mountpoint; both mounts show every layer. :mod:`coldstart.lazyfs.fusewire` speaks the kernel
+protocol and calls the operations here from its connections' threads.
 
 Everything but file contents is answered from the layer's verified TOC, in memory, without the
 network: lookup (including cached negative lookups), getattr, readdirplus, readlink, getxattr,
@@ -44,7 +49,7 @@ from coldstart.format.toc import (
     WHITEOUT_PREFIX,
     Entry,
 )
-from coldstart.lazyfs.filewire import FILE_XATTR
+from coldstart.lazyfs.filewire import FILE_XATTR, TOKEN_SUFFIXES
 from coldstart.lazyfs.fusewire import (
     ENOATTR,
     ROOT_INODE,
@@ -134,6 +139,9 @@ class LayerTree:
         self._listing: dict[int, list[tuple[bytes, int]]] = {}
         self._xattrs: dict[int, dict[bytes, bytes]] = {}
         self._lock = threading.Lock()
+        #: served from the connection that answers no extended attributes (set before
+        #: :meth:`FuseFS.add`; see :meth:`shows_xattrs`)
+        self.plain = False
         self._scan(reader)
         self.entries = _Slots(self)
         self.children = _Children(self)
@@ -174,6 +182,14 @@ class LayerTree:
                     continue
                 self._links[p + 1] = slot
                 self._extra_links[slot] = self._extra_links.get(slot, 0) + 1
+
+    def shows_xattrs(self) -> bool:
+        """Whether some inode of the layer answers an extended attribute: one in the TOC, an
+        opaque directory's ``trusted.overlay.opaque``, or the token of a file a loader reads
+        through the node (:data:`~coldstart.lazyfs.filewire.TOKEN_SUFFIXES`). A layer that
+        shows none can be served where getxattr is not answered at all."""
+        return (bool(self._opaque) or self.toc.entries.any_xattrs()
+                or any(n.endswith(TOKEN_SUFFIXES) for n in self._names))
 
     # -- slots -----------------------------------------------------------------------------
 
@@ -418,8 +434,10 @@ class FuseFS:
         #: (layer digest, slot, size) -> the file token ``getxattr(FILE_XATTR)`` answers with
         #: (the files socket's); None: the attribute does not exist
         self.file_token: Callable[[str, int, int], bytes] | None = None
-        #: the connection served (None before the mount and after its end)
+        #: the connections served (None before their mount and after their end): the one
+        #: that answers extended attributes, and the one that does not (plain layers')
         self.session: FuseSession | None = None
+        self.plain_session: FuseSession | None = None
 
     # -- layer table -----------------------------------------------------------------------
 
@@ -457,8 +475,7 @@ class FuseFS:
                            {b: t for b, t in by_base.items() if b != tree.base})
             self._layers = {k: t for k, t in self._layers.items() if k != key}
         tree.reader.close()
-        session = self.session
-        if session is not None:
+        for session in self.sessions():
             # in a thread of its own, like libfuse's: the kernel may hold the entry while a
             # request about it waits for the session's loop
             threading.Thread(target=_forget_name, args=(session, os.fsencode(key)),
@@ -467,6 +484,10 @@ class FuseFS:
 
     def layers(self) -> list[LayerTree]:
         return list(self._layers.values())
+
+    def sessions(self) -> list[FuseSession]:
+        """The connections served now."""
+        return [s for s in (self.session, self.plain_session) if s is not None]
 
     def file_at(self, digest: str, slot: int) -> tuple[LayerReader, Entry] | None:
         """The reader of the served layer ``digest`` and the entry shown at ``slot`` (None:
@@ -485,7 +506,11 @@ class FuseFS:
         know the inode (looked up); OSError otherwise, and while no connection is served.
         Never call it from the session's thread: it may wait for a page that a read in
         flight holds locked."""
-        session = self.session
+        try:
+            plain = self._tree(inode).plain
+        except FuseError as exc:
+            raise OSError(exc.errno, "no such inode served") from None
+        session = self.plain_session if plain else self.session
         if session is None:
             raise OSError(errno.ENOTCONN, "no FUSE connection is served")
         session.notify_store(inode, offset, data)
@@ -746,24 +771,31 @@ def _unescape(path: str) -> str:
 
 # -- session ---------------------------------------------------------------------------------
 
-def fuse_mount(fs: FuseFS, mountpoint: str) -> FuseSession:
+def fuse_mount(fs: FuseFS, mountpoint: str, *, plain: bool = False) -> FuseSession:
     """Mount ``fs`` at ``mountpoint`` (read-only, shared with every user, kernel permission
-    checks, setuid and devices honoured: images carry both); FailedPrecondition if it
-    cannot."""
+    checks, setuid and devices honoured: images carry both); ``plain``: as the connection
+    that answers no extended attributes. FailedPrecondition if it cannot."""
     try:
         session = FuseSession.mount(fs, mountpoint, fsname=FSNAME, subtype="coldstart",
                                     options=("default_permissions", "allow_other"),
-                                    read_threads=fs.read_threads)
+                                    read_threads=fs.read_threads, xattrs=not plain)
     except (OSError, ColdstartError) as exc:
         raise FailedPrecondition(f"cannot mount the FUSE file system at {mountpoint}: "
                                  f"{exc}") from exc
-    fs.session = session
+    _attach(fs, session, plain)
     return session
 
 
-def fuse_adopt(fs: FuseFS, fd: int) -> FuseSession:
+def fuse_adopt(fs: FuseFS, fd: int, *, plain: bool = False) -> FuseSession:
     """Serve ``fs`` on the connection ``fd`` a dead predecessor left (see
-    :mod:`coldstart.lazyfs.handover`)."""
-    session = FuseSession.adopt(fd, fs, read_threads=fs.read_threads)
-    fs.session = session
+    :mod:`coldstart.lazyfs.handover`); ``plain`` as in :func:`fuse_mount`."""
+    session = FuseSession.adopt(fd, fs, read_threads=fs.read_threads, xattrs=not plain)
+    _attach(fs, session, plain)
     return session
+
+
+def _attach(fs: FuseFS, session: FuseSession, plain: bool) -> None:
+    if plain:
+        fs.plain_session = session
+    else:
+        fs.session = session

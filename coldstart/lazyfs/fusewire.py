@@ -18,6 +18,12 @@ What it negotiates and why:
   symlinks cached in the page cache, requests of up to 1 MiB, asynchronous reads.
 - Nothing is written through the mount (it is mounted read-only): the write operations are
   answered ``ENOSYS`` should one ever arrive.
+- A session made with ``xattrs=False`` answers ``GETXATTR`` ``ENOSYS``: the kernel then answers
+  every later one itself (``EOPNOTSUPP``, no request). overlayfs asks each lower file for
+  ``trusted.overlay.metacopy`` and each lower directory for three more; on a layer that has no
+  attribute to show, that is a third of a start-up's requests. ``LISTXATTR`` is still
+  answered (an empty list, as a local disk's file without attributes), so tools that list
+  before they ask (``cp -a``, ``tar --xattrs``, copy-up) see what they would on a local disk.
 
 The session can be taken over: :meth:`FuseSession.adopt` serves a connection whose ``INIT`` a
 predecessor answered (the kernel keeps what was negotiated then) and asks the kernel to queue
@@ -241,8 +247,11 @@ class FuseSession:
     """One FUSE connection: :meth:`mount` a new one or :meth:`adopt` a held one, then
     :meth:`serve` (blocks this thread) until :meth:`terminate` or the unmount."""
 
-    def __init__(self, fd: int, ops: FuseOperations, *, read_threads: int = 16) -> None:
+    def __init__(self, fd: int, ops: FuseOperations, *, read_threads: int = 16,
+                 xattrs: bool = True) -> None:
         self.fd = fd
+        #: whether getxattr is answered (else ENOSYS: the kernel stops asking)
+        self.xattrs = xattrs
         self.ops = ops
         self._stop = False
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -262,15 +271,19 @@ class FuseSession:
             READDIR: self._readdir, RELEASEDIR: self._ok, ACCESS: self._access,
             READDIRPLUS: self._readdirplus, DESTROY: self._ok,
         }
+        if not xattrs:
+            self._dispatch[GETXATTR] = self._enosys
 
     # -- set-up ------------------------------------------------------------------------------
 
     @classmethod
     def mount(cls, ops: FuseOperations, mountpoint: str, *, fsname: str, subtype: str,
-              options: Sequence[str] = (), read_threads: int = 16) -> FuseSession:
+              options: Sequence[str] = (), read_threads: int = 16,
+              xattrs: bool = True) -> FuseSession:
         """Open ``/dev/fuse`` and mount it read-only at ``mountpoint`` (needs CAP_SYS_ADMIN).
         ``options``: kernel FUSE options (``allow_other``, ``default_permissions``); ``suid``
-        and ``dev`` are the default of mount(2). OSError or ColdstartError if it cannot."""
+        and ``dev`` are the default of mount(2); ``xattrs``: see the module's notes. OSError or
+        ColdstartError if it cannot."""
         fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
         data = ",".join([f"fd={fd}", f"rootmode={stat.S_IFDIR:o}", f"user_id={os.getuid()}",
                          f"group_id={os.getgid()}", *options])
@@ -280,14 +293,15 @@ class FuseSession:
         except BaseException:
             os.close(fd)
             raise
-        return cls(fd, ops, read_threads=read_threads)
+        return cls(fd, ops, read_threads=read_threads, xattrs=xattrs)
 
     @classmethod
-    def adopt(cls, fd: int, ops: FuseOperations, *, read_threads: int = 16) -> FuseSession:
+    def adopt(cls, fd: int, ops: FuseOperations, *, read_threads: int = 16,
+              xattrs: bool = True) -> FuseSession:
         """Serve the connection ``fd`` a dead predecessor initialized; the requests it had
         taken and not answered are queued again (before Linux 6.9 they wait until their
         callers are interrupted)."""
-        session = cls(fd, ops, read_threads=read_threads)
+        session = cls(fd, ops, read_threads=read_threads, xattrs=xattrs)
         try:
             os.write(fd, _OUT.pack(_OUT.size, NOTIFY_RESEND, 0))
         except OSError as exc:

@@ -7,6 +7,9 @@ back (:func:`fetch`) and serves it (:meth:`coldstart.lazyfs.fusewire.FuseSession
 the dead server had read but not answered are queued again): every container keeps its
 mounts, and its reads wait in the kernel while no server runs instead of failing.
 
+Each of the server's two connections (:mod:`coldstart.lazyfs.fusefs`) has a holder of its own:
+:data:`HOLDER_SOCKET` and :data:`PLAIN_HOLDER_SOCKET`.
+
 The new server must answer for the same inode numbers as its predecessor (the kernel caches
 them): each layer is restored under its recorded name and inode range before the connection
 is served (:mod:`coldstart.lazyfs.mountstate` keeps both).
@@ -23,12 +26,14 @@ from pathlib import Path
 
 from coldstart.errors import FailedPrecondition
 
-__all__ = ["HOLDER_SOCKET", "fetch", "hold", "release"]
+__all__ = ["HOLDER_SOCKET", "PLAIN_HOLDER_SOCKET", "fetch", "hold", "release"]
 
 log = logging.getLogger(__name__)
 
 #: the holder's socket, in the FUSE server's root
 HOLDER_SOCKET = "fuse-holder.sock"
+#: the holder of the connection that answers no extended attributes (``<root>/fuse-plain``)
+PLAIN_HOLDER_SOCKET = "fuse-plain-holder.sock"
 
 _TIMEOUT = 5.0
 
@@ -42,9 +47,9 @@ def _ask(path: str, request: bytes, fd: int | None = None) -> tuple[bytes, list[
     return msg, fds
 
 
-def hold(fd: int, root: Path) -> None:
-    """Give a copy of ``fd`` to the root's holder, starting one if none answers."""
-    path = str(root / HOLDER_SOCKET)
+def hold(fd: int, root: Path, *, name: str = HOLDER_SOCKET) -> None:
+    """Give a copy of ``fd`` to the root's holder ``name``, starting one if none answers."""
+    path = str(root / name)
     try:
         msg, _ = _ask(path, b"PUT", fd)
     except OSError:
@@ -66,10 +71,10 @@ def hold(fd: int, root: Path) -> None:
     log.info("FUSE connection held by the holder at %s", path)
 
 
-def fetch(root: Path) -> int | None:
-    """The connection a dead predecessor left with the holder, or None (no holder, or it
-    holds nothing)."""
-    path = root / HOLDER_SOCKET
+def fetch(root: Path, *, name: str = HOLDER_SOCKET) -> int | None:
+    """The connection a dead predecessor left with the holder ``name``, or None (no holder,
+    or it holds nothing)."""
+    path = root / name
     if not path.exists():
         return None
     try:
@@ -81,7 +86,7 @@ def fetch(root: Path) -> int | None:
     return fds[0]
 
 
-def release(root: Path) -> None:
-    """Tell the holder to let go (the server unmounted: nothing to keep)."""
+def release(root: Path, *, name: str = HOLDER_SOCKET) -> None:
+    """Tell the holder ``name`` to let go (the server unmounted: nothing to keep)."""
     with contextlib.suppress(OSError):
-        _ask(str(root / HOLDER_SOCKET), b"DROP")
+        _ask(str(root / name), b"DROP")

@@ -1,8 +1,9 @@
 """The layer table: which layers the FUSE file system serves and which mountpoints show them.
 
 stargz's ``fs/fs.go`` (``Mount``/``Check``/``Unmount``). A layer is served once, as one directory
-``<fuse_dir>/<key>`` of :class:`~coldstart.lazyfs.fusefs.FuseFS`, however many mountpoints show
-it: mounting binds that directory onto the mountpoint (read-only), unmounting detaches the bind
+``<fuse_dir>/<key>`` of :class:`~coldstart.lazyfs.fusefs.FuseFS` (``<plain_dir>/<key>`` when
+served on the connection without extended attributes), however many mountpoints show it:
+mounting binds that directory onto the mountpoint (read-only), unmounting detaches the bind
 lazily (open files keep working until closed), and the last unmount of a layer drops it from the
 file system. A second spec for a layer served already must vouch for the same TOC.
 
@@ -85,12 +86,18 @@ class _Mount:
 
 
 class LayerTable:
-    """The served layers of one FUSE file system mounted at ``fuse_dir``; trio-side methods."""
+    """The served layers of one FUSE file system mounted at ``fuse_dir`` and, as the connection
+    that answers no extended attributes, at ``plain_dir`` (None: every layer is bound from
+    ``fuse_dir``); ``split``: new layers that show no attribute go to ``plain_dir``.
+    Trio-side methods."""
 
     def __init__(self, fs: FuseFS, fuse_dir: Path, resolver: LayerResolver,
-                 state: MountState, *, record: bool = False, page_cache: bool = True) -> None:
+                 state: MountState, *, plain_dir: Path | None = None, split: bool = True,
+                 record: bool = False, page_cache: bool = True) -> None:
         self.fs = fs
         self.fuse_dir = fuse_dir
+        self.plain_dir = plain_dir
+        self._split = split and plain_dir is not None
         self.resolver = resolver
         self.state = state
         self.mounts: dict[str, _Mount] = {}
@@ -108,13 +115,21 @@ class LayerTable:
             lock = self._locks[mountpoint] = trio.Lock()
         return lock
 
+    def dir_of(self, tree: LayerTree) -> Path:
+        """The directory the layer's binds are made from (its connection's mount)."""
+        return self.plain_dir / tree.key if tree.plain and self.plain_dir else \
+            self.fuse_dir / tree.key
+
     async def mount(self, mountpoint: str, spec: LayerSpec, *, restoring: bool = False,
-                    key: str | None = None, base: int | None = None) -> None:
+                    key: str | None = None, base: int | None = None,
+                    plain: bool = False) -> None:
         """Serve ``spec``'s layer at ``mountpoint`` (idempotent for the same layer).
 
         ``key`` and ``base``: the layer's name in the FUSE mount and first inode number, as a
         predecessor whose connection we took over served it; the bind at ``mountpoint`` is
-        then that predecessor's and still good (kept)."""
+        then that predecessor's and still good (kept), and ``plain`` says which connection
+        it is from. A new layer goes to the plain connection when it shows no extended
+        attribute (:meth:`~coldstart.lazyfs.fusefs.LayerTree.shows_xattrs`)."""
         if self._stopping:
             raise FailedPrecondition("the FUSE server is shutting down")
         taken_over = restoring and key is not None and base is not None
@@ -144,6 +159,10 @@ class LayerTable:
                         self._generation = max(self._generation, int(gen))
                 base = self.fs.allocate(len(reader.layer.toc.entries) + 1, base)
                 tree = await trio.to_thread.run_sync(build_tree, key, base, reader)
+                if taken_over:
+                    tree.plain = plain and self.plain_dir is not None
+                elif self._split:
+                    tree.plain = not await trio.to_thread.run_sync(tree.shows_xattrs)
                 layer = _Layer(key, tree)
                 if self._record_new:
                     reader.recorder = AccessRecorder()
@@ -152,7 +171,7 @@ class LayerTable:
                     # cache (the warmer starts its thread on the first chunk; not while the
                     # connection we take over is not ours yet: nothing may write to it)
                     reader.page_cache = PageCacheWarmer(
-                        self.fuse_dir / key, _sizes(reader), self.fs.store_pages,
+                        self.dir_of(tree), _sizes(reader), self.fs.store_pages,
                         stats=reader.stats,
                         enabled=functools.partial(_not_recording, reader))
                 self.layers[spec.digest] = layer
@@ -165,7 +184,7 @@ class LayerTable:
                     log.warning("%s: lazily unmounting a stale mount first", mountpoint)
                     await trio.to_thread.run_sync(lazy_unmount, mountpoint)
                 if not (bound and taken_over):
-                    await trio.to_thread.run_sync(bind_mount, str(self.fuse_dir / layer.key),
+                    await trio.to_thread.run_sync(bind_mount, str(self.dir_of(layer.tree)),
                                                   mountpoint)
             except BaseException:
                 if created and not layer.mountpoints:
@@ -175,7 +194,7 @@ class LayerTable:
             self.mounts[mountpoint] = _Mount(mountpoint, spec, layer)
             await trio.to_thread.run_sync(functools.partial(
                 self.state.save, mountpoint, spec, key=layer.key, base=layer.tree.base,
-                end=layer.tree.end))
+                end=layer.tree.end, plain=layer.tree.plain))
             reader = layer.tree.reader
             if created:
                 # the layer's tables live as long as it does: keep the collector off them
@@ -295,7 +314,8 @@ class LayerTable:
             try:
                 await self.mount(rec.mountpoint, rec.spec, restoring=True,
                                  key=rec.key if takeover else None,
-                                 base=rec.base if takeover else None)
+                                 base=rec.base if takeover else None,
+                                 plain=takeover and rec.plain)
                 log.info("restored %s (%s)", rec.mountpoint, rec.spec.digest)
             except Exception as exc:
                 # keep the record: the next start (or a mount call) tries again

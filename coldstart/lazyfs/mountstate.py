@@ -32,6 +32,9 @@ class MountRecord:
     key: str | None = None
     base: int | None = None
     end: int | None = None
+    #: bound from the connection that answers no extended attributes (``<root>/fuse-plain``;
+    #: False in records older than that connection: they were all bound from ``<root>/fuse``)
+    plain: bool = False
 
 
 class MountState:
@@ -45,12 +48,13 @@ class MountState:
         return self.dir / (hashlib.sha256(mountpoint.encode()).hexdigest()[:32] + ".json")
 
     def save(self, mountpoint: str, spec: LayerSpec, *, key: str | None = None,
-             base: int | None = None, end: int | None = None) -> None:
+             base: int | None = None, end: int | None = None, plain: bool = False) -> None:
         """Record (or replace) the mount at ``mountpoint``, atomically (``key``, ``base``,
-        ``end``: the layer's name in the FUSE mount and its inode range)."""
+        ``end``: the layer's name in the FUSE mount and its inode range; ``plain``: which
+        connection its bind is from)."""
         doc: dict[str, object] = {"mountpoint": mountpoint, "spec": json.loads(spec.to_json())}
         if key is not None and base is not None and end is not None:
-            doc["layer"] = {"key": key, "base": base, "end": end}
+            doc["layer"] = {"key": key, "base": base, "end": end, "plain": plain}
         body = json.dumps(doc, sort_keys=True).encode()
         path = self._path(mountpoint)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -80,9 +84,11 @@ class MountState:
                     raise InvalidArgument("mountpoint is not a string")
                 layer = data.get("layer") or {}
                 key, base, end = layer.get("key"), layer.get("base"), layer.get("end")
+                plain = layer.get("plain", False)
                 if (isinstance(key, str) and key and "/" not in key
-                        and type(base) is int and type(end) is int and 1 < base < end):
-                    out.append(MountRecord(mp, spec, key, base, end))
+                        and type(base) is int and type(end) is int and 1 < base < end
+                        and isinstance(plain, bool)):
+                    out.append(MountRecord(mp, spec, key, base, end, plain))
                 else:
                     out.append(MountRecord(mp, spec))
             except (OSError, ValueError, KeyError, TypeError, InvalidArgument) as exc:

@@ -3,11 +3,13 @@
 stargz's ``service.go``. It builds the parts from the :class:`~coldstart.config.Config` (chunk
 cache, fetcher, registry client, :class:`~coldstart.lazyfs.resolver.LayerResolver`,
 :class:`~coldstart.lazyfs.fusefs.FuseFS`, :class:`~coldstart.lazyfs.layers.LayerTable`), mounts
-the file system once at ``<root>/fuse`` and answers the control protocol
-(:mod:`coldstart.lazyfs.control`) on a unix socket (``fuse.socket``), from the same trio loop.
+the file system at ``<root>/fuse`` and, as the connection that answers no extended attributes,
+at ``<root>/fuse-plain`` (each connection held and taken over on its own), and answers the
+control protocol (:mod:`coldstart.lazyfs.control`) on a unix socket (``fuse.socket``), from the
+same trio loop.
 
 Start: claim the root, serve metrics (if asked), lazily unmount what a dead predecessor left
-(its binds and ``<root>/fuse``), mount FUSE, listen, then restore every mount recorded under
+(its binds and both FUSE mounts), mount FUSE, listen, then restore every mount recorded under
 ``<root>/fuse-state/`` while already answering ``ping`` (other ops wait for the restore).
 SIGTERM/SIGINT: stop accepting, unmount, exit 0, keep the records.
 
@@ -91,6 +93,7 @@ class FuseServer:
         self._unpack_locks: dict[str, threading.Lock] = {}
         self.root = Path(root or config.root)
         self.fuse_dir = self.root / "fuse"
+        self.plain_dir = self.root / "fuse-plain"
         self.socket_path = socket_path or config.fuse.socket
         self.metrics_address = (config.fuse.metrics_address if metrics_address is None
                                 else metrics_address)
@@ -132,6 +135,7 @@ class FuseServer:
                                       allow_unverified=config.allow_unverified,
                                       indexes=self._index_finder(config))
         self.layers = LayerTable(self.fs, self.fuse_dir, self.resolver, self.state,
+                                 plain_dir=self.plain_dir, split=config.fuse.split_xattrs,
                                  record=config.fuse.record,
                                  page_cache=config.fuse.page_cache)
         self.files = self._file_share(config)
@@ -257,13 +261,16 @@ class FuseServer:
                     raise FailedPrecondition(f"cannot serve metrics on {self.metrics_address}: "
                                              f"{exc.strerror or exc}") from exc
             records = self.state.load()
-            # a predecessor's connection, kept alive by the holder: serve it, keep its mounts
+            # a predecessor's connections, kept alive by the holders: serve them, keep their
+            # mounts
             held = handover.fetch(self.root) if is_mountpoint(str(self.fuse_dir)) else None
+            held_plain = (handover.fetch(self.root, name=handover.PLAIN_HOLDER_SOCKET)
+                          if held is not None and is_mountpoint(str(self.plain_dir)) else None)
         except BaseException:
             self._stopped(session=False, unmount=False)
             raise
         if held is not None:
-            await self._take_over(held, records)
+            await self._take_over(held, held_plain, records)
         else:
             await self._start(records)
 
@@ -274,24 +281,17 @@ class FuseServer:
             for rec in records:  # binds left by a dead predecessor point at a dead connection
                 with contextlib.suppress(ColdstartError, OSError):
                     lazy_unmount(rec.mountpoint)
-            for _ in range(8):
-                try:
-                    if not lazy_unmount(str(self.fuse_dir)):
-                        break
-                except (ColdstartError, OSError):
-                    break
-            try:
-                self.fuse_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise FailedPrecondition(f"cannot create {self.fuse_dir}: {exc}") from exc
+            _clear_mount(self.fuse_dir)
+            _clear_mount(self.plain_dir)
             listener = self._listen()
             self._serve_files()
             fuse_mount(self.fs, str(self.fuse_dir))
             mounted = True
-            log.info("FUSE server pid %d: %s mounted, control socket %s", os.getpid(),
-                     self.fuse_dir, self.socket_path)
+            fuse_mount(self.fs, str(self.plain_dir), plain=True)
+            log.info("FUSE server pid %d: %s and %s mounted, control socket %s", os.getpid(),
+                     self.fuse_dir, self.plain_dir, self.socket_path)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._fuse_task)
+                self._serve_fuse(nursery)
                 nursery.start_soon(self._restore, records)
                 nursery.start_soon(self._serve, listener)
                 await self._serve_until_signal(nursery)
@@ -300,10 +300,13 @@ class FuseServer:
             # left to the next server, which takes it over
             self._stopped(session=mounted, unmount=self._clean_stop or not self._held)
 
-    async def _take_over(self, held: int, records: list[MountRecord]) -> None:
-        """Serve the connection ``held`` that a dead predecessor left: every recorded layer
-        first, under the name and inodes it had (the requests that wait meanwhile stay
-        queued in the kernel), then the connection itself."""
+    async def _take_over(self, held: int, held_plain: int | None,
+                         records: list[MountRecord]) -> None:
+        """Serve the connections ``held`` and ``held_plain`` that a dead predecessor left:
+        every recorded layer first, under the name and inodes it had (the requests that wait
+        meanwhile stay queued in the kernel), then the connections themselves. Without
+        ``held_plain`` (its holder is gone, or the predecessor had no such connection), the
+        plain connection is mounted afresh and its layers are restored like a fresh start's."""
         taken = False
         try:
             log.info("FUSE server pid %d: taking over the connection of %s", os.getpid(),
@@ -316,13 +319,25 @@ class FuseServer:
             ends = [rec.end for rec in records if rec.end is not None]
             self.fs.reserve(max(ends, default=0))     # never reuse a recorded inode range
             bound = [rec for rec in records if rec.key is not None and rec.base is not None
-                     and rec.end is not None and is_mountpoint(rec.mountpoint)]
+                     and rec.end is not None and (held_plain is not None or not rec.plain)
+                     and is_mountpoint(rec.mountpoint)]
             await self.layers.restore(bound, takeover=True)
             fuse_adopt(self.fs, held)
             taken = self._held = True
-            log.info("took over the FUSE connection")
+            log.info("took over the FUSE connection of %s", self.fuse_dir)
+            fresh_plain = held_plain is None
+            if held_plain is not None:
+                fuse_adopt(self.fs, held_plain, plain=True)
+                held_plain = None
+                log.info("took over the FUSE connection of %s", self.plain_dir)
+            else:
+                log.info("%s is mounted afresh (its connection was not held)", self.plain_dir)
+                _clear_mount(self.plain_dir)
+                fuse_mount(self.fs, str(self.plain_dir), plain=True)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._fuse_task)
+                self._serve_fuse(nursery)
+                if fresh_plain:
+                    await self._ready(self.plain_dir, handover.PLAIN_HOLDER_SOCKET)
                 taken_ids = {id(rec) for rec in bound}
                 rest = [rec for rec in records if id(rec) not in taken_ids]
                 if rest:
@@ -334,20 +349,36 @@ class FuseServer:
         finally:
             if not taken:
                 os.close(held)
+            if held_plain is not None:
+                os.close(held_plain)
             self._stopped(session=taken, unmount=self._clean_stop)
 
-    def _hold(self) -> bool:
-        """Give the holder a copy of our connection (a failure costs only the takeover)."""
-        session = self.fs.session
+    def _hold(self, name: str) -> bool:
+        """Give the holder ``name`` a copy of its connection (a failure costs only the
+        takeover)."""
+        session = (self.fs.plain_session if name == handover.PLAIN_HOLDER_SOCKET
+                   else self.fs.session)
         try:
             if session is None:
                 raise FailedPrecondition("no FUSE connection is served")
-            handover.hold(session.fd, self.root)
+            handover.hold(session.fd, self.root, name=name)
             return True
         except (ColdstartError, OSError) as exc:
             log.warning("the FUSE connection is not held outside this process (%s): if it "
                         "dies, running containers lose their lazily mounted layers", exc)
             return False
+
+    async def _ready(self, mountpoint: Path, holder: str) -> bool:
+        """Once the connection mounted at ``mountpoint`` is initialized (a stat waits for
+        ``INIT``), have it held and raise its read-ahead; whether it is held. The kernel caps
+        read-ahead at what FUSE_INIT negotiated (128 KiB); after INIT the bdi setting may be
+        raised. Never earlier: a successor must not see a connection whose INIT is not
+        done."""
+        await trio.to_thread.run_sync(os.stat, mountpoint)
+        held = await trio.to_thread.run_sync(self._hold, holder)   # may start a process
+        if not set_read_ahead(str(mountpoint), self.config.fuse.read_ahead_kb):
+            log.warning("read_ahead_kb of %s not set", mountpoint)
+        return held
 
     async def _serve_until_signal(self, nursery: trio.Nursery) -> None:
         # SIGUSR2: hand over (an upgrade): leave the mounts and the connection to the next
@@ -355,31 +386,35 @@ class FuseServer:
         self._clean_stop = await self._wait_signal() != signal.SIGUSR2
         self._unlink_socket()
         await self.layers.stop(unmount=self._clean_stop)
-        if self.fs.session is not None:
-            self.fs.session.terminate()
+        for session in self.fs.sessions():
+            session.terminate()
         nursery.cancel_scope.cancel()
 
     def _stopped(self, *, session: bool, unmount: bool) -> None:
         """Close what we opened; ``session``: a FUSE session was started, ``unmount``: end
         it with the mount (else the holder keeps the connection for a successor)."""
         self._unlink_socket()
-        fuse = self.fs.session
-        if fuse is not None:
-            # first: the reads under way finish with the fetcher and cache still open (on a
-            # handover a reader never sees an error); the rest wait for the successor
-            with contextlib.suppress(Exception):
-                fuse.stop(timeout=self.config.fetch.read_deadline)
+        fuse, plain = self.fs.session, self.fs.plain_session
+        for s in (fuse, plain):
+            if s is not None:
+                # first: the reads under way finish with the fetcher and cache still open (on
+                # a handover a reader never sees an error); the rest wait for the successor
+                with contextlib.suppress(Exception):
+                    s.stop(timeout=self.config.fetch.read_deadline)
         if self.files is not None:
             self.files.close()
         self.fetcher.close()
         with contextlib.suppress(Exception):
             self.cache.close()
-        if fuse is not None:
-            self.fs.session = None
-            with contextlib.suppress(Exception):
-                fuse.close(unmount=session and unmount, mountpoint=str(self.fuse_dir))
+        self.fs.session = self.fs.plain_session = None
+        for s, where in ((fuse, self.fuse_dir), (plain, self.plain_dir)):
+            if s is not None:
+                with contextlib.suppress(Exception):
+                    s.close(unmount=session and unmount, mountpoint=str(where))
         if session and unmount:
-            handover.release(self.root)      # unmounted: nothing left to hold
+            # unmounted: nothing left to hold
+            handover.release(self.root)
+            handover.release(self.root, name=handover.PLAIN_HOLDER_SOCKET)
         with contextlib.suppress(Exception):
             self.client.close()
         log.info("FUSE server stopped")
@@ -389,11 +424,11 @@ class FuseServer:
         unlink_own(self.socket_path, self._socket_ino)
         self._socket_ino = None
 
-    async def _fuse_task(self) -> None:
-        """Serve the FUSE connection in a thread of its own until terminated or unmounted."""
-        session = self.fs.session
-        assert session is not None
-        await trio.to_thread.run_sync(session.serve, abandon_on_cancel=True)
+    def _serve_fuse(self, nursery: trio.Nursery) -> None:
+        """Serve each FUSE connection in a thread of its own until terminated or unmounted."""
+        for session in self.fs.sessions():
+            nursery.start_soon(functools.partial(
+                trio.to_thread.run_sync, session.serve, abandon_on_cancel=True))
 
     async def _wait_signal(self) -> int:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR2) as sigs:
@@ -428,17 +463,28 @@ class FuseServer:
 
     async def _restore(self, records: list[MountRecord]) -> None:
         try:
-            # The kernel caps read-ahead at what FUSE_INIT negotiated (128 KiB); once INIT is
-            # done (a stat of the mount waits for it), the bdi setting may be raised.
-            await trio.to_thread.run_sync(os.stat, self.fuse_dir)
-            # only now: a successor must never see a connection whose INIT is not done
-            self._held = await trio.to_thread.run_sync(self._hold)   # starts a process
-            if not set_read_ahead(str(self.fuse_dir), self.config.fuse.read_ahead_kb):
-                log.warning("read_ahead_kb of %s not set", self.fuse_dir)
+            async with trio.open_nursery() as nursery:   # each starts a holder process
+                nursery.start_soon(self._ready, self.plain_dir, handover.PLAIN_HOLDER_SOCKET)
+                self._held = await self._ready(self.fuse_dir, handover.HOLDER_SOCKET)
             await self.layers.restore(records)
         finally:
             if self._restored is not None:
                 self._restored.set()
+
+
+def _clear_mount(directory: Path) -> None:
+    """Lazily unmount what a dead predecessor left at ``directory`` (stacked mounts too),
+    then make sure the directory exists (FailedPrecondition if it cannot be made)."""
+    for _ in range(8):
+        try:
+            if not lazy_unmount(str(directory)):
+                break
+        except (ColdstartError, OSError):
+            break
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FailedPrecondition(f"cannot create {directory}: {exc}") from exc
 
 
 async def serve_connection(stream: trio.abc.HalfCloseableStream,

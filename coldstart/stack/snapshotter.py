@@ -101,12 +101,13 @@ class SnapshotterDaemon:
 def snapshotter_config(base: Path, *, spawn: bool = True, extra: str = "",
                        log_level: str = "debug", background_rate: int | None = 0,
                        record: bool = False, page_cache: bool = True,
-                       pull_mode: str | None = "lazy") -> str:
+                       pull_mode: str | None = "lazy", split_xattrs: bool = True) -> str:
     """The snapshotter's TOML config, everything under ``base``; ``extra``: more top-level
     keys. ``background_rate``: ``fetch.background_rate`` (0, the default here: no fill, so
     what a test reads is all that is fetched; None: the config's default, the link's rate);
     ``record``: ``fuse.record`` (every layer records its file accesses); ``page_cache``:
-    ``fuse.page_cache`` (prefetched chunks handed to the kernel's page cache); ``pull_mode``:
+    ``fuse.page_cache`` (prefetched chunks handed to the kernel's page cache); ``split_xattrs``:
+    ``fuse.split_xattrs`` (written only when off); ``pull_mode``:
     ``pull.mode`` ("lazy", the default here: a layer not mounted lazily is pulled by containerd,
     which the tests of lazy pulling count on; None: the config's default, "auto")."""
     text = (
@@ -124,6 +125,7 @@ def snapshotter_config(base: Path, *, spawn: bool = True, extra: str = "",
         "request_timeout = 20.0\n"
         f"{'record = true' if record else ''}\n"
         f"{'' if page_cache else 'page_cache = false'}\n"
+        f"{'' if split_xattrs else 'split_xattrs = false'}\n"
     )
     if background_rate is not None:
         text += f"[fetch]\nbackground_rate = {background_rate}\n"
@@ -137,7 +139,8 @@ def start_snapshotter(base: Path, *, spawn: bool = True, metrics: bool = True,
                       extra: str = "", log_level: str = "debug",
                       background_rate: int | None = 0,
                       record: bool = False, page_cache: bool = True,
-                      pull_mode: str | None = "lazy") -> Iterator[SnapshotterDaemon]:
+                      pull_mode: str | None = "lazy",
+                      split_xattrs: bool = True) -> Iterator[SnapshotterDaemon]:
     """Our daemon on a temp root (config written to ``base/config.toml``); stopped by PID."""
     base.mkdir(parents=True, exist_ok=True)
     config = base / "config.toml"
@@ -146,7 +149,8 @@ def start_snapshotter(base: Path, *, spawn: bool = True, metrics: bool = True,
         extra = f'metrics_address = "{metrics_address}"\n' + extra
     config.write_text(snapshotter_config(base, spawn=spawn, extra=extra, log_level=log_level,
                                          background_rate=background_rate, record=record,
-                                         page_cache=page_cache, pull_mode=pull_mode))
+                                         page_cache=page_cache, pull_mode=pull_mode,
+                                         split_xattrs=split_xattrs))
     d = SnapshotterDaemon(base=base, root=base / "root", socket=str(base / "s.sock"),
                           config=config, log=base / "snapshotter.log",
                           metrics_address=metrics_address)

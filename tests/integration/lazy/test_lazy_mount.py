@@ -215,14 +215,23 @@ def test_kill_9_then_restart_restores_mounts(tmp_path: Path, registry: Registry,
         mp_gone = tmp_path / "gone"                  # the same layer, mounted twice
         mp_gone.mkdir()
         client.mount(str(mp_gone), spec)
+        # a layer with no extended attribute: served on the other connection, taken over too
+        plain = _plain_files()
+        pblob, pres = convert(tar_of(plain), "zstd:chunked")
+        mp_plain = tmp_path / "plain"
+        mp_plain.mkdir()
+        client.mount(str(mp_plain), push_layer(registry.host, "lazy/restore-plain", pblob, pres))
+        assert os.stat(mp_plain).st_dev == os.stat(root / "fuse-plain").st_dev
+        plain_loop = ReadLoop(mp_plain, plain)
         cold_loop = ReadLoop(mp_cold, cold.files)
+        wait_for(lambda: plain_loop.reads > 20, timeout=30, what="reads of the plain layer")
         time.sleep(0.05)                              # its first fetches are in flight
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
         # a bind detached while no server runs (the snapshotter's own umount -l does that):
         # the successor must not touch it before it serves, and binds it again after
         lazy_unmount(str(mp_gone))
-        killed_at = loop.reads
+        killed_at, plain_killed_at = loop.reads, plain_loop.reads
         time.sleep(1.0)                               # no server at all: reads wait
         with fuse_server(tmp_path, registry_host=registry.host,
                          log_name="fuse-server-2.log") as (proc2, client2, _):
@@ -231,8 +240,14 @@ def test_kill_9_then_restart_restores_mounts(tmp_path: Path, registry: Registry,
                      what="reads served by the successor")
             wait_for(lambda: cold_loop.reads > len(cold.files), timeout=60,
                      what="the cold layer read whole")
+            wait_for(lambda: plain_loop.reads > plain_killed_at + 20, timeout=60,
+                     what="reads of the plain layer served by the successor")
             assert loop.stop()[1] == [] and cold_loop.stop()[1] == []
-            assert "took over the FUSE connection" in (tmp_path / "fuse-server-2.log").read_text()
+            assert plain_loop.stop()[1] == []
+            log_text = (tmp_path / "fuse-server-2.log").read_text()
+            assert f"took over the FUSE connection of {root / 'fuse'}" in log_text
+            assert f"took over the FUSE connection of {root / 'fuse-plain'}" in log_text
+            client2.unmount(str(mp_plain))
             wait_for(lambda: is_mountpoint(str(mp_gone)), timeout=30, what="the bind restored")
             assert (mp_gone / "etc/os-release").read_bytes() == tree.files["etc/os-release"]
             client2.unmount(str(mp_gone))
@@ -266,6 +281,50 @@ def test_kill_9_then_restart_restores_mounts(tmp_path: Path, registry: Registry,
             assert _metric(metrics, READ_SECONDS + "_count") > 0
             client3.unmount(str(mp))
             assert not list((root / "fuse-state").glob("*.json"))
+
+
+def _plain_files() -> dict[str, bytes]:
+    return {f"usr/share/plain/f{i}.txt": f"plain file {i}\n".encode() * (i + 1)
+            for i in range(40)}
+
+
+def test_layers_that_show_no_extended_attribute_are_served_where_none_are_asked(
+        server: Server, proxy: Proxy, tree: SourceTree) -> None:
+    """A layer with no extended attribute, no opaque directory and no safetensors file is bound
+    from the second FUSE connection, which answers getxattr ENOSYS: the kernel then answers
+    every one itself (EOPNOTSUPP: overlayfs reads that as "no attribute") without a request,
+    while listxattr still answers an empty list.
+    Layers that show an attribute, or hold a file a loader asks a token of, stay on the
+    first."""
+    _, client, tmp = server
+    root = tmp / "root"
+    plain = _plain_files()
+    mp, _, _ = _mount(server, proxy, SourceTree(tar_of(plain), plain), "zstd:chunked",
+                      "lazy/plain")
+    assert os.stat(mp).st_dev == os.stat(root / "fuse-plain").st_dev
+    assert os.stat(mp).st_dev != os.stat(root / "fuse").st_dev
+    for name, data in plain.items():
+        assert (mp / name).read_bytes() == data
+    f = mp / "usr/share/plain/f3.txt"
+    for path, name in ((f, "trusted.overlay.metacopy"), (mp / "usr", "trusted.overlay.opaque")):
+        with pytest.raises(OSError) as err:
+            os.getxattr(path, name)
+        assert err.value.errno == errno.EOPNOTSUPP
+    # listing is answered, as on a local disk: tools list before they ask
+    assert os.listxattr(f) == [] and os.listxattr(mp / "usr") == []
+    # attributes and an opaque directory: the first connection, which shows them
+    full, _, _ = _mount(server, proxy, tree, "zstd:chunked", "lazy/plain-not")
+    assert os.stat(full).st_dev == os.stat(root / "fuse").st_dev
+    with pytest.raises(OSError) as err:
+        os.getxattr(full / "usr/bin/sudo", "trusted.overlay.metacopy")
+    assert err.value.errno == errno.ENODATA
+    # a safetensors file (the weights loader reads it by its token, an attribute)
+    weights = {"models/m.safetensors": b"\x08" + bytes(7) + b"{}      ", **plain}
+    wmp, _, _ = _mount(server, proxy, SourceTree(tar_of(weights), weights), "zstd:chunked",
+                       "lazy/plain-weights")
+    assert os.stat(wmp).st_dev == os.stat(root / "fuse").st_dev
+    for m in (mp, full, wmp):
+        client.unmount(str(m))
 
 
 def _metric(text: str, name: str, labels: str = "") -> float:
@@ -338,7 +397,9 @@ def test_sigusr2_hands_the_mounts_over_to_the_next_server(tmp_path: Path, regist
         loop = ReadLoop(mp, tree.files)
         wait_for(lambda: loop.reads > 20, timeout=30, what="reads before the handover")
         holder = root / "fuse-holder.sock"
+        plain_holder = root / "fuse-plain-holder.sock"
         assert holder.exists() and stat.S_IMODE(holder.stat().st_mode) == 0o600
+        assert plain_holder.exists() and stat.S_IMODE(plain_holder.stat().st_mode) == 0o600
         os.kill(proc.pid, signal.SIGUSR2)
         assert proc.wait(30) == 0
         assert is_mountpoint(str(mp))                 # left mounted, for the successor
@@ -352,4 +413,6 @@ def test_sigusr2_hands_the_mounts_over_to_the_next_server(tmp_path: Path, regist
             os.kill(proc2.pid, signal.SIGTERM)
             assert proc2.wait(30) == 0
             assert not is_mountpoint(str(mp)) and not is_mountpoint(str(root / "fuse"))
-            wait_for(lambda: not holder.exists(), timeout=10, what="the holder gone")
+            assert not is_mountpoint(str(root / "fuse-plain"))
+            wait_for(lambda: not holder.exists() and not plain_holder.exists(), timeout=10,
+                     what="the holders gone")

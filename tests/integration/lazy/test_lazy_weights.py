@@ -8,6 +8,7 @@ nothing."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import io
 import os
@@ -129,6 +130,24 @@ def test_without_the_socket_the_loader_reads_through_the_mount(
     assert node_source(mp) is None                            # a directory has none either
 
 
+def test_a_layer_without_safetensors_files_gives_no_tokens(
+        server: Server, proxy: Proxy, socket_env: str, tmp_path: Path) -> None:
+    """Such a layer is served on the FUSE connection that answers no getxattr (nothing there
+    for overlayfs to ask): its files have no token, and a loader reads them through the
+    mount, as any file off a lazy mount."""
+    tensors = every_dtype(seed=22)
+    data = save(tensors, tmp_path / "m.safetensors").read_bytes()
+    mp, _, _ = mount_files(server, proxy, {"weights.bin": data}, "zstd:chunked", "notoken")
+    with pytest.raises(OSError) as err:
+        os.getxattr(mp / "weights.bin", FILE_XATTR)
+    assert err.value.errno == errno.EOPNOTSUPP
+    assert node_source(mp / "weights.bin") is None
+    assert (mp / "weights.bin").read_bytes() == data          # fetched through FUSE first
+    stats = LoadStats()
+    assert_identical(tensors, load(mp / "weights.bin", stats=stats))
+    assert "files socket" not in stats.path
+
+
 def test_a_flipped_byte_fails_the_load_naming_file_and_tensor_and_nothing_is_cached(
         server: Server, proxy: Proxy, socket_env: str, tmp_path: Path) -> None:
     _, client, tmp = server
@@ -188,11 +207,11 @@ def _stat(path: str, token: str) -> object:
 def test_forged_and_foreign_tokens_get_nothing(server: Server, proxy: Proxy, socket_env: str,
                                                tmp_path: Path) -> None:
     rng = random.Random(7)
-    files = {"a.bin": rng.randbytes(50_000), "b.bin": rng.randbytes(60_000)}
+    files = {"a.safetensors": rng.randbytes(50_000), "b.safetensors": rng.randbytes(60_000)}
     mp, _, _ = mount_files(server, proxy, files, "zstd:chunked", "tokens")
-    good = FileToken.parse(os.getxattr(mp / "a.bin", FILE_XATTR).decode())
-    other = FileToken.parse(os.getxattr(mp / "b.bin", FILE_XATTR).decode())
-    assert _stat(socket_env, good.encode().decode()) == {"size": 50_000, "name": "a.bin"}
+    good = FileToken.parse(os.getxattr(mp / "a.safetensors", FILE_XATTR).decode())
+    other = FileToken.parse(os.getxattr(mp / "b.safetensors", FILE_XATTR).decode())
+    assert _stat(socket_env, good.encode().decode()) == {"size": 50_000, "name": "a.safetensors"}
 
     def variant(**changes: object) -> str:
         fields = {**good.__dict__, **changes}
@@ -233,8 +252,8 @@ def test_reads_past_the_end_and_bad_requests_are_refused(server: Server, proxy: 
                                                          tmp_path: Path) -> None:
     rng = random.Random(8)
     data = rng.randbytes(300_000)
-    mp, _, _ = mount_files(server, proxy, {"f.bin": data}, "estargz", "ranges")
-    src = node_source(mp / "f.bin")
+    mp, _, _ = mount_files(server, proxy, {"f.safetensors": data}, "estargz", "ranges")
+    src = node_source(mp / "f.safetensors")
     assert isinstance(src, NodeFileSource)
     try:
         assert src.size() == len(data)
@@ -246,7 +265,7 @@ def test_reads_past_the_end_and_bad_requests_are_refused(server: Server, proxy: 
         src.close()
     with pytest.raises(Unavailable, match="closed"):
         src.read_at(0, 1)                   # closed: at once, not after a deadline
-    token = os.getxattr(mp / "f.bin", FILE_XATTR).decode()
+    token = os.getxattr(mp / "f.safetensors", FILE_XATTR).decode()
 
     def read(fd: int | None, offset: int = 0, length: int = 4096, at: int = 0) -> object:
         return _ask(socket_env, filewire.read_request(token, offset, length, at), fd)
@@ -309,18 +328,18 @@ def test_a_loader_goes_on_across_a_fuse_server_handover(tmp_path: Path, registry
     successor, which issues new tokens: the source reads the attribute again and goes on."""
     rng = random.Random(9)
     data = rng.randbytes(3 << 20)
-    blob, res = convert(tar_of({"w.bin": data}), "zstd:chunked")
+    blob, res = convert(tar_of({"w.safetensors": data}), "zstd:chunked")
     spec = push_layer(registry.host, "weights/handover", blob, res)
     mp = tmp_path / "mnt"
     mp.mkdir()
     monkeypatch.setenv(filewire.SOCKET_ENV, files_socket(tmp_path))
     with fuse_server(tmp_path, registry_host=registry.host) as (proc, client, _root):
         client.mount(str(mp), spec)
-        src = node_source(mp / "w.bin")
+        src = node_source(mp / "w.safetensors")
         assert isinstance(src, NodeFileSource)
         try:
             assert src.read_at(0, 1 << 20) == data[: 1 << 20]
-            before = os.getxattr(mp / "w.bin", FILE_XATTR)
+            before = os.getxattr(mp / "w.safetensors", FILE_XATTR)
             os.kill(proc.pid, signal.SIGUSR2)
             assert proc.wait(30) == 0
             got: list[bytes | BaseException] = []
@@ -331,7 +350,7 @@ def test_a_loader_goes_on_across_a_fuse_server_handover(tmp_path: Path, registry
                              log_name="fuse-server-2.log"):
                 reader.join(60)
                 assert got == [data[1 << 20:]]
-                assert os.getxattr(mp / "w.bin", FILE_XATTR) != before    # a new secret
+                assert os.getxattr(mp / "w.safetensors", FILE_XATTR) != before    # a new secret
                 assert src.read_at(0, 100) == data[:100]
         finally:
             src.close()
