@@ -3,8 +3,9 @@ node for the bytes of a file on a lazily mounted layer (the server: :mod:`.files
 client: :mod:`coldstart.weights.nodefile`).
 
 The trust boundary is the file itself. The FUSE file system answers ``getxattr`` of
-:data:`FILE_XATTR` on a regular file (of a layer that holds a :data:`TOKEN_SUFFIXES` file: the
-others are served where getxattr is not answered at all) with a *file token*: the layer's
+:data:`FILE_XATTR` on a regular file of a layer served where getxattr is answered (one that holds
+a :data:`TOKEN_SUFFIXES` file or shows an attribute, or any with ``fuse.split_xattrs`` off) with a
+*file token*: the layer's
 digest, the file's slot and size, and an HMAC of the three under a secret only the FUSE server
 holds. The name is never listed (``listxattr``), so copies of the tree (``tar``, overlayfs'
 copy-up of a file the container changes) do not carry it. The kernel lets a process read a

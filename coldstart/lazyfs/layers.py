@@ -257,6 +257,7 @@ class LayerTable:
             out.append({"mountpoint": mp, "digest": m.spec.digest,
                         "reference": m.spec.reference, "key": m.layer.key,
                         "format": tree.reader.layer.format, "files": len(tree.entries),
+                        "plain": tree.plain,
                         "recording": tree.reader.recorder is not None,
                         **tree.reader.stats.as_dict()})
         return out
@@ -303,6 +304,12 @@ class LayerTable:
         """Mount what a previous server recorded; a failure keeps its record for the next try.
         ``takeover``: we serve the predecessor's FUSE connection: each layer under the name
         and inodes it had, its binds kept."""
+        for rec in records:
+            # a layer restored afresh gets a name no record had: the kernel may still hold a
+            # recorded one's entry (a connection taken over) for an inode no longer served
+            gen = (rec.key or "").rpartition("-")[2]
+            if gen.isdigit():
+                self._generation = max(self._generation, int(gen))
         for rec in records:
             # (taking over: a bind of ours is never stat'ed, nobody serves it yet)
             if not (takeover and await trio.to_thread.run_sync(is_mountpoint, rec.mountpoint)

@@ -32,8 +32,10 @@ class MountRecord:
     key: str | None = None
     base: int | None = None
     end: int | None = None
-    #: bound from the connection that answers no extended attributes (``<root>/fuse-plain``;
-    #: False in records older than that connection: they were all bound from ``<root>/fuse``)
+    #: bound from the connection that answers no getxattr (``<root>/fuse-plain``), kept under
+    #: the key ``plain_layer`` in place of ``layer``: a server older than that connection reads
+    #: such a record as one with no layer name and binds the layer afresh (the records it
+    #: wrote were all bound from ``<root>/fuse``)
     plain: bool = False
 
 
@@ -54,7 +56,7 @@ class MountState:
         connection its bind is from)."""
         doc: dict[str, object] = {"mountpoint": mountpoint, "spec": json.loads(spec.to_json())}
         if key is not None and base is not None and end is not None:
-            doc["layer"] = {"key": key, "base": base, "end": end, "plain": plain}
+            doc["plain_layer" if plain else "layer"] = {"key": key, "base": base, "end": end}
         body = json.dumps(doc, sort_keys=True).encode()
         path = self._path(mountpoint)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -82,12 +84,11 @@ class MountState:
                 mp = data["mountpoint"]
                 if not isinstance(mp, str):
                     raise InvalidArgument("mountpoint is not a string")
-                layer = data.get("layer") or {}
+                plain = "plain_layer" in data
+                layer = data.get("plain_layer" if plain else "layer") or {}
                 key, base, end = layer.get("key"), layer.get("base"), layer.get("end")
-                plain = layer.get("plain", False)
                 if (isinstance(key, str) and key and "/" not in key
-                        and type(base) is int and type(end) is int and 1 < base < end
-                        and isinstance(plain, bool)):
+                        and type(base) is int and type(end) is int and 1 < base < end):
                     out.append(MountRecord(mp, spec, key, base, end, plain))
                 else:
                     out.append(MountRecord(mp, spec))

@@ -29,6 +29,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -142,6 +143,7 @@ class FuseServer:
         self._restored: trio.Event | None = None
         self._clean_stop = False        # a signal asked us to stop (not a crash)
         self._held = False              # the holder has our connection
+        self._held_plain = False        # the other holder has our plain connection
 
     # -- process lifecycle -----------------------------------------------------------------
 
@@ -267,6 +269,8 @@ class FuseServer:
             held_plain = (handover.fetch(self.root, name=handover.PLAIN_HOLDER_SOCKET)
                           if held is not None and is_mountpoint(str(self.plain_dir)) else None)
         except BaseException:
+            if held is not None:
+                os.close(held)
             self._stopped(session=False, unmount=False)
             raise
         if held is not None:
@@ -283,6 +287,10 @@ class FuseServer:
                     lazy_unmount(rec.mountpoint)
             _clear_mount(self.fuse_dir)
             _clear_mount(self.plain_dir)
+            # a holder must only ever hold the connection mounted at its directory: one left
+            # with a predecessor's (the other one died) lets it go first
+            handover.release(self.root)
+            handover.release(self.root, name=handover.PLAIN_HOLDER_SOCKET)
             listener = self._listen()
             self._serve_files()
             fuse_mount(self.fs, str(self.fuse_dir))
@@ -329,15 +337,24 @@ class FuseServer:
             if held_plain is not None:
                 fuse_adopt(self.fs, held_plain, plain=True)
                 held_plain = None
+                self._held_plain = True
                 log.info("took over the FUSE connection of %s", self.plain_dir)
             else:
                 log.info("%s is mounted afresh (its connection was not held)", self.plain_dir)
+                # the binds of its layers point at a dead (or unserved) connection: detached
+                # without a look (a stat would fail or hang), then restored like a fresh start's
+                for rec in records:
+                    if rec.plain:
+                        with contextlib.suppress(ColdstartError, OSError):
+                            lazy_unmount(rec.mountpoint)
+                handover.release(self.root, name=handover.PLAIN_HOLDER_SOCKET)
                 _clear_mount(self.plain_dir)
                 fuse_mount(self.fs, str(self.plain_dir), plain=True)
             async with trio.open_nursery() as nursery:
                 self._serve_fuse(nursery)
                 if fresh_plain:
-                    await self._ready(self.plain_dir, handover.PLAIN_HOLDER_SOCKET)
+                    self._held_plain = await self._ready(self.plain_dir,
+                                                         handover.PLAIN_HOLDER_SOCKET)
                 taken_ids = {id(rec) for rec in bound}
                 rest = [rec for rec in records if id(rec) not in taken_ids]
                 if rest:
@@ -395,25 +412,31 @@ class FuseServer:
         it with the mount (else the holder keeps the connection for a successor)."""
         self._unlink_socket()
         fuse, plain = self.fs.session, self.fs.plain_session
+        deadline = time.monotonic() + self.config.fetch.read_deadline
         for s in (fuse, plain):
             if s is not None:
                 # first: the reads under way finish with the fetcher and cache still open (on
                 # a handover a reader never sees an error); the rest wait for the successor
                 with contextlib.suppress(Exception):
-                    s.stop(timeout=self.config.fetch.read_deadline)
+                    s.stop(timeout=max(0.0, deadline - time.monotonic()))
         if self.files is not None:
             self.files.close()
         self.fetcher.close()
         with contextlib.suppress(Exception):
             self.cache.close()
         self.fs.session = self.fs.plain_session = None
-        for s, where in ((fuse, self.fuse_dir), (plain, self.plain_dir)):
+        # a connection no holder has would die with us: unmounted (its layers are restored
+        # afresh by the successor), never left to abort under the containers
+        unmount_plain = unmount or not self._held_plain
+        for s, where, off in ((fuse, self.fuse_dir, unmount),
+                              (plain, self.plain_dir, unmount_plain)):
             if s is not None:
                 with contextlib.suppress(Exception):
-                    s.close(unmount=session and unmount, mountpoint=str(where))
+                    s.close(unmount=session and off, mountpoint=str(where))
+        # unmounted: nothing left to hold
         if session and unmount:
-            # unmounted: nothing left to hold
             handover.release(self.root)
+        if session and unmount_plain:
             handover.release(self.root, name=handover.PLAIN_HOLDER_SOCKET)
         with contextlib.suppress(Exception):
             self.client.close()
@@ -463,8 +486,12 @@ class FuseServer:
 
     async def _restore(self, records: list[MountRecord]) -> None:
         try:
+            async def ready_plain() -> None:
+                self._held_plain = await self._ready(self.plain_dir,
+                                                     handover.PLAIN_HOLDER_SOCKET)
+
             async with trio.open_nursery() as nursery:   # each starts a holder process
-                nursery.start_soon(self._ready, self.plain_dir, handover.PLAIN_HOLDER_SOCKET)
+                nursery.start_soon(ready_plain)
                 self._held = await self._ready(self.fuse_dir, handover.HOLDER_SOCKET)
             await self.layers.restore(records)
         finally:

@@ -239,7 +239,8 @@ def fuse_server_config(path: Path, root: Path, *, registry_host: str,
                        background_rate: int = 0, cache_dir: Path | None = None,
                        registry_timeout: float = 5.0, page_cache: bool = True,
                        retries: int = 0, concurrency: int = 4,
-                       neighbor_bytes: int | None = None, log_level: str | None = None) -> Path:
+                       neighbor_bytes: int | None = None, log_level: str | None = None,
+                       split_xattrs: bool = True) -> Path:
     """Write a FUSE server config at ``path`` (root, cache and socket under ``root``; plain
     HTTP to ``registry_host``; by default no retries) and return ``path``.
 
@@ -248,7 +249,8 @@ def fuse_server_config(path: Path, root: Path, *, registry_host: str,
     ``registry_timeout``: ``registry.timeout`` (also how long a response may stall);
     ``retries``: ``registry.retries``; ``concurrency``: ``fetch.concurrency``;
     ``neighbor_bytes``: ``fetch.neighbor_bytes`` (None: the default); ``log_level`` (None:
-    the default); ``page_cache``: ``fuse.page_cache`` (written only when off)."""
+    the default); ``page_cache``, ``split_xattrs``: ``fuse.page_cache``, ``fuse.split_xattrs``
+    (written only when off)."""
     # written only when set: an older checkout's server (``source_root``) may not know it
     cache = f'dir = "{cache_dir}"\n' if cache_dir is not None else ""
     background = f"background_rate = {background_rate}\n"
@@ -271,6 +273,7 @@ def fuse_server_config(path: Path, root: Path, *, registry_host: str,
         "[fuse]\n"
         f'socket = "{root}/fuse.sock"\n'
         f"{'' if page_cache else 'page_cache = false'}\n"
+        f"{'' if split_xattrs else 'split_xattrs = false'}\n"
     )
     return path
 
@@ -283,7 +286,7 @@ def fuse_server(tmp: Path, *, registry_host: str, log_name: str = "fuse-server.l
                 background_rate: int = 0, cache_dir: Path | None = None,
                 registry_timeout: float = 5.0, page_cache: bool = True,
                 retries: int = 0, concurrency: int = 4, neighbor_bytes: int | None = None,
-                log_level: str | None = None
+                log_level: str | None = None, split_xattrs: bool = True
                 ) -> Iterator[tuple[subprocess.Popen[bytes], FuseServerClient, Path]]:
     """Run ``coldstart fuse-server`` on ``tmp/root`` (config :func:`fuse_server_config`);
     yield ``(process, control client, root)``; stop it and unmount everything after (below
@@ -300,7 +303,8 @@ def fuse_server(tmp: Path, *, registry_host: str, log_name: str = "fuse-server.l
                              background_rate=background_rate, cache_dir=cache_dir,
                              registry_timeout=registry_timeout, page_cache=page_cache,
                              retries=retries, concurrency=concurrency,
-                             neighbor_bytes=neighbor_bytes, log_level=log_level)
+                             neighbor_bytes=neighbor_bytes, log_level=log_level,
+                             split_xattrs=split_xattrs)
     sock = root / "fuse.sock"
     with contextlib.suppress(FileNotFoundError):
         sock.unlink()

@@ -19,6 +19,7 @@ import pytest
 
 from coldstart.lazyfs.fusewire import (
     ENOATTR,
+    GETXATTR,
     ROOT_INODE,
     Attr,
     FuseError,
@@ -201,6 +202,36 @@ def test_extended_attributes_and_their_size_protocol(
     n = libc.getxattr(os.fsencode(f), b"user.big", buf, ctypes.c_size_t(16))
     assert n == -1 and ctypes.get_errno() == errno.ERANGE
     assert libc.getxattr(os.fsencode(f), b"user.big", None, ctypes.c_size_t(0)) == 3000
+
+
+def test_a_session_without_xattrs_makes_the_kernel_stop_asking(tmp_path: Path) -> None:
+    """``xattrs=False``: the first getxattr is answered ENOSYS, and the kernel answers every
+    later one itself (EOPNOTSUPP) without a request; listxattr is still answered."""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    session = FuseSession.mount(ToyFS(), str(mp), fsname="toy", subtype="toy",
+                                options=("default_permissions", "allow_other"),
+                                read_threads=2, xattrs=False)
+    sent: list[int] = []
+    answer = session._dispatch[GETXATTR]
+
+    def counted(unique: int, nodeid: int, body: memoryview) -> None:
+        sent.append(nodeid)
+        answer(unique, nodeid, body)
+
+    session._dispatch[GETXATTR] = counted
+    thread = _serve(session)
+    try:
+        for name in ("user.small", "user.small", "user.none", "trusted.overlay.metacopy"):
+            with pytest.raises(OSError) as exc:
+                os.getxattr(mp / "a.txt", name)
+            assert exc.value.errno == errno.EOPNOTSUPP
+        assert len(sent) == 1                   # the first only: the kernel stopped asking
+        assert sorted(os.listxattr(mp / "a.txt")) == ["user.big", "user.small"]
+    finally:
+        session.close(unmount=True, mountpoint=str(mp))
+        thread.join(10)
+    assert not is_mountpoint(str(mp))
 
 
 def test_errors_and_negative_entries(toy: tuple[ToyFS, FuseSession, Path]) -> None:

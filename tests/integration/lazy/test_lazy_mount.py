@@ -20,6 +20,7 @@ import pytest
 from coldstart.errors import NotFound
 from coldstart.format.layer import open_layer
 from coldstart.format.readat import BytesReadAt
+from coldstart.lazyfs import handover
 from coldstart.lazyfs.fetcher import MAX_GAP
 from coldstart.lazyfs.metrics import (
     CACHE_HITS,
@@ -325,6 +326,68 @@ def test_layers_that_show_no_extended_attribute_are_served_where_none_are_asked(
     assert os.stat(wmp).st_dev == os.stat(root / "fuse").st_dev
     for m in (mp, full, wmp):
         client.unmount(str(m))
+
+
+def test_with_the_split_off_every_layer_is_served_where_getxattr_is_answered(
+        tmp_path: Path, registry: Registry) -> None:
+    plain = _plain_files()
+    blob, res = convert(tar_of(plain), "zstd:chunked")
+    spec = push_layer(registry.host, "lazy/split-off", blob, res)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    with fuse_server(tmp_path, registry_host=registry.host, split_xattrs=False) as (
+            _, client, root):
+        client.mount(str(mp), spec)
+        assert os.stat(mp).st_dev == os.stat(root / "fuse").st_dev
+        assert client.status()[0]["plain"] is False
+        with pytest.raises(OSError) as err:
+            os.getxattr(mp / "usr/share/plain/f1.txt", "trusted.overlay.metacopy")
+        assert err.value.errno == errno.ENODATA
+        client.unmount(str(mp))
+
+
+@needs_resend
+def test_a_plain_connection_no_holder_kept_is_mounted_afresh_by_the_successor(
+        tmp_path: Path, registry: Registry, tree: SourceTree) -> None:
+    """The plain connection's holder is gone when the server dies: that connection dies with
+    it. The successor takes the other one over (its containers never see an error), mounts
+    the plain one afresh and binds its layers again; nothing waits on the dead connection."""
+    plain = _plain_files()
+    pblob, pres = convert(tar_of(plain), "zstd:chunked")
+    pspec = push_layer(registry.host, "lazy/afresh-plain", pblob, pres)
+    blob, res = convert(tree.tar, "zstd:chunked")
+    spec = push_layer(registry.host, "lazy/afresh-full", blob, res)
+    mp_plain, mp = tmp_path / "plain", tmp_path / "full"
+    mp_plain.mkdir()
+    mp.mkdir()
+    with fuse_server(tmp_path, registry_host=registry.host) as (proc, client, root):
+        client.mount(str(mp_plain), pspec)
+        client.mount(str(mp), spec)
+        assert {s["mountpoint"]: s["plain"] for s in client.status()} == {
+            str(mp_plain): True, str(mp): False}
+        loop = ReadLoop(mp, {n: d for n, d in tree.files.items() if n != "usr/lib/big.so"})
+        wait_for(lambda: loop.reads > 20, timeout=30, what="reads before the kill")
+        handover.release(root, name=handover.PLAIN_HOLDER_SOCKET)
+        wait_for(lambda: not (root / handover.PLAIN_HOLDER_SOCKET).exists(), timeout=10,
+                 what="the plain holder gone")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        killed_at = loop.reads
+        with fuse_server(tmp_path, registry_host=registry.host,
+                         log_name="fuse-server-2.log") as (_, client2, _):
+            wait_for(lambda: loop.reads > killed_at + 20, timeout=60,
+                     what="reads served by the successor")
+            assert loop.stop()[1] == []
+            log_text = (tmp_path / "fuse-server-2.log").read_text()
+            assert f"took over the FUSE connection of {root / 'fuse'}" in log_text
+            assert "is mounted afresh" in log_text
+            wait_for(lambda: len(client2.status()) == 2, timeout=30, what="both restored")
+            assert os.stat(mp_plain).st_dev == os.stat(root / "fuse-plain").st_dev
+            for name, data in plain.items():
+                assert (mp_plain / name).read_bytes() == data
+            assert (root / handover.PLAIN_HOLDER_SOCKET).exists()   # held again
+            client2.unmount(str(mp_plain))
+            client2.unmount(str(mp))
 
 
 def _metric(text: str, name: str, labels: str = "") -> float:

@@ -14,7 +14,14 @@ from coldstart.lazyfs.spec import LayerSpec
 from tests.fixtures.pages import resident_pages
 from tests.fixtures.procs import wait_for
 from tests.fixtures.registry import Registry
-from tests.integration.lazy.lazy_helpers import convert, fuse_server, metadata_tar, push_layer
+from tests.integration.lazy.lazy_helpers import (
+    SourceTree,
+    convert,
+    fuse_server,
+    metadata_tar,
+    push_layer,
+    tar_of,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -25,19 +32,27 @@ def _status(client: FuseServerClient, spec: LayerSpec) -> dict[str, Any]:
     return next(s for s in client.status() if s["digest"] == spec.digest)
 
 
-def _layer(registry: Registry, repo: str) -> tuple[Any, LayerSpec]:
+def _layer(registry: Registry, repo: str, plain: bool = False) -> tuple[Any, LayerSpec]:
     tree = metadata_tar(big_size=3 << 20, seed=41)
+    if plain:       # the same files, without attributes or whiteouts
+        files = {n: tree.files[n] for n in (*START_UP, LATER)}
+        tree = SourceTree(tar_of(files), files)
     blob, res = convert(tree.tar, "zstd:chunked", prefetch=START_UP)
     return tree, push_layer(registry.host, repo, blob, res)
 
 
+@pytest.mark.parametrize("plain", [False, True], ids=["xattrs", "plain"])
 def test_prefetched_files_are_in_the_page_cache_before_any_read(tmp_path: Path,
-                                                               registry: Registry) -> None:
-    tree, spec = _layer(registry, "pagecache/on")
+                                                               registry: Registry,
+                                                               plain: bool) -> None:
+    """Either FUSE connection: a layer with no attribute is served on the one that answers
+    no getxattr, and its pages must be stored through that one."""
+    tree, spec = _layer(registry, f"pagecache/on-{'plain' if plain else 'xattrs'}", plain)
     with fuse_server(tmp_path, registry_host=registry.host) as (_, client, _):
         mp = tmp_path / "mnt"
         mp.mkdir()
         client.mount(str(mp), spec)
+        assert _status(client, spec)["plain"] is plain
         want = sum(len(tree.files[n]) for n in START_UP)
         wait_for(lambda: _status(client, spec)["prefetch_done"]
                  and _status(client, spec)["page_cache_bytes"] >= want,

@@ -53,17 +53,19 @@ def test_the_layer_name_and_inodes_are_kept_for_a_takeover(tmp_path: Path) -> No
 
 
 def test_the_connection_a_bind_is_from_is_kept(tmp_path: Path) -> None:
-    """``plain``: bound from the FUSE connection that answers no getxattr; records written
-    before that connection existed were all bound from the other one."""
+    """``plain``: bound from the FUSE connection that answers no getxattr. Such a record keeps
+    its layer under a key of its own, so that a server older than that connection (which reads
+    only ``layer``) binds the layer afresh instead of keeping a bind it cannot serve; records
+    written before that connection existed were all bound from the other one."""
     st = MountState(tmp_path)
     st.save("/mnt/p", spec(8), key="k-1", base=10, end=20, plain=True)
     st.save("/mnt/f", spec(9), key="k-2", base=30, end=40)
-    (tmp_path / "old.json").write_text(json.dumps(
-        {"mountpoint": "/mnt/old", "spec": json.loads(spec(10).to_json()),
-         "layer": {"key": "k-3", "base": 50, "end": 60}}))
+    recs = {r.mountpoint: (r.key, r.base, r.end, r.plain) for r in st.load()}
+    assert recs == {"/mnt/p": ("k-1", 10, 20, True), "/mnt/f": ("k-2", 30, 40, False)}
+    docs = {(d := json.loads(p.read_text()))["mountpoint"]: d for p in tmp_path.glob("*.json")}
+    assert "layer" not in docs["/mnt/p"] and "plain_layer" not in docs["/mnt/f"]
     (tmp_path / "odd.json").write_text(json.dumps(
         {"mountpoint": "/mnt/odd", "spec": json.loads(spec(11).to_json()),
-         "layer": {"key": "k-4", "base": 70, "end": 80, "plain": "yes"}}))
-    recs = {r.mountpoint: (r.key, r.plain) for r in st.load()}
-    assert recs == {"/mnt/p": ("k-1", True), "/mnt/f": ("k-2", False),
-                    "/mnt/old": ("k-3", False), "/mnt/odd": (None, False)}
+         "plain_layer": {"key": "k-4", "base": 70}}))
+    odd = next(r for r in st.load() if r.mountpoint == "/mnt/odd")
+    assert (odd.key, odd.plain) == (None, False)          # a fresh name, bound afresh
