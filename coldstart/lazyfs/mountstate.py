@@ -91,7 +91,7 @@ class MountState:
                         and type(base) is int and type(end) is int and 1 < base < end):
                     out.append(MountRecord(mp, spec, key, base, end, plain))
                 else:
-                    out.append(MountRecord(mp, spec))
+                    out.append(MountRecord(mp, spec, plain=plain))
             except (OSError, ValueError, KeyError, TypeError, InvalidArgument) as exc:
                 log.error("mount state %s is unreadable, skipped: %s", path, exc)
         return out

@@ -255,6 +255,8 @@ class FuseServer:
 
     async def _main(self) -> None:
         self._restored = trio.Event()
+        held: int | None = None
+        held_plain: int | None = None
         try:
             if self.metrics_address:  # first: a bad address must not leave a mount behind
                 try:
@@ -329,17 +331,8 @@ class FuseServer:
             bound = [rec for rec in records if rec.key is not None and rec.base is not None
                      and rec.end is not None and (held_plain is not None or not rec.plain)
                      and is_mountpoint(rec.mountpoint)]
-            await self.layers.restore(bound, takeover=True)
-            fuse_adopt(self.fs, held)
-            taken = self._held = True
-            log.info("took over the FUSE connection of %s", self.fuse_dir)
             fresh_plain = held_plain is None
-            if held_plain is not None:
-                fuse_adopt(self.fs, held_plain, plain=True)
-                held_plain = None
-                self._held_plain = True
-                log.info("took over the FUSE connection of %s", self.plain_dir)
-            else:
+            if fresh_plain:
                 log.info("%s is mounted afresh (its connection was not held)", self.plain_dir)
                 # the binds of its layers point at a dead (or unserved) connection: detached
                 # without a look (a stat would fail or hang), then restored like a fresh start's
@@ -350,6 +343,15 @@ class FuseServer:
                 handover.release(self.root, name=handover.PLAIN_HOLDER_SOCKET)
                 _clear_mount(self.plain_dir)
                 fuse_mount(self.fs, str(self.plain_dir), plain=True)
+            await self.layers.restore(bound, takeover=True)
+            fuse_adopt(self.fs, held)
+            taken = self._held = True
+            log.info("took over the FUSE connection of %s", self.fuse_dir)
+            if held_plain is not None:
+                fuse_adopt(self.fs, held_plain, plain=True)
+                held_plain = None
+                self._held_plain = True
+                log.info("took over the FUSE connection of %s", self.plain_dir)
             async with trio.open_nursery() as nursery:
                 self._serve_fuse(nursery)
                 if fresh_plain:
@@ -427,7 +429,7 @@ class FuseServer:
         self.fs.session = self.fs.plain_session = None
         # a connection no holder has would die with us: unmounted (its layers are restored
         # afresh by the successor), never left to abort under the containers
-        unmount_plain = unmount or not self._held_plain
+        unmount_plain = unmount or (plain is not None and not self._held_plain)
         for s, where, off in ((fuse, self.fuse_dir, unmount),
                               (plain, self.plain_dir, unmount_plain)):
             if s is not None:

@@ -68,4 +68,4 @@ def test_the_connection_a_bind_is_from_is_kept(tmp_path: Path) -> None:
         {"mountpoint": "/mnt/odd", "spec": json.loads(spec(11).to_json()),
          "plain_layer": {"key": "k-4", "base": 70}}))
     odd = next(r for r in st.load() if r.mountpoint == "/mnt/odd")
-    assert (odd.key, odd.plain) == (None, False)          # a fresh name, bound afresh
+    assert (odd.key, odd.plain) == (None, True)        # a fresh name; its bind is detached
