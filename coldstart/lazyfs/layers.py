@@ -115,6 +115,12 @@ class LayerTable:
             lock = self._locks[mountpoint] = trio.Lock()
         return lock
 
+    def _note_generation(self, key: str) -> None:
+        """New layer names come after ``key``'s generation (``<digest>-<generation>``)."""
+        gen = key.rpartition("-")[2]
+        if gen.isdigit():
+            self._generation = max(self._generation, int(gen))
+
     def dir_of(self, tree: LayerTree) -> Path:
         """The directory the layer's binds are made from (its connection's mount)."""
         return self.plain_dir / tree.key if tree.plain and self.plain_dir else \
@@ -154,9 +160,7 @@ class LayerTable:
                     key = f"{spec.digest.rpartition(':')[2][:16]}-{self._generation}"
                     base = None
                 else:
-                    gen = key.rpartition("-")[2]
-                    if gen.isdigit():
-                        self._generation = max(self._generation, int(gen))
+                    self._note_generation(key)
                 base = self.fs.allocate(len(reader.layer.toc.entries) + 1, base)
                 tree = await trio.to_thread.run_sync(build_tree, key, base, reader)
                 if taken_over:
@@ -307,9 +311,8 @@ class LayerTable:
         for rec in records:
             # a layer restored afresh gets a name no record had: the kernel may still hold a
             # recorded one's entry (a connection taken over) for an inode no longer served
-            gen = (rec.key or "").rpartition("-")[2]
-            if gen.isdigit():
-                self._generation = max(self._generation, int(gen))
+            if rec.key is not None:
+                self._note_generation(rec.key)
         for rec in records:
             # (taking over: a bind of ours is never stat'ed, nobody serves it yet)
             if not (takeover and await trio.to_thread.run_sync(is_mountpoint, rec.mountpoint)
