@@ -81,6 +81,9 @@ MODES: dict[str, ModeSpec] = {m.name: m for m in (
     ModeSpec("coldstart+profile-nowarm", "coldstart", "zstd:chunked-profile",
              "coldstart+profile without handing the prefetched chunks to the kernel's page "
              "cache (fuse.page_cache = false; an ablation)", page_cache=False),
+    ModeSpec("coldstart+profile-grid", "coldstart", "zstd:chunked-profile-grid",
+             "coldstart+profile on the same profile's image written with fixed-size chunks "
+             "only (no chunk cut at the edges of what the start-up read; an ablation)"),
     ModeSpec("coldstart+profile-xattrs", "coldstart", "zstd:chunked-profile",
              "coldstart+profile with every layer on the FUSE connection that answers getxattr "
              "(fuse.split_xattrs = false; an ablation)", split_xattrs=False),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -41,6 +42,7 @@ from coldstart.benchmark.shaping import Link
 from coldstart.errors import ColdstartError, FailedPrecondition, InvalidArgument, NotFound
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
+from coldstart.prefetch.ranges import CUT_GAP
 from coldstart.stack.registry import push_layout
 
 __all__ = ["BenchOptions", "Reporter", "Silent", "parse_modes", "run_bench"]
@@ -231,7 +233,9 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
     client = stack.enter_context(RegistryClient(insecure_hosts=insecure))
     refs: dict[str, str] = {}
     sizes: dict[str, int] = {}
-    for mode in modes:
+    kept = (opts.cache_dir or work) / "profiles"
+    # the grid ablation is written from the profile the profiled image recorded: after it
+    for mode in sorted(modes, key=lambda m: m.image_format == "zstd:chunked-profile-grid"):
         if mode.name in opts.images:
             refs[mode.name] = opts.images[mode.name]
             continue
@@ -245,9 +249,18 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
         dst = (f"{base}:{fmt.replace(':', '-')}" if layout is not None
                else f"{base}:{suffix}-{fmt.replace(':', '-')}")
         key = f"{src if layout is None else _layout_digest(layout, tag)} {fmt}"
+        saved = kept / f"{Reference.parse(dst).repository.replace('/', '-')}.json"
         if fmt in ("estargz-optimized", "zstd:chunked-profile"):
             # what the optimizer ran decides what it recorded
             key += " " + json.dumps([command, env])
+        if fmt == "zstd:chunked-profile":
+            key += f" cut-gap={CUT_GAP}"     # how its files' chunks are cut (none before)
+        if fmt == "zstd:chunked-profile-grid":
+            if not saved.exists():
+                raise FailedPrecondition(
+                    f"mode {mode.name} converts the profile that coldstart+profile records "
+                    f"({saved}): bench coldstart+profile once first, or both together")
+            key += " " + hashlib.sha256(saved.read_bytes()).hexdigest()
         if fmt.startswith("estargz") and opts.estargz_level is not None:
             key += f" level={opts.estargz_level}"
             dst += f"-l{opts.estargz_level}"
@@ -257,6 +270,12 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
         if fmt == "zstd:chunked":
             report.stage(f"converting to zstd:chunked: {dst}")
             convert_image(src, dst, format="zstd:chunked", client=client, workdir=work)
+        elif fmt == "zstd:chunked-profile-grid":
+            from coldstart.prefetch.profile import load_profile
+
+            report.stage(f"writing {saved} first, in fixed-size chunks only: {dst}")
+            convert_image(src, dst, format="zstd:chunked", client=client, workdir=work,
+                          profile=load_profile(saved), cut_chunks=False)
         elif fmt == "zstd:chunked-profile":
             from coldstart.benchmark.optimize import OptimizeOptions, optimize_image
 
@@ -265,9 +284,7 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
             result = optimize_image(src, dst, OptimizeOptions(
                 command=command, env=env, ready=ready, timeout=opts.timeout,
                 insecure=tuple(insecure), workdir=work), progress=report.stage)
-            kept = (opts.cache_dir or work) / "profiles"
             kept.mkdir(parents=True, exist_ok=True)
-            saved = kept / f"{Reference.parse(dst).repository.replace('/', '-')}.json"
             saved.write_text(result.profile.dumps())
             report.stage(f"profile: {saved} ({result.profile.files} files)")
             for w in result.warnings:

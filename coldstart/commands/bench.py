@@ -55,7 +55,8 @@ root. The JSON schema is coldstart/benchmark/result_schema.json.
                    "(the same with the hybrid fill), coldstart+profile-nowarm (the same "
                    "without handing the prefetched chunks to the page cache), "
                    "coldstart+profile-xattrs (the same with every layer on the FUSE "
-                   "connection that answers getxattr), "
+                   "connection that answers getxattr), coldstart+profile-grid (the same "
+                   "profile written in fixed-size chunks only), "
                    "coldstart+ctr-profile (coldstart on ctr-remote's optimized image).")
 @click.option("--runs", "-n", default=5, show_default=True, type=click.IntRange(1, 1000),
               help="Cold starts per mode.")

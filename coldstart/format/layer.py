@@ -253,9 +253,9 @@ class SeekableLayer:
 class _Tail:
     """The blob's last bytes, read once; ranges inside it cost no further request."""
 
-    def __init__(self, blob: ReadAt, tail_read: int) -> None:
+    def __init__(self, blob: ReadAt, tail_read: int, size: int | None = None) -> None:
         self.blob = blob
-        self.size = blob.size()
+        self.size = blob.size() if size is None else size
         self.start = max(0, self.size - tail_read)
         self.data = blob.read_at(self.start, self.size - self.start)
 
@@ -357,15 +357,32 @@ def _zstd_toc(tail: _Tail, footer: Footer,
     return data, compressed, frame_start
 
 
+def _tail_read(size: int, annotations: Mapping[str, str], tail_read: int) -> int:
+    """How many of the blob's last bytes to read at once: ``tail_read``, or from where the
+    zstd:chunked position annotation puts the TOC, so that footer and TOC come in one request
+    however large the TOC. The annotation only sizes this read: the footer still says where
+    the TOC is, and :func:`_zstd_toc` refuses an annotation that disagrees (a lying one costs
+    at most ``MAX_TOC_SIZE`` more bytes read)."""
+    pos = annotations.get(ZSTD_CHUNKED_MANIFEST_POSITION) or annotations.get(_LEGACY_POSITION)
+    if pos is None:
+        return tail_read
+    try:
+        offset = _parse_position(pos, 4, ZSTD_CHUNKED_MANIFEST_POSITION)[0]
+    except FormatError:
+        return tail_read        # refused with its reason once the footer is read
+    # 8: stargz-snapshotter's layout puts a skippable frame's header before the TOC
+    return min(max(tail_read, size - offset + 8), tail_read + MAX_TOC_SIZE)
+
+
 def open_layer(blob: ReadAt, *, annotations: Mapping[str, str],
                allow_unverified: bool = False, tail_read: int = TAIL_READ) -> SeekableLayer:
     """Open an eStargz or zstd:chunked layer: read footer and TOC, verify, index.
 
     One range read of the last ``tail_read`` bytes suffices when the TOC fits in it; a bigger
-    TOC costs one more. The TOC must match the manifest annotation (eStargz ``toc.digest``:
-    digest of the TOC JSON; zstd:chunked ``manifest-checksum``: digest of the compressed TOC)
-    or IntegrityError is raised; with no such annotation, FailedPrecondition, unless
-    ``allow_unverified``.
+    TOC costs one more, unless a zstd:chunked position annotation says where it starts. The
+    TOC must match the manifest annotation (eStargz ``toc.digest``: digest of the TOC JSON;
+    zstd:chunked ``manifest-checksum``: digest of the compressed TOC) or IntegrityError is
+    raised; with no such annotation, FailedPrecondition, unless ``allow_unverified``.
 
     >>> layer = open_layer(FileReadAt("blob"), annotations=desc.annotations)  # doctest: +SKIP
     >>> layer.read_file("etc/hostname")  # doctest: +SKIP
@@ -376,7 +393,8 @@ def open_layer(blob: ReadAt, *, annotations: Mapping[str, str],
         raise FormatError("layer carries both eStargz and zstd:chunked TOC annotations")
     if estargz_digest is None and zstd_checksum is None and not allow_unverified:
         raise FailedPrecondition("layer has no TOC digest annotation: cannot verify its TOC")
-    tail = _Tail(blob, tail_read)
+    size = blob.size()
+    tail = _Tail(blob, _tail_read(size, annotations, tail_read), size)
     footer = parse_footer(tail.data)
     if footer.format == "estargz":
         if zstd_checksum is not None:

@@ -37,7 +37,7 @@ import tarfile
 import tempfile
 import threading
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Any, BinaryIO, Literal, Self, cast
@@ -323,13 +323,33 @@ class _Hasher:
             raise self._error
 
 
+def chunk_starts(size: int, chunk_size: int, cuts: Sequence[int] = ()) -> list[int]:
+    """Where the chunks of a file of ``size`` bytes start: at 0, at each of ``cuts`` inside
+    the file, and ``chunk_size`` bytes after each start while that is short of the next
+    (no chunk holds more than ``chunk_size`` bytes).
+
+    >>> chunk_starts(10, 4)
+    [0, 4, 8]
+    >>> chunk_starts(10, 4, [5, 99])
+    [0, 4, 5, 9]
+    """
+    starts = [0]
+    for cut in [*sorted({c for c in cuts if 0 < c < size}), size]:
+        while cut - starts[-1] > chunk_size:
+            starts.append(starts[-1] + chunk_size)
+        if cut < size:
+            starts.append(cut)
+    return starts
+
+
 class _Writer:
     def __init__(self, dst: IO[bytes], fmt: str, chunk_size: int, level: int | None,
-                 threads: int) -> None:
+                 threads: int, cuts: Mapping[str, Sequence[int]] | None = None) -> None:
         self.sink = _Sink(dst)
         self.fmt = fmt
         self.gzip = fmt == "estargz"
         self.chunk_size = chunk_size
+        self.cuts = cuts or {}
         self.level = level if level is not None else (6 if self.gzip else 3)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="convert")
         self.max_inflight = threads * 2
@@ -415,14 +435,14 @@ class _Writer:
             return
         assert read is not None
         self.flush_meta()
-        whole = entry.size <= self.chunk_size
+        starts = chunk_starts(entry.size, self.chunk_size, self.cuts.get(entry.name, ()))
+        whole = len(starts) == 1
         fhash = None if whole else hashlib.sha256()
         if fhash is not None:
             self._file_hashes.append((rec, fhash))
-        done = 0
         first = True
-        while done < entry.size:
-            n = min(self.chunk_size, entry.size - done)
+        for done, end in zip(starts, [*starts[1:], entry.size], strict=True):
+            n = end - done
             data = read(n)
             if len(data) != n:
                 raise FormatError(f"entry {entry.name!r}: tar data ends after {done + len(data)}"
@@ -444,7 +464,6 @@ class _Writer:
             if not (whole and self.gzip):
                 chunk["chunkSize"] = n
             self._submit(data, chunk, whole)
-            done += n
         self.add_meta(bytes(-entry.size % _BLOCK))
 
     def close(self) -> None:
@@ -607,7 +626,8 @@ def _reader(tf: tarfile.TarFile, info: tarfile.TarInfo) -> Callable[[int], bytes
 def convert_layer(src: BinaryIO, dst: BinaryIO, *, format: str = "zstd:chunked",
                   chunk_size: int = DEFAULT_CHUNK_SIZE, prefetch: Sequence[str] | None = None,
                   level: int | None = None, threads: int | None = None,
-                  legacy_footer: bool = False) -> LayerResult:
+                  legacy_footer: bool = False,
+                  cuts: Mapping[str, Sequence[int]] | None = None) -> LayerResult:
     """Convert the tar stream ``src`` into a seekable layer written sequentially to ``dst``.
 
     ``src`` may be plain, gzip or zstd (sniffed from its first bytes). ``prefetch`` names files
@@ -615,7 +635,10 @@ def convert_layer(src: BinaryIO, dst: BinaryIO, *, format: str = "zstd:chunked",
     ``None`` writes no landmark for zstd:chunked and ``.no.prefetch.landmark`` for eStargz (as
     ctr-remote does). ``legacy_footer`` (zstd:chunked only) writes stargz-snapshotter's 40-byte
     footer and annotations, without tar-split, for readers that predate containers/storage's
-    64-byte footer (stargz-snapshotter 0.12, Debian's ``ctr-remote``). Memory stays bounded
+    64-byte footer (stargz-snapshotter 0.12, Debian's ``ctr-remote``). ``cuts``: per file name,
+    offsets where a chunk starts besides every ``chunk_size`` bytes
+    (:func:`coldstart.prefetch.ranges.chunk_cuts`: the edges of what a start-up read, so that
+    its prefetch decodes those parts alone). Memory stays bounded
     (about ``2 * threads`` chunks in flight); with a
     prefetch list the uncompressed input is spooled to a temporary file to reorder it.
 
@@ -629,7 +652,7 @@ def convert_layer(src: BinaryIO, dst: BinaryIO, *, format: str = "zstd:chunked",
     if prefetch is None and format == "estargz":
         prefetch = []
     nthreads = threads or min(8, os.cpu_count() or 1)
-    w = _Writer(dst, format, chunk_size, level, nthreads)
+    w = _Writer(dst, format, chunk_size, level, nthreads, cuts)
     tar_stream: IO[bytes] | None = None
     try:
         tar_stream = _open_tar_stream(src)

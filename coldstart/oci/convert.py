@@ -54,6 +54,7 @@ from coldstart.oci.store import ImageStore, open_store
 from coldstart.prefetch.profile import LayerProfile, Profile
 from coldstart.prefetch.ranges import (
     PREFETCH_RANGES_ANNOTATION,
+    chunk_cuts,
     encode_ranges,
     touched_ranges,
 )
@@ -276,8 +277,9 @@ class _Converter:
                  prefetch: Sequence[str] | None, level: int | None, workdir: Path,
                  workers: int, on_layer: LayerCallback | None,
                  profile: Profile | None = None, keep_layers: bool = False,
-                 progress: ByteProgress | None = None) -> None:
+                 progress: ByteProgress | None = None, cut_chunks: bool = True) -> None:
         self.src, self.dst = src, dst
+        self.cut_chunks = cut_chunks
         self.progress = progress
         self.format = format
         self.chunk_size = chunk_size
@@ -419,10 +421,14 @@ class _Converter:
                         prefetch = [p for p in wanted if p in names]
                         if self.profile is not None:
                             missing = tuple(p for p in wanted if p not in names)
+                        # a profile's files get chunks cut at the edges of what was read
+                        cuts = chunk_cuts(recorded.files) \
+                            if recorded is not None and self.cut_chunks else None
                         with open(tar_path, "rb") as tar:
                             result = convert_layer(tar, out, format=self.format,
                                                    chunk_size=self.chunk_size,
-                                                   prefetch=prefetch, level=self.level)
+                                                   prefetch=prefetch, level=self.level,
+                                                   cuts=cuts)
                     else:
                         stream = _HashingReader(_decompressed(raw))
                         try:
@@ -571,7 +577,8 @@ def convert_image(src: str, dst: str, *, format: str = "zstd:chunked",
                   workers: int = 2, level: int | None = None, workdir: Path | None = None,
                   on_layer: LayerCallback | None = None,
                   profile: Profile | None = None, keep_layers: bool = False,
-                  progress: ByteProgress | None = None) -> ConvertSummary:
+                  progress: ByteProgress | None = None,
+                  cut_chunks: bool = True) -> ConvertSummary:
     """Convert image ``src`` into ``dst`` (each ``registry/repo:tag`` or ``oci:DIR[:tag]``).
 
     ``format`` is ``zstd:chunked`` or ``estargz``; ``platforms`` limits which entries of an
@@ -583,9 +590,12 @@ def convert_image(src: str, dst: str, *, format: str = "zstd:chunked",
 
     ``profile`` (from ``coldstart optimize``): each layer's recorded files are placed first,
     in access order, before the prefetch landmark (layers already seekable are rewritten);
-    a profile path the layer lacks is skipped with a warning (``prefetch_missing``).
-    ``keep_layers``: with a profile, layers already seekable are kept byte for byte and only
-    annotated with the chunks the profile touched (the node prefetches those at mount).
+    a profile path the layer lacks is skipped with a warning (``prefetch_missing``), and
+    with ``cut_chunks`` a chunk starts at each edge of what the start-up read of a file
+    (:func:`coldstart.prefetch.ranges.chunk_cuts`), so that the node prefetches and decodes
+    those parts and not whole fixed-size chunks around them. ``keep_layers``: with a profile,
+    layers already seekable are kept byte for byte and only annotated with the chunks the
+    profile touched (the node prefetches those at mount).
     ``prefetch``: one image-wide list instead (each layer takes the files it holds).
     """
     if profile is not None and prefetch:
@@ -608,7 +618,8 @@ def convert_image(src: str, dst: str, *, format: str = "zstd:chunked",
             conv = _Converter(source, dest, format=fmt, chunk_size=chunk_size,
                               prefetch=prefetch, level=level, workdir=Path(tmp),
                               workers=workers, on_layer=on_layer, profile=profile,
-                              keep_layers=keep_layers, progress=progress)
+                              keep_layers=keep_layers, progress=progress,
+                              cut_chunks=cut_chunks)
             try:
                 return _run(conv, source, root, dest, fmt, wanted_platforms, t0)
             finally:

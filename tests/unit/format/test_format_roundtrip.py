@@ -195,15 +195,20 @@ def test_converting_a_converted_layer_again(source_tar: bytes, fmt: str) -> None
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_toc_bigger_than_the_tail_read_costs_one_more_request(fmt: str) -> None:
+def test_toc_bigger_than_the_tail_read_costs_one_more_request_unless_placed(fmt: str) -> None:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
         for i in range(300):
             add(tf, f"many/file-{i:04d}", b"%d" % i)
     c = convert(buf.getvalue(), fmt)
-    for tail, want in ((512 << 10, 1), (2048, 2)):
+    # zstd:chunked's position annotation says where the TOC starts: one request of that size
+    placed = fmt == "zstd:chunked"
+    unplaced = {k: v for k, v in c.result.annotations.items() if "position" not in k}
+    for tail, annotations, want in ((512 << 10, c.result.annotations, 1),
+                                    (2048, c.result.annotations, 1 if placed else 2),
+                                    (2048, unplaced, 2)):
         counting = CountingReadAt(BytesReadAt(c.blob))
-        layer = open_layer(counting, annotations=c.result.annotations, tail_read=tail)
+        layer = open_layer(counting, annotations=annotations, tail_read=tail)
         assert counting.requests == want
         assert layer.read_file("many/file-0299") == b"299"
 
