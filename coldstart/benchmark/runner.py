@@ -22,7 +22,7 @@ import os
 import shutil
 import statistics
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -42,10 +42,10 @@ from coldstart.benchmark.shaping import Link
 from coldstart.errors import ColdstartError, FailedPrecondition, InvalidArgument, NotFound
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
-from coldstart.prefetch.ranges import CUT_GAP
+from coldstart.prefetch.ranges import CUT_ALIGN, CUT_GAP
 from coldstart.stack.registry import push_layout
 
-__all__ = ["BenchOptions", "Reporter", "Silent", "parse_modes", "run_bench"]
+__all__ = ["BenchOptions", "Reporter", "Silent", "check_modes", "parse_modes", "run_bench"]
 
 DEFAULT_MODES = ("overlayfs", "coldstart", "stargz")
 
@@ -112,6 +112,16 @@ def parse_modes(text: str | Sequence[str]) -> list[str]:
     if not out:
         raise InvalidArgument("--mode needs at least one mode")
     return out
+
+
+def check_modes(names: Sequence[str], images: Mapping[str, str]) -> None:
+    """InvalidArgument for modes that cannot run together as given: the grid ablation writes
+    the profile that coldstart+profile records in the same run (not one named by --image)."""
+    formats = {MODES[n].image_format for n in names if n not in images}
+    if "zstd:chunked-profile-grid" in formats and "zstd:chunked-profile" not in formats:
+        raise InvalidArgument("mode coldstart+profile-grid writes the profile that "
+                              "coldstart+profile records: bench both in one run (and "
+                              "without --image for coldstart+profile)")
 
 
 # -- the image ---------------------------------------------------------------------------------
@@ -254,17 +264,14 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
             # what the optimizer ran decides what it recorded
             key += " " + json.dumps([command, env])
         if fmt == "zstd:chunked-profile":
-            key += f" cut-gap={CUT_GAP}"     # how its files' chunks are cut (none before)
+            key += f" cuts={CUT_GAP}/{CUT_ALIGN}"    # how its files' chunks are cut
         if fmt == "zstd:chunked-profile-grid":
-            if not saved.exists():
-                raise FailedPrecondition(
-                    f"mode {mode.name} converts the profile that coldstart+profile records "
-                    f"({saved}): bench coldstart+profile once first, or both together")
+            # (check_modes: coldstart+profile is prepared in this run, before this one)
             key += " " + hashlib.sha256(saved.read_bytes()).hexdigest()
         if fmt.startswith("estargz") and opts.estargz_level is not None:
             key += f" level={opts.estargz_level}"
             dst += f"-l{opts.estargz_level}"
-        if conv.get(client, key, dst):
+        if conv.get(client, key, dst) and (fmt != "zstd:chunked-profile" or saved.exists()):
             refs[mode.name] = dst
             continue
         if fmt == "zstd:chunked":
@@ -344,7 +351,9 @@ def run_bench(opts: BenchOptions, report: Reporter | None = None) -> BenchResult
     missing = [] if opts.address else missing_tools()
     if missing:
         raise FailedPrecondition(f"cannot run containerd here: missing {', '.join(missing)}")
-    specs = [MODES[m] for m in parse_modes(opts.modes)]
+    names = parse_modes(opts.modes)
+    check_modes(names, opts.images)
+    specs = [MODES[m] for m in names]
     started_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     with contextlib.ExitStack() as stack:
         work = _workdir(opts, stack)

@@ -358,11 +358,15 @@ def _zstd_toc(tail: _Tail, footer: Footer,
 
 
 def _tail_read(size: int, annotations: Mapping[str, str], tail_read: int) -> int:
-    """How many of the blob's last bytes to read at once: ``tail_read``, or from where the
-    zstd:chunked position annotation puts the TOC, so that footer and TOC come in one request
-    however large the TOC. The annotation only sizes this read: the footer still says where
-    the TOC is, and :func:`_zstd_toc` refuses an annotation that disagrees (a lying one costs
-    at most ``MAX_TOC_SIZE`` more bytes read)."""
+    """How many of the blob's last bytes to read at once: ``tail_read``, or, for a
+    zstd:chunked layer (its TOC checksum annotated), from where its position annotation puts
+    the TOC to the end, so that footer and TOC come in one request however large the TOC
+    (containers/storage's layout puts the tar-split after the TOC: it comes along, as it did
+    in the second read before). The annotation only sizes this read: the footer still says
+    where the TOC is, and :func:`_zstd_toc` refuses an annotation that disagrees; a lying one
+    costs at most ``MAX_TOC_SIZE`` more bytes read, as a lying footer can."""
+    if _zstd_checksum(annotations) is None or ESTARGZ_TOC_DIGEST in annotations:
+        return tail_read
     pos = annotations.get(ZSTD_CHUNKED_MANIFEST_POSITION) or annotations.get(_LEGACY_POSITION)
     if pos is None:
         return tail_read
@@ -370,8 +374,7 @@ def _tail_read(size: int, annotations: Mapping[str, str], tail_read: int) -> int
         offset = _parse_position(pos, 4, ZSTD_CHUNKED_MANIFEST_POSITION)[0]
     except FormatError:
         return tail_read        # refused with its reason once the footer is read
-    # 8: stargz-snapshotter's layout puts a skippable frame's header before the TOC
-    return min(max(tail_read, size - offset + 8), tail_read + MAX_TOC_SIZE)
+    return min(max(tail_read, size - offset), tail_read + MAX_TOC_SIZE)
 
 
 def open_layer(blob: ReadAt, *, annotations: Mapping[str, str],

@@ -5,8 +5,9 @@ footer are skippable frames) or ``gunzip | tar x`` (eStargz: the TOC is the last
 ``stargz.index.json``, and the footer an empty gzip member).
 
 Layout: tar headers and padding go into their own frames (gzip members for eStargz); each chunk
-of a regular file (``chunk_size`` bytes, the last one shorter) is one frame holding exactly that
-chunk, so a reader can fetch and verify any chunk alone. Compression runs in a bounded thread
+of a regular file (``chunk_size`` bytes, the last one shorter; a profiled conversion also
+starts chunks at given offsets, :func:`chunk_starts`) is one frame holding exactly that chunk,
+so a reader can fetch and verify any chunk alone. Compression runs in a bounded thread
 pool (zlib and zstandard release the GIL), output is written strictly in order.
 
 Entry handling:
@@ -651,6 +652,9 @@ def convert_layer(src: BinaryIO, dst: BinaryIO, *, format: str = "zstd:chunked",
         raise InvalidArgument(f"chunk size {chunk_size} is outside 4 KiB..1 GiB")
     if prefetch is None and format == "estargz":
         prefetch = []
+    for name, offsets in (cuts or {}).items():
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in offsets):
+            raise InvalidArgument(f"cuts of {name!r}: offsets must be integers")
     nthreads = threads or min(8, os.cpu_count() or 1)
     w = _Writer(dst, format, chunk_size, level, nthreads, cuts)
     tar_stream: IO[bytes] | None = None

@@ -594,8 +594,8 @@ def convert_image(src: str, dst: str, *, format: str = "zstd:chunked",
     with ``cut_chunks`` a chunk starts at each edge of what the start-up read of a file
     (:func:`coldstart.prefetch.ranges.chunk_cuts`), so that the node prefetches and decodes
     those parts and not whole fixed-size chunks around them. ``keep_layers``: with a profile,
-    layers already seekable are kept byte for byte and only annotated with the chunks the
-    profile touched (the node prefetches those at mount).
+    layers already seekable are kept byte for byte (their chunks uncut) and only annotated
+    with the chunks the profile touched (the node prefetches those at mount).
     ``prefetch``: one image-wide list instead (each layer takes the files it holds).
     """
     if profile is not None and prefetch:

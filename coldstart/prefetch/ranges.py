@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from coldstart.format.toc import TOC
     from coldstart.prefetch.recorder import FileAccess
 
-__all__ = ["CUT_GAP", "MAX_TEXT", "OVERFETCH", "PREFETCH_RANGES_ANNOTATION", "chunk_cuts",
-           "decode_ranges", "encode_ranges", "merge_gaps", "touched_ranges"]
+__all__ = ["CUT_ALIGN", "CUT_GAP", "MAX_TEXT", "OVERFETCH", "PREFETCH_RANGES_ANNOTATION",
+           "chunk_cuts", "decode_ranges", "encode_ranges", "merge_gaps", "touched_ranges"]
 
 PREFETCH_RANGES_ANNOTATION = "containerd.io/snapshot/coldstart.prefetch-ranges"
 #: the ranges of a layer's start-up set may name up to this much more than the touched chunks,
@@ -41,7 +41,10 @@ _PREFIX = "v1:"
 #: parts of a file a start-up read that lie closer than this are one part to the writer's
 #: chunking (cutting the few pages between them out saves less decoding than a chunk costs)
 CUT_GAP = 256 << 10
-_PAGE = 4096
+#: cuts lie on this boundary: the largest page size of a Linux node (arm64 with 64 KiB
+#: pages), so that a chunk's edges are page edges on every node (the page cache is handed
+#: whole pages only)
+CUT_ALIGN = 64 << 10
 
 
 def _union(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -148,14 +151,15 @@ def touched_ranges(toc: TOC, files: Iterable[FileAccess], *,
 def chunk_cuts(files: Iterable[FileAccess], *, gap: int = CUT_GAP) -> dict[str, list[int]]:
     """Where a profiled layer's writer also starts a chunk, per recorded file (see
     :func:`coldstart.format.writer.chunk_starts`): at both edges of each part the start-up
-    read, page-aligned, parts less than ``gap`` apart taken as one. A start-up that reads a
-    tenth of a large library then finds those pages in chunks of their own: the prefetch
-    fetches and decodes them and not the rest of fixed-size chunks they would share. A file
-    recorded without ranges (read whole) gets none.
+    read, widened to ``CUT_ALIGN``, parts less than ``gap`` apart taken as one. A start-up
+    that reads a tenth of a large library then finds those pages in chunks of their own: the
+    prefetch fetches and decodes them and not the rest of fixed-size chunks they would share.
+    A file recorded without ranges (read whole) gets none.
 
     >>> from coldstart.prefetch.recorder import FileAccess
-    >>> chunk_cuts([FileAccess("lib.so", 0.0, [(5000, 9000), (10000, 12000), (900000, 901000)])])
-    {'lib.so': [4096, 12288, 897024, 901120]}
+    >>> read = [(70_000, 80_000), (300_000, 400_000), (900_000, 901_000)]
+    >>> chunk_cuts([FileAccess("lib.so", 0.0, read)])
+    {'lib.so': [65536, 458752, 851968, 917504]}
     """
     out: dict[str, list[int]] = {}
     for f in files:
@@ -166,7 +170,7 @@ def chunk_cuts(files: Iterable[FileAccess], *, gap: int = CUT_GAP) -> dict[str, 
             else:
                 parts.append((a, b))
         cuts = sorted({x for a, b in parts
-                       for x in (a - a % _PAGE, b + -b % _PAGE)} - {0})
+                       for x in (a - a % CUT_ALIGN, b + -b % CUT_ALIGN)} - {0})
         if cuts:
             out[f.path] = cuts
     return out

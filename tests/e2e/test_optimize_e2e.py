@@ -21,7 +21,12 @@ from coldstart.oci.convert import PREFETCH_FILES_ANNOTATION
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
 from coldstart.prefetch.profile import SCHEMA, load_profile
-from coldstart.prefetch.ranges import PREFETCH_RANGES_ANNOTATION, decode_ranges
+from coldstart.prefetch.ranges import (
+    CUT_ALIGN,
+    PREFETCH_RANGES_ANNOTATION,
+    chunk_cuts,
+    decode_ranges,
+)
 from tests.fixtures.procs import mounts_under, processes_naming
 from tests.fixtures.registry import Registry
 from tests.integration.pull.pull_env import (
@@ -104,9 +109,19 @@ def test_optimized_layers_hold_the_recorded_files_first(
             assert not set(UNREAD) & set(toc.prefetch)
             assert desc.annotations[PREFETCH_FILES_ANNOTATION] == str(len(recorded))
             ranges = decode_ranges(desc.annotations[PREFETCH_RANGES_ANNOTATION])
-            for name in recorded:
-                for c in toc.entries[name].chunks:
-                    if not c.zeros:
+            cuts = chunk_cuts(profile.layers[i].files)
+            for f in profile.layers[i].files:
+                entry = toc.entries[f.path]
+                starts = {c.chunk_offset for c in entry.chunks}
+                # a chunk starts at each edge of what the start-up read (inside the file)
+                assert {x for x in cuts.get(f.path, ()) if x < entry.size} <= starts
+                if f.ranges:
+                    end = f.ranges[-1][1] + -f.ranges[-1][1] % CUT_ALIGN
+                    assert end >= entry.size or end in starts
+                for c in entry.chunks:
+                    read = not f.ranges or any(a < c.chunk_offset + c.chunk_size
+                                               and c.chunk_offset < b for a, b in f.ranges)
+                    if read and not c.zeros:
                         assert any(a <= c.offset and c.end_offset <= b for a, b in ranges)
 
 

@@ -17,6 +17,7 @@ import zstandard
 
 from coldstart.errors import FormatError
 from coldstart.format import BytesReadAt, CountingReadAt, convert_layer, open_layer
+from coldstart.format.layer import ZSTD_CHUNKED_MANIFEST_POSITION
 from coldstart.format.toc import NO_PREFETCH_LANDMARK, PREFETCH_LANDMARK
 from tests.unit.format.layers import (
     FORMATS,
@@ -204,13 +205,85 @@ def test_toc_bigger_than_the_tail_read_costs_one_more_request_unless_placed(fmt:
     # zstd:chunked's position annotation says where the TOC starts: one request of that size
     placed = fmt == "zstd:chunked"
     unplaced = {k: v for k, v in c.result.annotations.items() if "position" not in k}
-    for tail, annotations, want in ((512 << 10, c.result.annotations, 1),
-                                    (2048, c.result.annotations, 1 if placed else 2),
-                                    (2048, unplaced, 2)):
+    for tail, told, want in ((512 << 10, c.result.annotations, 1),
+                             (2048, c.result.annotations, 1 if placed else 2),
+                             (2048, unplaced, 2)):
         counting = CountingReadAt(BytesReadAt(c.blob))
-        layer = open_layer(counting, annotations=annotations, tail_read=tail)
+        layer = open_layer(counting, annotations=told, tail_read=tail)
         assert counting.requests == want
         assert layer.read_file("many/file-0299") == b"299"
+    if placed:
+        # the one request starts where the annotation puts the TOC: no byte before it
+        counting = CountingReadAt(BytesReadAt(c.blob))
+        open_layer(counting, annotations=c.result.annotations, tail_read=2048)
+        toc_at = int(c.result.annotations[ZSTD_CHUNKED_MANIFEST_POSITION].split(":")[0])
+        assert counting.ranges == [(toc_at, len(c.blob) - toc_at)]
+
+
+def test_a_lying_toc_position_costs_bytes_never_a_wrong_layer() -> None:
+    """The position annotation only sizes the first read: one that says 0 reads the whole
+    (small) blob and the layer opens from its footer; one that disagrees with the footer
+    is refused; on an eStargz layer it is not looked at."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for i in range(300):
+            add(tf, f"many/file-{i:04d}", b"%d" % i)
+    c = convert(buf.getvalue(), "zstd:chunked")
+    real = c.result.annotations[ZSTD_CHUNKED_MANIFEST_POSITION]
+    zero = {**c.result.annotations, ZSTD_CHUNKED_MANIFEST_POSITION: "0:" + real.split(":", 1)[1]}
+    counting = CountingReadAt(BytesReadAt(c.blob))
+    with pytest.raises(FormatError, match="disagrees with the footer"):
+        open_layer(counting, annotations=zero, tail_read=2048)
+    assert counting.ranges == [(0, len(c.blob))]
+    past = {**c.result.annotations,
+            ZSTD_CHUNKED_MANIFEST_POSITION: f"{len(c.blob) * 2}:" + real.split(":", 1)[1]}
+    counting = CountingReadAt(BytesReadAt(c.blob))
+    with pytest.raises(FormatError, match="disagrees with the footer"):
+        open_layer(counting, annotations=past, tail_read=2048)
+    assert counting.bytes_read <= 2048          # the default tail read, then refused
+    e = convert(buf.getvalue(), "estargz")
+    counting = CountingReadAt(BytesReadAt(e.blob))
+    told = {**e.result.annotations, ZSTD_CHUNKED_MANIFEST_POSITION: "0:1:1:1"}
+    layer = open_layer(counting, annotations=told, tail_read=2048)
+    assert counting.ranges[0] == (len(e.blob) - 2048, 2048)      # the default tail read
+    assert layer.read_file("many/file-0299") == b"299"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuts_start_chunks_where_asked_and_every_file_reads_back(fmt: str) -> None:
+    """A profiled layer's writer starts chunks at the edges of what a start-up read, and
+    every ``chunk_size`` bytes after each start: the layer reads back whole and unpacks the
+    same tar; a file with no cuts keeps the fixed grid."""
+    import random
+
+    from coldstart.format.writer import chunk_starts
+
+    data = random.Random(3).randbytes(5 * 4096 + 1000)
+    other = random.Random(4).randbytes(3 * 8192 + 10)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        add(tf, "lib/big.so", data)
+        add(tf, "lib/other.so", other)
+        add(tf, "etc/small", b"0123456789")
+    tar = buf.getvalue()
+    cuts = {"lib/big.so": [4096, 3 * 4096 + 5, 10 ** 9], "etc/small": [5]}
+    c = convert(tar, fmt, chunk_size=8192, cuts=cuts)
+    big = c.layer.toc.entries["lib/big.so"]
+    assert chunk_starts(len(data), 8192, cuts["lib/big.so"]) == [0, 4096, 12288, 12293, 20485]
+    assert [ch.chunk_offset for ch in big.chunks] == [0, 4096, 12288, 12293, 20485]
+    assert all(ch.chunk_size <= 8192 for ch in big.chunks)
+    assert big.digest == "sha256:" + hashlib.sha256(data).hexdigest()
+    assert [ch.chunk_offset for ch in c.layer.toc.entries["lib/other.so"].chunks] == \
+        [0, 8192, 16384, 24576]
+    assert [ch.chunk_offset for ch in c.layer.toc.entries["etc/small"].chunks] == [0, 5]
+    assert c.layer.read_file("lib/big.so") == data
+    assert c.layer.read_file("etc/small") == b"0123456789"
+    assert_same_as_tar(c.layer, tar)
+    if fmt == "zstd:chunked":
+        # a runtime without coldstart unpacks the same stream (eStargz's TOC is an entry of
+        # its stream, and it lists the chunks: there assert_same_as_tar says the rest)
+        assert decompress(c.blob, fmt) == decompress(convert(tar, fmt, chunk_size=8192).blob,
+                                                      fmt)
 
 
 def test_source_stream_is_left_alone_after_return() -> None:

@@ -179,3 +179,45 @@ def test_merge_gaps_closes_the_smallest_gaps_within_the_budget() -> None:
     assert merge_gaps(ranges, 0.15) == [(0, 360), (2000, 2100)]
     assert merge_gaps(ranges, 10.0) == [(0, 2100)]
     assert merge_gaps([(5, 10), (0, 6)], 0.0) == [(0, 10)]
+
+
+def test_chunk_cuts_are_the_aligned_edges_of_what_was_read() -> None:
+    from coldstart.prefetch.ranges import CUT_ALIGN, chunk_cuts
+
+    read = [(70_000, 80_000), (300_000, 400_000), (900_000, 901_000)]
+    files = [FileAccess("lib.so", 0.0, read), FileAccess("whole.txt", 0.1, []),
+             FileAccess("head", 0.2, [(0, 100)])]
+    # parts closer than 256 KiB are one; a file read whole (no ranges) gets no cut
+    assert chunk_cuts(files) == {"lib.so": [65536, 458752, 851968, 917504], "head": [65536]}
+    assert chunk_cuts(files[:1], gap=0) == {
+        "lib.so": [65536, 131072, 262144, 458752, 851968, 917504]}
+    assert all(x % CUT_ALIGN == 0 for xs in chunk_cuts(files).values() for x in xs)
+
+
+def test_a_cut_layer_prefetches_what_was_read_not_the_chunks_around_it() -> None:
+    """The point of the cuts: the chunks a recorded read touches hold about what it read."""
+    import io
+    import random
+    import tarfile
+
+    from coldstart.format import BytesReadAt, convert_layer, open_layer
+    from coldstart.prefetch.ranges import chunk_cuts, touched_ranges
+
+    data = random.Random(1).randbytes(1 << 20)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        info = tarfile.TarInfo("lib/big.so")
+        info.size = len(data)
+        tf.addfile(info, io.BytesIO(data))
+    read = [FileAccess("lib/big.so", 0.0, [(300_000, 310_000)])]   # cut at 256 and 320 KiB
+
+    def touched(cuts: dict[str, list[int]] | None) -> int:
+        out = io.BytesIO()
+        result = convert_layer(io.BytesIO(buf.getvalue()), out, chunk_size=256 << 10,
+                               prefetch=["lib/big.so"], cuts=cuts)
+        toc = open_layer(BytesReadAt(out.getvalue()), annotations=result.annotations).toc
+        return sum(b - a for a, b in touched_ranges(toc, read, overfetch=0))
+
+    grid, cut = touched(None), touched(chunk_cuts(read))
+    assert grid > 256_000                  # the whole 256 KiB chunk around the read
+    assert 60_000 < cut < 70_000           # the read's 64 KiB, random bytes: ~their size
