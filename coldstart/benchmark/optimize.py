@@ -59,6 +59,7 @@ class OptimizeOptions:
     tls_verify: bool = True              # of SRC's and DST's registries
     authfile: Path | None = None         # their credentials (Docker config.json)
     hosts_dir: Path | None = None        # their mirrors and TLS (containerd certs.d)
+    cut_chunks: bool = True              # chunks also start where the start-up's reads do
 
 
 @dataclass
@@ -167,7 +168,8 @@ def optimize_image(src: str, dst: str, opts: OptimizeOptions, *,
     with RegistryClient(insecure_hosts=list(opts.insecure), tls_verify=opts.tls_verify,
                         docker_config=opts.authfile, hosts_dir=opts.hosts_dir) as client:
         summary = convert_image(src, dst, format=fmt, client=client, profile=profile,
-                                workdir=opts.workdir, progress=byte_progress)
+                                workdir=opts.workdir, progress=byte_progress,
+                                cut_chunks=opts.cut_chunks)
     for img in summary.images:
         for layer in img.layers:
             if layer.prefetch_missing:

@@ -65,6 +65,10 @@ def _parse_chunk_size(text: str) -> int:
               help="With --profile: keep layers that are already seekable byte for byte and "
                    "only annotate them with the chunks the profile touched (a node prefetches "
                    "those at mount; nothing is re-compressed).")
+@click.option("--cut-chunks/--no-cut-chunks", default=True, show_default=True,
+              help="With --profile: also start a chunk at each edge of what the start-up "
+                   "read of a file (a node then prefetches and decodes those parts, not the "
+                   "4 MiB chunks around them: fewer bytes, a few more requests).")
 @click.option("--platform", "platforms", multiple=True, metavar="OS/ARCH[/VARIANT]",
               help="Convert only these platforms of a multi-platform image (repeatable or a "
                    "comma list, e.g. linux/amd64,linux/arm64; default: every platform).")
@@ -80,7 +84,8 @@ def _parse_chunk_size(text: str) -> int:
 @output_option("the summary with every layer")
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
 def convert(src: str, dst: str, fmt: str, chunk_size: str, prefetch_list: Path | None,
-            profile_path: Path | None, keep_layers: bool, platforms: tuple[str, ...],
+            profile_path: Path | None, keep_layers: bool, cut_chunks: bool,
+            platforms: tuple[str, ...],
             all_platforms: bool, hosts_dir: Path | None, insecure: tuple[str, ...],
             tls_verify: bool, authfile: Path | None, jobs: int, level: int | None,
             json_out: Path | None, output: str, quiet: bool) -> None:
@@ -131,7 +136,8 @@ def convert(src: str, dst: str, fmt: str, chunk_size: str, prefetch_list: Path |
             summary = convert_image(src, dst, format=fmt, chunk_size=size, prefetch=prefetch,
                                     platforms=wanted or None, client=client, workers=jobs,
                                     level=level, on_layer=on_layer, profile=profile,
-                                    keep_layers=keep_layers, progress=progress)
+                                    keep_layers=keep_layers, progress=progress,
+                                    cut_chunks=cut_chunks)
     for skipped in summary.skipped:
         click.echo(f"skipped {skipped}", err=True)
     for img in summary.images:

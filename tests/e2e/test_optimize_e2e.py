@@ -194,6 +194,32 @@ def test_convert_profile_skips_files_not_in_the_image(
             assert PREFETCH_FILES_ANNOTATION not in desc.annotations
 
 
+@pytest.mark.parametrize("cut", [True, False])
+def test_convert_profile_cuts_chunks_where_reads_end_unless_told_not_to(
+        base: PushedImage, registry: Registry, tmp_path: Path, cut: bool) -> None:
+    """A recorded read of the first 100 KiB of data/multi.bin (5 MiB + 4): with the cuts a
+    chunk starts at 128 KiB; with ``--no-cut-chunks`` the file keeps its 4 MiB chunks."""
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"schema": SCHEMA, "layers": [
+        {"index": 1, "diff_id": base.diff_ids[1],
+         "files": [{"path": "data/multi.bin", "t": 0.0, "ranges": [[0, 100 << 10]]}]},
+    ]}))
+    dst = f"{registry.host}/e2e-opt/app:cut-{cut}"
+    proc = coldstart_cli("convert", base.ref, dst, "--profile", str(profile),
+                         *(() if cut else ("--no-cut-chunks",)))
+    assert proc.returncode == 0, proc.stderr
+    with RegistryClient() as reg:
+        desc = reg.resolve(Reference.parse(dst)).manifest.layers[1]
+        blob = reg.get_blob(Reference.parse(dst), desc.digest)
+    toc = open_layer(BytesReadAt(blob), annotations=desc.annotations).toc
+    starts = [c.chunk_offset for c in toc.entries["data/multi.bin"].chunks]
+    assert starts == ([0, 128 << 10, (128 << 10) + (4 << 20)] if cut else [0, 4 << 20])
+    # the prefetch takes the first chunk only: 128 KiB of it with the cuts, 4 MiB without
+    ranges = decode_ranges(desc.annotations[PREFETCH_RANGES_ANNOTATION])
+    first = toc.entries["data/multi.bin"].chunks[0]
+    assert any(a <= first.offset and first.end_offset <= b for a, b in ranges)
+
+
 @pytest.mark.parametrize("text", ["", "{oops", '{"schema": "x", "layers": []}'])
 def test_convert_refuses_a_bad_profile(base: PushedImage, registry: Registry, tmp_path: Path,
                                        text: str) -> None:
