@@ -61,6 +61,11 @@ MAX_DECODE = 1 << 30
 MAX_ZERO_CHUNK = MAX_DECODE
 
 
+def _position(annotations: Mapping[str, str]) -> str | None:
+    """The zstd:chunked TOC position annotation (either spelling)."""
+    return annotations.get(ZSTD_CHUNKED_MANIFEST_POSITION) or annotations.get(_LEGACY_POSITION)
+
+
 def _zstd_checksum(annotations: Mapping[str, str]) -> str | None:
     return annotations.get(ZSTD_CHUNKED_MANIFEST_CHECKSUM) or annotations.get(_LEGACY_CHECKSUM)
 
@@ -253,9 +258,9 @@ class SeekableLayer:
 class _Tail:
     """The blob's last bytes, read once; ranges inside it cost no further request."""
 
-    def __init__(self, blob: ReadAt, tail_read: int, size: int | None = None) -> None:
+    def __init__(self, blob: ReadAt, tail_read: int, size: int) -> None:
         self.blob = blob
-        self.size = blob.size() if size is None else size
+        self.size = size
         self.start = max(0, self.size - tail_read)
         self.data = blob.read_at(self.start, self.size - self.start)
 
@@ -324,7 +329,7 @@ def _tar_size(field: bytes) -> int:
 def _zstd_toc(tail: _Tail, footer: Footer,
               annotations: Mapping[str, str]) -> tuple[bytes, bytes, int]:
     offset, length, ulength = footer.toc_offset, footer.toc_length, footer.toc_uncompressed
-    pos = annotations.get(ZSTD_CHUNKED_MANIFEST_POSITION) or annotations.get(_LEGACY_POSITION)
+    pos = _position(annotations)
     if pos is not None:
         a = _parse_position(pos, 4, ZSTD_CHUNKED_MANIFEST_POSITION)
         if (a[0], a[1], a[2]) != (offset, length, ulength):
@@ -367,7 +372,7 @@ def _tail_read(size: int, annotations: Mapping[str, str], tail_read: int) -> int
     costs at most ``MAX_TOC_SIZE`` more bytes read, as a lying footer can."""
     if _zstd_checksum(annotations) is None or ESTARGZ_TOC_DIGEST in annotations:
         return tail_read
-    pos = annotations.get(ZSTD_CHUNKED_MANIFEST_POSITION) or annotations.get(_LEGACY_POSITION)
+    pos = _position(annotations)
     if pos is None:
         return tail_read
     try:
