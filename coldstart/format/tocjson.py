@@ -333,8 +333,6 @@ def _chunks_of(name: str, size: int, raws: list[_RawChunk], data_end: int, exact
 
 _INT_END = 1 << 63
 _U63 = Annotated[int, msgspec.Meta(ge=0, le=_INT_END - 1)]
-# a "." or ".." component (names are joined with NUL, which no valid name holds)
-_DOT_COMPONENT = re.compile(r"(?<![^/\0])\.\.?(?![^/\0])")
 _HEX = b"0123456789abcdef"
 
 
@@ -401,13 +399,19 @@ def _all_digests(ds: list[Any]) -> bool:
 
 def _clean_names(joined: str) -> bool:
     """No name in the NUL-joined ``joined`` would change in normalize_name: no empty component
-    (leading, trailing or double slash) and no "." or ".." one. Substring tests first: they
-    run at memory speed, and most layers have no component that starts with a dot."""
-    if ("//" in joined or "\0/" in joined or "/\0" in joined or joined.startswith("/")
-            or joined.endswith("/")):
+    (leading, trailing or double slash) and no "." or ".." one; one name may be empty (the
+    root's own entry). With every component between NULs these are substring tests, which run
+    at memory speed (a regular expression that looks around each character took ten times as
+    long)."""
+    ends = "\0" + joined + "\0"
+    root = ends.find("\0\0")            # an empty name: dropped, once
+    if root >= 0:
+        ends = ends[:root] + ends[root + 1:]
+    padded = ends.replace("/", "\0")
+    if "\0\0" in padded:
         return False
     if "/." in joined or "\0." in joined or joined.startswith("."):
-        return _DOT_COMPONENT.search(joined) is None
+        return "\0.\0" not in padded and "\0..\0" not in padded
     return True
 
 

@@ -15,8 +15,15 @@ from typing import Any
 import pytest
 
 from coldstart.errors import FormatError
-from coldstart.format.toc import ENTRY_TYPES, TOC
-from coldstart.format.tocjson import _TYPED, _parse_fast_json, _parse_strict, _RawEntry, parse_toc
+from coldstart.format.toc import ENTRY_TYPES, TOC, normalize_name
+from coldstart.format.tocjson import (
+    _TYPED,
+    _clean_names,
+    _parse_fast_json,
+    _parse_strict,
+    _RawEntry,
+    parse_toc,
+)
 from tests.unit.format.layers import FORMATS, Converted, add, convert, every_kind_tar, toc_doc
 
 H = "0123456789abcdef" * 4
@@ -195,3 +202,21 @@ def test_the_small_chunks_read_from_columns_are_those_of_the_entries(tmp_path: P
         assert sorted(fast.entries.small_chunks(limit)) == want       # from the columns
         multi = multi or any(k > 0 for _, _, _, k in want)
     assert multi == (limit > 8192)        # app/big.bin's several chunks, once it is small
+
+
+@pytest.mark.parametrize(("names", "clean"), [
+    (["a", "a/b", "a/.hidden", "a/..x", "a/x.", "..."], True),
+    (["", "a", "a/b"], True),                 # the root's own entry, first
+    (["x", "", "a"], True),                   # or anywhere (eStargz puts its landmark first)
+    (["x", "a", ""], True),
+    (["", "a", ""], False),                   # two empty names
+    (["a", "/b"], False), (["a/", "b"], False), (["a", "b//c"], False), (["/a"], False),
+    (["a", "b/"], False), (["a", "./b"], False), (["a", "b/."], False), (["a/../b"], False),
+    ([".."], False), (["a", "."], False), (["a/./b", "c"], False),
+])
+def test_clean_names_finds_every_name_normalize_name_would_change(names: list[str],
+                                                                   clean: bool) -> None:
+    assert _clean_names("\0".join(names)) is clean
+    for name in names:
+        if name and clean:
+            assert normalize_name(name) == name
