@@ -42,7 +42,7 @@ from coldstart.benchmark.shaping import Link
 from coldstart.errors import ColdstartError, FailedPrecondition, InvalidArgument, NotFound
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
-from coldstart.prefetch.ranges import CUT_ALIGN, CUT_GAP
+from coldstart.prefetch.ranges import CUT_ALIGN, CUT_GAP, OVERFETCH
 from coldstart.stack.registry import push_layout
 
 __all__ = ["BenchOptions", "Reporter", "Silent", "check_modes", "parse_modes", "run_bench"]
@@ -265,6 +265,8 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
             key += " " + json.dumps([command, env])
         if fmt == "zstd:chunked-profile":
             key += f" cuts={CUT_GAP}/{CUT_ALIGN}"    # how its files' chunks are cut
+        if fmt.startswith("zstd:chunked-profile"):
+            key += f" overfetch={OVERFETCH}"           # what its prefetch ranges hold
         if fmt == "zstd:chunked-profile-grid":
             # (check_modes: coldstart+profile is prepared in this run, before this one)
             key += " " + hashlib.sha256(saved.read_bytes()).hexdigest()

@@ -37,6 +37,7 @@ from coldstart.format.layer import SeekableLayer
 from coldstart.format.toc import Chunk
 from coldstart.remote import Source
 from coldstart.remote import coalesce as coalesce_ranges
+from coldstart.remote.source import ManyRangeSource, read_many
 
 __all__ = [
     "DEMAND",
@@ -63,6 +64,12 @@ MAX_GAP = 32 << 10
 #: its own, bounded by ``request_timeout`` like any): more would only delay a read's EIO when
 #: the registry itself holds wrong bytes.
 REFETCHES = 1
+#: A prefetch from a source that reads several ranges in one request (an HTTP multi-range
+#: GET) asks the runs of its chunks ``MAX_GAP`` apart in requests of up to this many
+#: compressed bytes and ``MULTI_PARTS`` ranges: the untouched bytes between the runs are not
+#: sent, and the requests are few.
+MULTI_BYTES = 16 << 20
+MULTI_PARTS = 32
 
 
 class FetchTelemetry(Protocol):
@@ -199,6 +206,27 @@ def coalesce(chunks: Iterable[Chunk], max_bytes: int, max_gap: int = 0) -> list[
     if strays:
         out.sort(key=lambda g: (g[0].offset, g[0].inner_offset))
     return out
+
+
+def pack_runs(runs: list[list[Chunk]], max_bytes: int, max_parts: int) -> list[list[list[Chunk]]]:
+    """Consecutive runs (from :func:`coalesce`, in blob order) packed into requests of up to
+    ``max_bytes`` compressed bytes and ``max_parts`` runs each; a larger run goes alone.
+
+    >>> runs = [[Chunk(0, 10, 0, 5, "a")], [Chunk(50, 60, 0, 5, "b")], [Chunk(90, 99, 0, 5, "c")]]
+    >>> [[[c.offset for c in r] for r in p] for p in pack_runs(runs, 20, 8)]
+    [[[0], [50]], [[90]]]
+    """
+    packs: list[list[list[Chunk]]] = []
+    size = 0
+    for run in runs:
+        n = max(c.end_offset for c in run) - run[0].offset
+        if packs and len(packs[-1]) < max_parts and size + n <= max_bytes:
+            packs[-1].append(run)
+            size += n
+        else:
+            packs.append([run])
+            size = n
+    return packs
 
 
 def _key(target: FetchTarget, c: Chunk) -> str:
@@ -489,13 +517,21 @@ class ChunkFetcher:
             limit = max(1, max_bytes)
         else:
             limit = max(1, min(max_bytes, self.max_coalesce_bytes))
-        groups = coalesce(chunks, limit, self.max_gap if max_gap is None else max_gap)
+        multi = kind == PREFETCH and isinstance(target.source, ManyRangeSource)
+        if multi:
+            # runs of chunks a few tar headers apart, several to a request
+            runs = coalesce(chunks, limit, self.max_gap)
+            packs = pack_runs(runs, MULTI_BYTES, MULTI_PARTS)
+            groups = [[c for run in pack for c in run] for pack in packs]
+        else:
+            groups = coalesce(chunks, limit, self.max_gap if max_gap is None else max_gap)
+            packs = [[g] for g in groups]
         if not background:
             with self._lock:
                 self._foreground += len(groups)
                 if kind == PREFETCH:
                     self._prefetching += len(groups)
-        for g in groups:
+        for g, pack in zip(groups, packs, strict=True):
             owned = {c: chunks[c] for c in g}
             run: Callable[[], None]
             if background:
@@ -511,8 +547,9 @@ class ChunkFetcher:
                     self._fetch_group(target, owned, False, kind)
                 pool = self._bg_pool
             else:
-                def run(owned: dict[Chunk, _Flight] = owned) -> None:
-                    self._fetch_group(target, owned, True, kind)
+                def run(owned: dict[Chunk, _Flight] = owned,
+                        pack: list[list[Chunk]] = pack) -> None:
+                    self._fetch_group(target, owned, True, kind, pack)
                 pool = self._pool
             try:
                 pool.submit(run)
@@ -583,22 +620,33 @@ class ChunkFetcher:
                 self._idle.notify_all()
 
     def _fetch_group(self, target: FetchTarget, owned: dict[Chunk, _Flight],
-                     foreground: bool, kind: str = DEMAND) -> None:
+                     foreground: bool, kind: str = DEMAND,
+                     runs: list[list[Chunk]] | None = None) -> None:
+        """Fetch ``owned`` in one request: their whole compressed range, or with ``runs``
+        (the chunks in runs apart, in blob order) each run's range in one multi-range
+        request; then decode, verify and settle each chunk."""
         group = sorted(owned, key=lambda c: (c.offset, c.inner_offset))
-        start = group[0].offset
-        end = max(c.end_offset for c in group)
+        parts = runs if runs is not None and len(runs) > 1 else [group]
+        spans = [(p[0].offset, max(c.end_offset for c in p)) for p in parts]
+        start, end = spans[0][0], spans[-1][1]
         # a large prefetch request gets as much more time as it is larger than a usual one
-        timeout = self.request_timeout * max(1.0, (end - start) / self.max_coalesce_bytes)
+        size = sum(b - a for a, b in spans)
+        timeout = self.request_timeout * max(1.0, size / self.max_coalesce_bytes)
         try:
-            raw = target.source.read_at(start, end - start, timeout=timeout)
+            if len(spans) == 1:
+                raws = [target.source.read_at(start, end - start, timeout=timeout)]
+            else:
+                raws = read_many(target.source, [(a, b - a) for a, b in spans],
+                                 timeout=timeout)
         except BaseException as exc:
             what = type(exc).__name__
             msg = self._report(target, what, f"layer {target.digest}: fetching bytes "
-                               f"{start}..{end} ({len(group)} chunks) failed: {what}: {exc}")
+                               f"{start}..{end} ({len(group)} chunks in {len(spans)} ranges) "
+                               f"failed: {what}: {exc}")
             err = exc if isinstance(exc, ColdstartError) else Unavailable(msg)
             self._settle_all(target, owned, err, foreground, kind)
             return
-        self._count_fetch(target, len(raw), len(group), kind)
+        self._count_fetch(target, sum(len(r) for r in raws), len(group), kind)
         try:
             again: list[Chunk] = []
             spread: dict[str, bytes] = {}
@@ -609,15 +657,16 @@ class ChunkFetcher:
                 for c in group:
                     upto[c.offset] = max(upto.get(c.offset, 0), c.inner_offset + c.chunk_size)
             later = False
-            for c in group:
-                if c.offset != span:    # sorted: a span's pieces come together
-                    spread.clear()
-                    span = c.offset
-                    later = upto is not None and self._defer_spread(target, c, raw, start)
-                if not self._finish_chunk(target, c, owned[c], raw, start,
-                                          last=REFETCHES <= 0, spread=spread,
-                                          upto=upto[c.offset] if later and upto else None):
-                    again.append(c)
+            for part, raw, (start, _) in zip(parts, raws, spans, strict=True):
+                for c in sorted(part, key=lambda c: (c.offset, c.inner_offset)):
+                    if c.offset != span:    # sorted: a span's pieces come together
+                        spread.clear()
+                        span = c.offset
+                        later = upto is not None and self._defer_spread(target, c, raw, start)
+                    if not self._finish_chunk(target, c, owned[c], raw, start,
+                                              last=REFETCHES <= 0, spread=spread,
+                                              upto=upto[c.offset] if later and upto else None):
+                        again.append(c)
             if again:
                 self._refetch(target, again, owned, kind)
         finally:

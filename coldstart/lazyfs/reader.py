@@ -78,7 +78,10 @@ PREFETCH_REQUEST = 64 << 20
 PREFETCH_STREAMS = 4
 PREFETCH_GROWTH = 4
 #: Chunks of the prefetch set this many compressed bytes apart share a request (the bytes of
-#: the untouched chunks between them are fetched and dropped): fewer round trips.
+#: the untouched chunks between them are fetched and dropped): fewer round trips. A source
+#: that reads several ranges in one request (a registry answering multi-range requests)
+#: is asked the runs apart instead, the bytes between them left out
+#: (:data:`~coldstart.lazyfs.fetcher.MULTI_BYTES`).
 PREFETCH_GAP = 1 << 20
 #: Compressed bytes per request of the background fetch of the rest of a layer: large enough
 #: that requests are few, small enough that a read waiting on one is not held up long.

@@ -200,6 +200,7 @@ class RegistryClient:
         # bearer token (Basic credentials, which the CRI keychain rotates, stay with it)
         self._direct_ok: dict[tuple[str, str], str] = {}
         self._direct_off: dict[str, float] = {}     # endpoint -> monotonic time to retry
+        self._multi_off: set[str] = set()   # endpoints that do not answer multi-range requests
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -846,11 +847,39 @@ class RegistryClient:
         return retry_call(once, what=what, deadline=deadline, retries=self.retries,
                      backoff=self._backoff, classify=only_again)
 
-    def _direct_range(self, ep: Endpoint, ref: Reference, digest: str, offset: int,
-                      length: int, deadline: Deadline, what: str) -> bytearray | None:
-        """The range from the registry's first endpoint ``ep`` over
-        :class:`RangeConnections` (with the credentials already known for the repository);
-        None when it declines."""
+    def read_blob_ranges(self, ref: Reference, digest: str,
+                         ranges: Sequence[tuple[int, int]], *,
+                         timeout: float | None = None) -> tuple[list[bytes], int]:
+        """Several ranges ``(offset, length)`` of a blob, each exactly as asked (shorter only
+        where the blob ends first), and the number of requests it took: one multi-range
+        request where the registry answers those (distribution does; stargz-snapshotter asks
+        them too), else one range request each (:meth:`read_blob_range`). A registry that
+        answers a multi-range request with the whole blob (an object store behind a redirect:
+        S3 does) or with parts that do not hold the ranges is not asked one again.
+
+        Ranges must be non-empty, in increasing order and apart.
+        """
+        ranges = list(ranges)
+        what = f"read {digest[:19]}[{len(ranges)} ranges] from {ref.name}"
+        deadline = Deadline(timeout if timeout is not None else self.timeout, what)
+        if len(ranges) > 1:
+            eps = self._endpoints_for(ref.registry, "pull")
+            try:
+                got = self._direct_ranges(eps[0], ref, digest, ranges, deadline, what)
+            except Unavailable as exc:      # the body broke off: range by range, with retries
+                log.debug("%s: %s; one range at a time", what, exc)
+                got = None
+            if got is not None:
+                return [bytes(b) for b in got], 1
+        out = [self.read_blob_range(ref, digest, off, n, timeout=deadline.remaining())
+               for off, n in ranges]
+        return out, len(ranges)
+
+    def _direct_target(self, ep: Endpoint, ref: Reference, digest: str
+                       ) -> tuple[str, dict[str, str]] | None:
+        """URL and headers of a direct range read of ``digest`` from the registry's first
+        endpoint ``ep`` (with the credentials already known for the repository); None where
+        range reads do not go direct (yet)."""
         key = (ep.base, ref.repository)
         with self._lock:    # before the credential look-up: most repositories decline here
             if self._closed or key not in self._direct_ok or \
@@ -866,6 +895,41 @@ class RegistryClient:
         headers = dict(ep.headers)
         if auth:
             headers["Authorization"] = auth
+        return url, headers
+
+    def _direct_ranges(self, ep: Endpoint, ref: Reference, digest: str,
+                       ranges: list[tuple[int, int]], deadline: Deadline,
+                       what: str) -> list[bytearray] | None:
+        """The ranges in one multi-range request over :class:`RangeConnections`; None when
+        range reads do not go direct or the registry declines (then not asked again)."""
+        with self._lock:
+            if ep.base in self._multi_off:
+                return None
+        target = self._direct_target(ep, ref, digest)
+        if target is None:
+            return None
+        url, headers = target
+        got = self._ranges.get_ranges(url, ranges, headers=headers, deadline=deadline.end,
+                                      what=what, tls=lambda u: self._tls_context(ep, u),
+                                      stall=self.timeout)
+        if isinstance(got, Declined):
+            log.info("%s: the registry does not answer multi-range requests (%s): one range "
+                     "per request from now on", what, got.reason)
+            with self._lock:
+                self._multi_off.add(ep.base)
+            return None
+        return got
+
+    def _direct_range(self, ep: Endpoint, ref: Reference, digest: str, offset: int,
+                      length: int, deadline: Deadline, what: str) -> bytearray | None:
+        """The range from the registry's first endpoint ``ep`` over
+        :class:`RangeConnections` (with the credentials already known for the repository);
+        None when it declines."""
+        target = self._direct_target(ep, ref, digest)
+        if target is None:
+            return None
+        url, headers = target
+        key = (ep.base, ref.repository)
         # a stall is cut off after ``timeout`` as on the general path (httpx's read
         # timeout), so that the call's retries get the rest of its deadline
         got = self._ranges.get(url, offset, length, headers=headers,

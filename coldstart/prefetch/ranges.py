@@ -33,8 +33,11 @@ __all__ = ["CUT_ALIGN", "CUT_GAP", "MAX_TEXT", "OVERFETCH", "PREFETCH_RANGES_ANN
 
 PREFETCH_RANGES_ANNOTATION = "containerd.io/snapshot/coldstart.prefetch-ranges"
 #: the ranges of a layer's start-up set may name up to this much more than the touched chunks,
-#: to close the gaps between them (fewer, larger requests at mount)
-OVERFETCH = 0.15
+#: to close the gaps between them. None by default: the prefetch joins the ranges itself, as
+#: the registry suits (several ranges to a request where it answers multi-range requests, the
+#: bytes between them left out; else ranges less than ``PREFETCH_GAP`` apart in one), which
+#: an image written once cannot know
+OVERFETCH = 0.0
 #: containerd limits a label's key + value to 4096 bytes
 MAX_TEXT = 4096 - len(PREFETCH_RANGES_ANNOTATION) - 16
 _PREFIX = "v1:"

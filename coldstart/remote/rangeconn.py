@@ -27,13 +27,14 @@ origin carries the range and nothing else (no credentials, no endpoint headers).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import http.client
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
@@ -104,13 +105,36 @@ class RangeConnections:
         host or port) sends nothing but the range (no credentials, no endpoint headers).
         ``tls(url)``: the TLS context for an ``https`` URL, None for the default verification.
         """
+        got = self._get(url, [(offset, length)], headers, deadline, what, tls, stall)
+        return got if isinstance(got, Declined) else got[0]
+
+    def get_ranges(self, url: str, ranges: Sequence[tuple[int, int]], *,
+                   headers: Mapping[str, str], deadline: float, what: str,
+                   tls: Callable[[str], ssl.SSLContext | None] | None = None,
+                   stall: float | None = None) -> list[bytearray] | Declined:
+        """Several ranges ``(offset, length)`` of ``url`` in one request (a multi-range
+        ``Range`` header, answered as ``multipart/byteranges``), each exactly as asked; or
+        :class:`Declined`, as :meth:`get`, and also for a server that answers with the whole
+        resource (``200``: object stores do; its body is not read) or with parts that do not
+        hold every range asked. Ranges must be non-empty, in increasing order and apart (as
+        RFC 9110 lets a server merge ranges that touch into one part, which is taken too).
+        """
+        if not ranges:
+            return []
+        return self._get(url, list(ranges), headers, deadline, what, tls, stall)
+
+    def _get(self, url: str, ranges: list[tuple[int, int]], headers: Mapping[str, str],
+             deadline: float, what: str,
+             tls: Callable[[str], ssl.SSLContext | None] | None,
+             stall: float | None) -> list[bytearray] | Declined:
+        spec = ",".join(f"{off}-{off + n - 1}" for off, n in ranges)
         rng = {"User-Agent": self.user_agent, "Accept-Encoding": "identity",
-               "Range": f"bytes={offset}-{offset + length - 1}"}
+               "Range": f"bytes={spec}"}
         hdrs = {**headers, **rng}
         try:
             origin = _origin(url)
             for _hop in range(MAX_REDIRECTS + 1):
-                answer = self._one(url, hdrs, offset, length, deadline, what, tls, stall)
+                answer = self._one(url, hdrs, ranges, deadline, what, tls, stall)
                 if not isinstance(answer, str):
                     return answer
                 url = urljoin(url, answer)
@@ -120,11 +144,12 @@ class RangeConnections:
             return Declined(f"bad URL: {exc}")
         return Declined(f"more than {MAX_REDIRECTS} redirects")
 
-    def _one(self, url: str, headers: Mapping[str, str], offset: int, length: int,
+    def _one(self, url: str, headers: Mapping[str, str], ranges: list[tuple[int, int]],
              deadline: float, what: str,
              tls: Callable[[str], ssl.SSLContext | None] | None,
-             stall: float | None = None) -> bytearray | Declined | str:
-        """One request: the body, Declined, or the ``Location`` of a redirect."""
+             stall: float | None = None) -> list[bytearray] | Declined | str:
+        """One request: the bytes of each range, Declined, or the ``Location`` of a
+        redirect."""
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             return Declined(f"not an http(s) URL: {url}")
@@ -168,7 +193,19 @@ class RangeConnections:
             if status != 206:
                 return Declined(f"HTTP {status}", status)
             size = resp.length
-            bad = _check_partial(resp.getheader("Content-Range"), size, offset, length)
+            boundary = _boundary(resp.getheader("Content-Type", ""))
+            if len(ranges) > 1 and boundary is not None:
+                bad = "" if size is not None and size <= _most(ranges) else \
+                    f"multipart answer of {size} bytes for {len(ranges)} ranges"
+            elif len(ranges) > 1:
+                # one part for them all: a server may merge ranges that are close
+                first, last = ranges[0][0], ranges[-1][0] + ranges[-1][1]
+                bad = _check_partial(resp.getheader("Content-Range"), size, first,
+                                     last - first)
+                if not bad and size != last - first:
+                    bad = f"{size} bytes for ranges up to {last}"
+            else:
+                bad = _check_partial(resp.getheader("Content-Range"), size, *ranges[0])
             if resp.getheader("Content-Encoding", "identity").lower() != "identity":
                 bad = f"Content-Encoding {resp.getheader('Content-Encoding')!r}"
             if bad or size is None:
@@ -182,7 +219,16 @@ class RangeConnections:
                                            f"({exc})") from exc
                 raise
             keep = not resp.will_close
-            return buf
+            if len(ranges) == 1:
+                return [buf]
+            if boundary is None:
+                first = ranges[0][0]
+                return [buf[off - first: off - first + n] for off, n in ranges]
+            got = _split_byteranges(buf, boundary, ranges)
+            if isinstance(got, str):
+                keep = False
+                return Declined(got, status)
+            return got
         finally:
             watchdog.cancel()
             if keep and not watchdog.fired:
@@ -346,3 +392,83 @@ def _default_context() -> ssl.SSLContext:
         if _DEFAULT_CTX is None:
             _DEFAULT_CTX = ssl.create_default_context()
         return _DEFAULT_CTX
+
+
+#: bytes a multipart answer may hold beyond its ranges' own, per part (boundary and headers)
+#: and in all (preamble and epilogue): a larger answer is declined before its body is read
+PART_OVERHEAD = 512
+ANSWER_OVERHEAD = 4096
+
+
+def _most(ranges: Sequence[tuple[int, int]]) -> int:
+    return sum(n for _, n in ranges) + PART_OVERHEAD * len(ranges) + ANSWER_OVERHEAD
+
+
+def _boundary(content_type: str) -> bytes | None:
+    """The boundary of a ``multipart/byteranges`` Content-Type, None for any other type.
+
+    >>> _boundary('multipart/byteranges; boundary="a b"'), _boundary("application/octet-stream")
+    (b'a b', None)
+    """
+    kind, _, params = content_type.partition(";")
+    if kind.strip().lower() != "multipart/byteranges":
+        return None
+    for param in params.split(";"):
+        key, _, value = param.strip().partition("=")
+        if key.strip().lower() == "boundary":
+            value = value.strip().strip('"')
+            if 0 < len(value) <= 70 and value.isascii():
+                return value.encode("ascii")
+    return None
+
+
+def _split_byteranges(body: bytearray, boundary: bytes,
+                      ranges: Sequence[tuple[int, int]]) -> list[bytearray] | str:
+    """The bytes of each range asked, from a ``multipart/byteranges`` body; a string saying
+    what is wrong if the body is malformed or its parts do not hold every range. Each part's
+    length comes from its ``Content-Range``: its bytes are never searched for the boundary
+    (they may hold it)."""
+    delim = b"--" + boundary
+    view = memoryview(body)
+    parts: list[tuple[int, memoryview]] = []
+    pos = body.find(delim)                      # after a preamble, if any
+    while True:
+        if pos < 0:
+            return "multipart answer: a boundary is missing"
+        pos += len(delim)
+        if body[pos:pos + 2] == b"--":
+            break                               # the close delimiter
+        eol = body.find(b"\r\n", pos)
+        end = body.find(b"\r\n\r\n", eol) if eol >= 0 else -1
+        if end < 0:
+            return "multipart answer: a part's headers do not end"
+        first = last = -1
+        for line in bytes(body[eol + 2:end]).split(b"\r\n"):
+            key, _, value = line.partition(b":")
+            if key.strip().lower() != b"content-range":
+                continue
+            unit, _, rest = value.strip().partition(b" ")
+            span, _, _total = rest.partition(b"/")
+            lo, _, hi = span.partition(b"-")
+            if unit.lower() == b"bytes" and lo.isdigit() and hi.isdigit():
+                first, last = int(lo), int(hi)
+        if first < 0 or last < first:
+            return "multipart answer: a part without a valid Content-Range"
+        start = end + 4
+        stop = start + last - first + 1
+        if stop > len(body):
+            return "multipart answer: a part is cut short"
+        parts.append((first, view[start:stop]))
+        if body[stop:stop + 2] != b"\r\n" or body[stop + 2:stop + 2 + len(delim)] != delim:
+            return "multipart answer: a part is not followed by a boundary"
+        pos = stop + 2
+    parts.sort(key=lambda p: p[0])
+    starts = [p[0] for p in parts]
+    out: list[bytearray] = []
+    for off, n in ranges:
+        i = bisect.bisect_right(starts, off) - 1
+        if i < 0 or off + n > parts[i][0] + len(parts[i][1]):
+            return f"multipart answer holds no part for bytes {off}-{off + n - 1}"
+        a = off - parts[i][0]
+        out.append(bytearray(parts[i][1][a:a + n]))
+    return out

@@ -105,6 +105,33 @@ class RegistryBlob:
         data = self.read_at(offset, total, timeout=timeout)
         fill_from_chunks(self.name, offset, views, [data])
 
+    def read_many(self, ranges: Sequence[tuple[int, int]], *,
+                  timeout: float | None = None) -> list[bytes]:
+        """Exactly the bytes of each range ``(offset, length)`` (non-empty, increasing, apart),
+        in one multi-range request where the client and registry answer those, else one
+        request each; within ``timeout`` seconds in all (default: the blob's)."""
+        known = self._size
+        for off, n in ranges:
+            if known is not None:
+                check_range(off, n, known)
+            elif off < 0 or n <= 0:
+                raise InvalidArgument(f"bad range: offset {off}, length {n}")
+        many = getattr(self.client, "read_blob_ranges", None)
+        if many is None or len(ranges) < 2:
+            return [self.read_at(off, n, timeout=timeout) for off, n in ranges]
+        got: list[bytes]
+        requests: int
+        got, requests = many(self.ref, self.digest, ranges,
+                             timeout=self.timeout if timeout is None else timeout)
+        with self._lock:
+            self.requests += requests
+            self.bytes += sum(len(b) for b in got)
+        for (off, n), data in zip(ranges, got, strict=True):
+            if len(data) != n:
+                raise Unavailable(f"blob {self.digest}: asked {n} bytes at {off}, registry "
+                                  f"sent {len(data)}")
+        return got
+
     def read_ranges(self, ranges: Sequence[tuple[int, int]], *, max_gap: int = 64 << 10,
                     max_length: int = 32 << 20) -> list[bytes]:
         """Read several ranges with as few requests as possible; results in input order.

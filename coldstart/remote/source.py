@@ -26,8 +26,8 @@ from typing import Protocol, runtime_checkable
 from coldstart.errors import Unavailable
 from coldstart.format.readat import ReadAt, check_range
 
-__all__ = ["ReadAtSource", "Source", "as_source", "bytes_view", "fill_from_chunks",
-           "read_at_into"]
+__all__ = ["ManyRangeSource", "ReadAtSource", "Source", "as_source", "bytes_view",
+           "fill_from_chunks", "read_at_into", "read_many"]
 
 
 @runtime_checkable
@@ -42,6 +42,26 @@ class Source(Protocol):
                   timeout: float | None = None) -> None: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class ManyRangeSource(Protocol):
+    """A source that reads several ranges in one request (an HTTP multi-range GET):
+    ``read_many(ranges, *, timeout=None) -> list[bytes]``, each range exactly as asked, in
+    increasing order and apart; it falls back to a request per range by itself where the
+    server does not answer those."""
+
+    def read_many(self, ranges: Sequence[tuple[int, int]], *,
+                  timeout: float | None = None) -> list[bytes]: ...
+
+
+def read_many(source: Source, ranges: Sequence[tuple[int, int]], *,
+              timeout: float | None = None) -> list[bytes]:
+    """The bytes of each range ``(offset, length)`` of ``source``: in one request where the
+    source reads several at once (:class:`ManyRangeSource`), else one ``read_at`` each."""
+    if len(ranges) > 1 and isinstance(source, ManyRangeSource):
+        return source.read_many(ranges, timeout=timeout)
+    return [source.read_at(off, n, timeout=timeout) for off, n in ranges]
 
 
 def bytes_view(buf: memoryview) -> memoryview:

@@ -22,7 +22,7 @@ from coldstart.oci.manifest import OCI_INDEX, OCI_MANIFEST, Platform, digest_of
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import AuthError, RegistryClient
 from coldstart.remote import RegistryBlob, open_blob
-from tests.fixtures.registry import AuthRegistry, Registry, TLSRegistry, faulty_proxy
+from tests.fixtures.registry import AuthRegistry, Registry, TLSRegistry, faulty_proxy, reply
 from tests.integration.oci.oci_testimages import (
     base_layer,
     build_image,
@@ -155,6 +155,32 @@ def test_range_read_when_server_ignores_range(registry: Registry) -> None:
         assert client.read_blob_range(pref, d, 0, 3) == BLOB[:3]
         gets = [s for s in proxy.seen if s.method == "GET"]
         assert len(gets) == 2 and all(s.headers.get("Range") for s in gets)
+
+
+def test_several_ranges_in_one_request_where_the_registry_answers_those(
+        registry: Registry, client: RegistryClient) -> None:
+    ref = _ref(registry, "client/multirange")
+    d = client.push_blob(ref, BLOB)
+    want = [(100, 1000), (50_000, 4096), (1_400_000, 65_536), (len(BLOB) - 7, 7)]
+    client.read_blob_range(ref, d, 0, 10)   # the first through the general client, then direct
+    got, requests = client.read_blob_ranges(ref, d, want)
+    assert got == [BLOB[a:a + n] for a, n in want] and requests == 1
+
+    # a registry that answers them with the whole blob (an object store behind it: S3 does)
+    # is asked one range per request, and not asked a multi-range request again
+    def whole(h: BaseHTTPRequestHandler, n: int) -> bool:
+        if "," in h.headers.get("Range", ""):
+            reply(h, 200, BLOB)
+            return True
+        return False
+
+    with faulty_proxy(registry.host, whole) as proxy, RegistryClient(timeout=20) as other:
+        pref = Reference.parse(f"{proxy.host}/client/multirange:latest")
+        other.read_blob_range(pref, d, 0, 10)
+        for _ in range(2):
+            got, requests = other.read_blob_ranges(pref, d, want)
+            assert got == [BLOB[a:a + n] for a, n in want] and requests == len(want)
+        assert len([s for s in proxy.seen if "," in s.headers.get("Range", "")]) == 1
 
 
 def test_retries_transient_errors_on_real_registry(registry: Registry) -> None:

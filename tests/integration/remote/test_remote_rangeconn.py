@@ -4,6 +4,7 @@ and answers it will not take (declined, for the general client)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from http.server import BaseHTTPRequestHandler
@@ -130,5 +131,77 @@ def test_answers_it_does_not_take_are_declined(case: str) -> None:
             got = pool.get(f"http://{srv.host}/blob", 0, 100, headers={},
                            deadline=time.monotonic() + 5, what="t")
             assert isinstance(got, Declined), got
+    finally:
+        pool.close()
+
+
+def _asked(h: BaseHTTPRequestHandler) -> list[tuple[int, int]]:
+    spans = h.headers["Range"].removeprefix("bytes=").split(",")
+    return [(int(a), int(b)) for a, b in (s.split("-") for s in spans)]
+
+
+def _multipart(h: BaseHTTPRequestHandler, *, blob: bytes = BLOB, boundary: str = "XyZ",
+               drop: int = -1, cut: int = 0) -> None:
+    """A multipart/byteranges answer as Go's http.ServeContent writes it (distribution's)."""
+    body = b"a preamble to skip\r\n"
+    for i, (a, b) in enumerate(_asked(h)):
+        if i == drop:
+            continue
+        body += (f"--{boundary}\r\nContent-Type: application/octet-stream\r\n"
+                 f"Content-Range: bytes {a}-{b}/{len(blob)}\r\n\r\n").encode()
+        body += blob[a:b + 1 - cut] + b"\r\n"
+    body += f"--{boundary}--\r\n".encode()
+    reply(h, 206, body, {"Content-Type": f"multipart/byteranges; boundary={boundary}"})
+
+
+def test_several_ranges_in_one_request_whatever_the_parts_hold() -> None:
+    # the parts' bytes hold the boundary itself: each part's length comes from its
+    # Content-Range, its bytes are never searched
+    blob = BLOB[:150_000] + b"\r\n--XyZ\r\n" + BLOB[150_000:]
+    pool = RangeConnections()
+    try:
+        want = [(0, 100), (149_990, 40), (200_000, 65_536), (len(blob) - 10, 10)]
+        with scripted_server(functools.partial(_multipart, blob=blob)) as srv:
+            got = pool.get_ranges(f"http://{srv.host}/blob", want, headers={},
+                                  deadline=time.monotonic() + 5, what="t")
+            assert got == [blob[a:a + n] for a, n in want]
+            assert len(srv.seen) == 1
+            assert srv.seen[0].headers["Range"] == \
+                f"bytes=0-99,149990-150029,200000-265535,{len(blob) - 10}-{len(blob) - 1}"
+
+        def merged(h: BaseHTTPRequestHandler) -> None:   # one part for all (RFC 9110 allows)
+            (a, _), (_, b) = _asked(h)[0], _asked(h)[-1]
+            reply(h, 206, blob[a:b + 1], {"Content-Range": f"bytes {a}-{b}/{len(blob)}"})
+
+        with scripted_server(merged) as srv:
+            got = pool.get_ranges(f"http://{srv.host}/blob", want[:3], headers={},
+                                  deadline=time.monotonic() + 5, what="t")
+            assert got == [blob[a:a + n] for a, n in want[:3]]
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("case", ["200", "missing-part", "cut-part", "no-boundary",
+                                  "one-part-too-short"])
+def test_multi_range_answers_it_does_not_take_are_declined(case: str) -> None:
+    def handler(h: BaseHTTPRequestHandler) -> None:
+        if case == "200":                   # an object store: the whole blob
+            reply(h, 200, BLOB)
+        elif case == "missing-part":
+            _multipart(h, drop=1)
+        elif case == "cut-part":            # a part shorter than its Content-Range says
+            _multipart(h, cut=3)
+        elif case == "no-boundary":
+            reply(h, 206, b"--XyZ\r\n", {"Content-Type": "multipart/byteranges"})
+        else:                               # one part that does not reach the last range
+            reply(h, 206, BLOB[0:200], {"Content-Range": f"bytes 0-199/{len(BLOB)}"})
+
+    pool = RangeConnections()
+    try:
+        with scripted_server(handler) as srv:
+            got = pool.get_ranges(f"http://{srv.host}/blob", [(0, 100), (5000, 100)],
+                                  headers={}, deadline=time.monotonic() + 5, what="t")
+            assert isinstance(got, Declined), got
+            assert (got.status == 200) == (case == "200")
     finally:
         pool.close()

@@ -3,6 +3,8 @@ the recording touched when the layer says which) and the hybrid fill's order and
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ from coldstart.cache import ChunkCache
 from coldstart.format.gzindex import GzipIndex, IndexedLayer
 from coldstart.format.toc import Chunk
 from coldstart.lazyfs import reader as reader_module
-from coldstart.lazyfs.fetcher import DEMAND, FILL, PREFETCH, ChunkFetcher
+from coldstart.lazyfs.fetcher import DEMAND, FILL, MAX_GAP, PREFETCH, ChunkFetcher
 from coldstart.lazyfs.reader import LayerReader, _batches, _growing_batches
 from coldstart.prefetch.profile import LayerProfile
 from coldstart.prefetch.recorder import AccessRecorder
@@ -79,6 +81,42 @@ def test_prefetch_takes_only_the_touched_chunks(tmp_path: Path) -> None:
     assert read_all(reader, "usr/lib/big.so") == tree.files["usr/lib/big.so"]
     assert reader.stats.bytes_by_kind[DEMAND] > 0
     assert src.counting.requests > 1
+
+
+class ManyRangeSource(GatedSource):
+    """A local blob that also reads several ranges at once, as a registry answering
+    multi-range requests does (coldstart.remote.source.ManyRangeSource); records each call."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.calls: list[list[tuple[int, int]]] = []
+
+    def read_many(self, ranges: Sequence[tuple[int, int]], *,
+                  timeout: float | None = None) -> list[bytes]:
+        self.calls.append(list(ranges))
+        return [self.read_at(off, n, timeout=timeout) for off, n in ranges]
+
+
+def test_a_source_that_reads_several_ranges_at_once_gets_the_touched_runs_in_one_request(
+        tmp_path: Path) -> None:
+    tree = metadata_tar()
+    reader, many, _ = make(tmp_path, "zstd:chunked", tar=tree.tar,
+                           prefetch=["usr/lib/big.so", "etc/os-release"],
+                           source=ManyRangeSource)
+    assert isinstance(many, ManyRangeSource)
+    big = reader.layer.resolve("usr/lib/big.so")
+    wanted = [big.chunks[0], big.chunks[4], big.chunks[9]]
+    assert all(b.offset - a.end_offset > MAX_GAP for a, b in itertools.pairwise(wanted))
+    reader.prefetch_ranges = sorted((c.offset, c.end_offset) for c in wanted)
+    reader.prefetch()
+    assert many.calls == [[(c.offset, c.compressed_size) for c in wanted]]
+    # the bytes between the runs were not asked: exactly the touched chunks' own
+    assert reader.stats.bytes_by_kind[PREFETCH] == sum(c.compressed_size for c in wanted)
+    assert reader.stats.requests_by_kind[PREFETCH] == 1
+    assert reader.cache is not None
+    assert all(c.digest in reader.cache for c in wanted)
+    assert big.chunks[1].digest not in reader.cache
+    assert read_all(reader, "usr/lib/big.so") == tree.files["usr/lib/big.so"]
 
 
 def test_fill_order_is_profile_then_small_then_big(tmp_path: Path) -> None:

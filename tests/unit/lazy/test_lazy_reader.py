@@ -43,10 +43,11 @@ class GatedSource(ReadAtSource):
 
 def make(tmp: Path, fmt: str, *, tar: bytes | None = None, chunk_size: int = 64 << 10,
          fetcher: ChunkFetcher | None = None, deadline: float = 10.0,
-         prefetch: list[str] | None = None) -> tuple[LayerReader, GatedSource, ChunkFetcher]:
+         prefetch: list[str] | None = None, source: type[GatedSource] = GatedSource,
+         ) -> tuple[LayerReader, GatedSource, ChunkFetcher]:
     blob, res = convert(tar if tar is not None else metadata_tar().tar, fmt,
                         chunk_size=chunk_size, prefetch=prefetch)
-    src = GatedSource(blob)
+    src = source(blob)
     layer = open_layer(src, annotations=res.annotations)
     src.counting.reset()
     if fetcher is None:
