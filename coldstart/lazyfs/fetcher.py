@@ -517,7 +517,10 @@ class ChunkFetcher:
             limit = max(1, max_bytes)
         else:
             limit = max(1, min(max_bytes, self.max_coalesce_bytes))
-        multi = kind == PREFETCH and isinstance(target.source, ManyRangeSource)
+        # (asked now: a registry that declined one is not asked again, and one whose range
+        # reads do not go direct would cost a request per range, one after another)
+        multi = (kind == PREFETCH and isinstance(target.source, ManyRangeSource)
+                 and target.source.reads_many())
         if multi:
             # runs of chunks a few tar headers apart, several to a request
             runs = coalesce(chunks, limit, self.max_gap)

@@ -866,6 +866,8 @@ class RegistryClient:
             eps = self._endpoints_for(ref.registry, "pull")
             try:
                 got = self._direct_ranges(eps[0], ref, digest, ranges, deadline, what)
+            except DeadlineExceeded:
+                raise
             except Unavailable as exc:      # the body broke off: range by range, with retries
                 log.debug("%s: %s; one range at a time", what, exc)
                 got = None
@@ -874,6 +876,17 @@ class RegistryClient:
         out = [self.read_blob_range(ref, digest, off, n, timeout=deadline.remaining())
                for off, n in ranges]
         return out, len(ranges)
+
+    def reads_many(self, ref: Reference) -> bool:
+        """Whether :meth:`read_blob_ranges` would ask ``ref``'s registry several ranges in
+        one request now: its range reads go direct (see :meth:`_direct_range`) and it has not
+        declined a multi-range request. Otherwise that call costs a request per range, one
+        after another: a caller then rather joins close ranges into one itself."""
+        ep = self._endpoints_for(ref.registry, "pull")[0]
+        with self._lock:
+            return (not self._closed and ep.base not in self._multi_off
+                    and (ep.base, ref.repository) in self._direct_ok
+                    and time.monotonic() >= self._direct_off.get(ep.base, 0.0))
 
     def _direct_target(self, ep: Endpoint, ref: Reference, digest: str
                        ) -> tuple[str, dict[str, str]] | None:
@@ -899,7 +912,7 @@ class RegistryClient:
 
     def _direct_ranges(self, ep: Endpoint, ref: Reference, digest: str,
                        ranges: list[tuple[int, int]], deadline: Deadline,
-                       what: str) -> list[bytearray] | None:
+                       what: str) -> list[bytes | bytearray] | None:
         """The ranges in one multi-range request over :class:`RangeConnections`; None when
         range reads do not go direct or the registry declines (then not asked again)."""
         with self._lock:
@@ -913,15 +926,20 @@ class RegistryClient:
                                       what=what, tls=lambda u: self._tls_context(ep, u),
                                       stall=self.timeout)
         if isinstance(got, Declined):
-            log.info("%s: the registry does not answer multi-range requests (%s): one range "
-                     "per request from now on", what, got.reason)
-            with self._lock:
-                self._multi_off.add(ep.base)
+            if got.status in (200, 206):
+                # the whole blob (an object store behind it), or parts that are not the
+                # ranges asked: this endpoint is not asked several ranges at once again
+                log.info("%s: the registry does not answer multi-range requests (%s): one "
+                         "range per request from now on", what, got.reason)
+                with self._lock:
+                    self._multi_off.add(ep.base)
+            else:
+                self._direct_declined(ep, ref, what, got)
             return None
         return got
 
     def _direct_range(self, ep: Endpoint, ref: Reference, digest: str, offset: int,
-                      length: int, deadline: Deadline, what: str) -> bytearray | None:
+                      length: int, deadline: Deadline, what: str) -> bytes | bytearray | None:
         """The range from the registry's first endpoint ``ep`` over
         :class:`RangeConnections` (with the credentials already known for the repository);
         None when it declines."""
@@ -929,26 +947,29 @@ class RegistryClient:
         if target is None:
             return None
         url, headers = target
-        key = (ep.base, ref.repository)
         # a stall is cut off after ``timeout`` as on the general path (httpx's read
         # timeout), so that the call's retries get the rest of its deadline
         got = self._ranges.get(url, offset, length, headers=headers,
                                deadline=deadline.end, what=what,
                                tls=lambda u: self._tls_context(ep, u), stall=self.timeout)
         if isinstance(got, Declined):
-            log.debug("%s: direct range read declined (%s); through the general client",
-                      what, got.reason)
-            with self._lock:
-                if got.status in (200, 401, 403):
-                    # the registry ignores Range, or wants other credentials: the general
-                    # client serves the repository until one of its range reads succeeds
-                    self._direct_ok.pop(key, None)
-                elif got.status == 0:
-                    # no answer at all (connect or TLS failure) where the general client gets
-                    # one: the endpoint goes through it for a while
-                    self._direct_off[ep.base] = time.monotonic() + _DIRECT_BACKOFF
+            self._direct_declined(ep, ref, what, got)
             return None
         return got
+
+    def _direct_declined(self, ep: Endpoint, ref: Reference, what: str,
+                         got: Declined) -> None:
+        log.debug("%s: direct range read declined (%s); through the general client",
+                  what, got.reason)
+        with self._lock:
+            if got.status in (200, 401, 403):
+                # the registry ignores Range, or wants other credentials: the general
+                # client serves the repository until one of its range reads succeeds
+                self._direct_ok.pop((ep.base, ref.repository), None)
+            elif got.status == 0:
+                # no answer at all (connect or TLS failure) where the general client gets
+                # one: the endpoint goes through it for a while
+                self._direct_off[ep.base] = time.monotonic() + _DIRECT_BACKOFF
 
     def _tls_context(self, ep: Endpoint, url: str) -> ssl.SSLContext | None:
         """The TLS context for ``url``: the endpoint's own settings on its host, else None

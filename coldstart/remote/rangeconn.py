@@ -93,7 +93,7 @@ class RangeConnections:
     def get(self, url: str, offset: int, length: int, *, headers: Mapping[str, str],
             deadline: float, what: str,
             tls: Callable[[str], ssl.SSLContext | None] | None = None,
-            stall: float | None = None) -> bytearray | Declined:
+            stall: float | None = None) -> bytes | bytearray | Declined:
         """Bytes ``[offset, offset+length)`` of ``url`` (fewer only if the resource ends
         first), by monotonic ``deadline``, or :class:`Declined`.
 
@@ -111,7 +111,7 @@ class RangeConnections:
     def get_ranges(self, url: str, ranges: Sequence[tuple[int, int]], *,
                    headers: Mapping[str, str], deadline: float, what: str,
                    tls: Callable[[str], ssl.SSLContext | None] | None = None,
-                   stall: float | None = None) -> list[bytearray] | Declined:
+                   stall: float | None = None) -> list[bytes | bytearray] | Declined:
         """Several ranges ``(offset, length)`` of ``url`` in one request (a multi-range
         ``Range`` header, answered as ``multipart/byteranges``), each exactly as asked; or
         :class:`Declined`, as :meth:`get`, and also for a server that answers with the whole
@@ -126,7 +126,7 @@ class RangeConnections:
     def _get(self, url: str, ranges: list[tuple[int, int]], headers: Mapping[str, str],
              deadline: float, what: str,
              tls: Callable[[str], ssl.SSLContext | None] | None,
-             stall: float | None) -> list[bytearray] | Declined:
+             stall: float | None) -> list[bytes | bytearray] | Declined:
         spec = ",".join(f"{off}-{off + n - 1}" for off, n in ranges)
         rng = {"User-Agent": self.user_agent, "Accept-Encoding": "identity",
                "Range": f"bytes={spec}"}
@@ -147,7 +147,7 @@ class RangeConnections:
     def _one(self, url: str, headers: Mapping[str, str], ranges: list[tuple[int, int]],
              deadline: float, what: str,
              tls: Callable[[str], ssl.SSLContext | None] | None,
-             stall: float | None = None) -> list[bytearray] | Declined | str:
+             stall: float | None = None) -> list[bytes | bytearray] | Declined | str:
         """One request: the bytes of each range, Declined, or the ``Location`` of a
         redirect."""
         parts = urlsplit(url)
@@ -198,12 +198,15 @@ class RangeConnections:
                 bad = "" if size is not None and size <= _most(ranges) else \
                     f"multipart answer of {size} bytes for {len(ranges)} ranges"
             elif len(ranges) > 1:
-                # one part for them all: a server may merge ranges that are close
+                # one part for them all: a server may merge ranges that are close (not one
+                # that sends much more than asked: ranges spread over a large blob)
                 first, last = ranges[0][0], ranges[-1][0] + ranges[-1][1]
                 bad = _check_partial(resp.getheader("Content-Range"), size, first,
                                      last - first)
                 if not bad and size != last - first:
                     bad = f"{size} bytes for ranges up to {last}"
+                if not bad and last - first > 2 * _most(ranges):
+                    bad = f"one part of {last - first} bytes for {len(ranges)} ranges"
             else:
                 bad = _check_partial(resp.getheader("Content-Range"), size, *ranges[0])
             if resp.getheader("Content-Encoding", "identity").lower() != "identity":
@@ -423,7 +426,7 @@ def _boundary(content_type: str) -> bytes | None:
 
 
 def _split_byteranges(body: bytearray, boundary: bytes,
-                      ranges: Sequence[tuple[int, int]]) -> list[bytearray] | str:
+                      ranges: Sequence[tuple[int, int]]) -> list[bytes | bytearray] | str:
     """The bytes of each range asked, from a ``multipart/byteranges`` body; a string saying
     what is wrong if the body is malformed or its parts do not hold every range. Each part's
     length comes from its ``Content-Range``: its bytes are never searched for the boundary
@@ -464,11 +467,11 @@ def _split_byteranges(body: bytearray, boundary: bytes,
         pos = stop + 2
     parts.sort(key=lambda p: p[0])
     starts = [p[0] for p in parts]
-    out: list[bytearray] = []
+    out: list[bytes | bytearray] = []
     for off, n in ranges:
         i = bisect.bisect_right(starts, off) - 1
         if i < 0 or off + n > parts[i][0] + len(parts[i][1]):
             return f"multipart answer holds no part for bytes {off}-{off + n - 1}"
         a = off - parts[i][0]
-        out.append(bytearray(parts[i][1][a:a + n]))
+        out.append(bytes(parts[i][1][a:a + n]))
     return out

@@ -105,6 +105,12 @@ class RegistryBlob:
         data = self.read_at(offset, total, timeout=timeout)
         fill_from_chunks(self.name, offset, views, [data])
 
+    def reads_many(self) -> bool:
+        """Whether :meth:`read_many` asks several ranges in one request now (the client says
+        the registry answers those), rather than a request per range."""
+        check = getattr(self.client, "reads_many", None)
+        return bool(check is not None and check(self.ref))
+
     def read_many(self, ranges: Sequence[tuple[int, int]], *,
                   timeout: float | None = None) -> list[bytes]:
         """Exactly the bytes of each range ``(offset, length)`` (non-empty, increasing, apart),
@@ -112,9 +118,11 @@ class RegistryBlob:
         request each; within ``timeout`` seconds in all (default: the blob's)."""
         known = self._size
         for off, n in ranges:
+            if n <= 0:
+                raise InvalidArgument(f"bad range: offset {off}, length {n}")
             if known is not None:
                 check_range(off, n, known)
-            elif off < 0 or n <= 0:
+            elif off < 0:
                 raise InvalidArgument(f"bad range: offset {off}, length {n}")
         many = getattr(self.client, "read_blob_ranges", None)
         if many is None or len(ranges) < 2:

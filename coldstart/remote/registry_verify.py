@@ -162,6 +162,14 @@ class VerifiedRegistryBlob(RegistryBlob):
             return
         fill_from_chunks(self.name, offset, views, [self._exact(offset, total, timeout)])
 
+    def reads_many(self) -> bool:
+        """Never: each read feeds the blob's digest through :meth:`read_at`."""
+        return False
+
+    def read_many(self, ranges: Sequence[tuple[int, int]], *,
+                  timeout: float | None = None) -> list[bytes]:
+        return [self.read_at(off, n, timeout=timeout) for off, n in ranges]
+
     @property
     def reread_bytes(self) -> int:
         """Bytes :meth:`verify` had to read a second time (never asked for, or not held)."""

@@ -46,10 +46,12 @@ class Source(Protocol):
 
 @runtime_checkable
 class ManyRangeSource(Protocol):
-    """A source that reads several ranges in one request (an HTTP multi-range GET):
-    ``read_many(ranges, *, timeout=None) -> list[bytes]``, each range exactly as asked, in
-    increasing order and apart; it falls back to a request per range by itself where the
-    server does not answer those."""
+    """A source that may read several ranges in one request (an HTTP multi-range GET):
+    ``reads_many()`` says whether it does now; ``read_many(ranges, *, timeout=None) ->
+    list[bytes]``, each range exactly as asked, in increasing order and apart, falls back to a
+    request per range by itself where the server does not answer those."""
+
+    def reads_many(self) -> bool: ...
 
     def read_many(self, ranges: Sequence[tuple[int, int]], *,
                   timeout: float | None = None) -> list[bytes]: ...

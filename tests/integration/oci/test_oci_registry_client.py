@@ -162,9 +162,28 @@ def test_several_ranges_in_one_request_where_the_registry_answers_those(
     ref = _ref(registry, "client/multirange")
     d = client.push_blob(ref, BLOB)
     want = [(100, 1000), (50_000, 4096), (1_400_000, 65_536), (len(BLOB) - 7, 7)]
+    assert not client.reads_many(ref)       # range reads do not go direct yet
     client.read_blob_range(ref, d, 0, 10)   # the first through the general client, then direct
+    assert client.reads_many(ref)
     got, requests = client.read_blob_ranges(ref, d, want)
     assert got == [BLOB[a:a + n] for a, n in want] and requests == 1
+
+    # a registry that fails one (503) is asked range by range that time, and again after
+    busy = [1]
+
+    def once_busy(h: BaseHTTPRequestHandler, n: int) -> bool:
+        if "," in h.headers.get("Range", "") and busy:
+            busy.pop()
+            reply(h, 503, b"busy")
+            return True
+        return False
+
+    with faulty_proxy(registry.host, once_busy) as proxy, RegistryClient(timeout=20) as other:
+        pref = Reference.parse(f"{proxy.host}/client/multirange:latest")
+        other.read_blob_range(pref, d, 0, 10)
+        assert other.read_blob_ranges(pref, d, want) == ([BLOB[a:a + n] for a, n in want], 4)
+        assert other.reads_many(pref)
+        assert other.read_blob_ranges(pref, d, want) == ([BLOB[a:a + n] for a, n in want], 1)
 
     # a registry that answers them with the whole blob (an object store behind it: S3 does)
     # is asked one range per request, and not asked a multi-range request again
@@ -181,6 +200,7 @@ def test_several_ranges_in_one_request_where_the_registry_answers_those(
             got, requests = other.read_blob_ranges(pref, d, want)
             assert got == [BLOB[a:a + n] for a, n in want] and requests == len(want)
         assert len([s for s in proxy.seen if "," in s.headers.get("Range", "")]) == 1
+        assert not other.reads_many(pref)
 
 
 def test_retries_transient_errors_on_real_registry(registry: Registry) -> None:

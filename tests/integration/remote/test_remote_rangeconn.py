@@ -141,10 +141,11 @@ def _asked(h: BaseHTTPRequestHandler) -> list[tuple[int, int]]:
 
 
 def _multipart(h: BaseHTTPRequestHandler, *, blob: bytes = BLOB, boundary: str = "XyZ",
-               drop: int = -1, cut: int = 0) -> None:
+               drop: int = -1, cut: int = 0, backwards: bool = False) -> None:
     """A multipart/byteranges answer as Go's http.ServeContent writes it (distribution's)."""
     body = b"a preamble to skip\r\n"
-    for i, (a, b) in enumerate(_asked(h)):
+    asked = _asked(h)
+    for i, (a, b) in (reversed(list(enumerate(asked))) if backwards else enumerate(asked)):
         if i == drop:
             continue
         body += (f"--{boundary}\r\nContent-Type: application/octet-stream\r\n"
@@ -169,20 +170,26 @@ def test_several_ranges_in_one_request_whatever_the_parts_hold() -> None:
             assert srv.seen[0].headers["Range"] == \
                 f"bytes=0-99,149990-150029,200000-265535,{len(blob) - 10}-{len(blob) - 1}"
 
+        with scripted_server(functools.partial(_multipart, blob=blob, backwards=True)) as srv:
+            got = pool.get_ranges(f"http://{srv.host}/blob", want, headers={},
+                                  deadline=time.monotonic() + 5, what="t")
+            assert got == [blob[a:a + n] for a, n in want]      # parts in any order
+
         def merged(h: BaseHTTPRequestHandler) -> None:   # one part for all (RFC 9110 allows)
             (a, _), (_, b) = _asked(h)[0], _asked(h)[-1]
             reply(h, 206, blob[a:b + 1], {"Content-Range": f"bytes {a}-{b}/{len(blob)}"})
 
+        close = [(1000, 60_000), (62_000, 30_000), (100_000, 10_000)]
         with scripted_server(merged) as srv:
-            got = pool.get_ranges(f"http://{srv.host}/blob", want[:3], headers={},
+            got = pool.get_ranges(f"http://{srv.host}/blob", close, headers={},
                                   deadline=time.monotonic() + 5, what="t")
-            assert got == [blob[a:a + n] for a, n in want[:3]]
+            assert got == [blob[a:a + n] for a, n in close]
     finally:
         pool.close()
 
 
 @pytest.mark.parametrize("case", ["200", "missing-part", "cut-part", "no-boundary",
-                                  "one-part-too-short"])
+                                  "one-part-too-short", "one-part-much-more"])
 def test_multi_range_answers_it_does_not_take_are_declined(case: str) -> None:
     def handler(h: BaseHTTPRequestHandler) -> None:
         if case == "200":                   # an object store: the whole blob
@@ -193,13 +200,16 @@ def test_multi_range_answers_it_does_not_take_are_declined(case: str) -> None:
             _multipart(h, cut=3)
         elif case == "no-boundary":
             reply(h, 206, b"--XyZ\r\n", {"Content-Type": "multipart/byteranges"})
-        else:                               # one part that does not reach the last range
+        elif case == "one-part-too-short":  # one part that does not reach the last range
             reply(h, 206, BLOB[0:200], {"Content-Range": f"bytes 0-199/{len(BLOB)}"})
+        else:                               # one part holding all between: far more bytes
+            reply(h, 206, BLOB[0:250_100], {"Content-Range": f"bytes 0-250099/{len(BLOB)}"})
 
     pool = RangeConnections()
     try:
         with scripted_server(handler) as srv:
-            got = pool.get_ranges(f"http://{srv.host}/blob", [(0, 100), (5000, 100)],
+            last = 250_000 if case == "one-part-much-more" else 5000
+            got = pool.get_ranges(f"http://{srv.host}/blob", [(0, 100), (last, 100)],
                                   headers={}, deadline=time.monotonic() + 5, what="t")
             assert isinstance(got, Declined), got
             assert (got.status == 200) == (case == "200")

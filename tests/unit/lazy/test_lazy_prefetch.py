@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from coldstart.cache import ChunkCache
+from coldstart.errors import Unavailable
 from coldstart.format.gzindex import GzipIndex, IndexedLayer
 from coldstart.format.toc import Chunk
 from coldstart.lazyfs import reader as reader_module
@@ -91,28 +92,41 @@ class ManyRangeSource(GatedSource):
         super().__init__(data)
         self.calls: list[list[tuple[int, int]]] = []
 
+    answers = True
+
+    def reads_many(self) -> bool:
+        return self.answers
+
     def read_many(self, ranges: Sequence[tuple[int, int]], *,
                   timeout: float | None = None) -> list[bytes]:
         self.calls.append(list(ranges))
         return [self.read_at(off, n, timeout=timeout) for off, n in ranges]
 
 
+@pytest.mark.parametrize("answers", [True, False])
 def test_a_source_that_reads_several_ranges_at_once_gets_the_touched_runs_in_one_request(
-        tmp_path: Path) -> None:
+        tmp_path: Path, answers: bool) -> None:
     tree = metadata_tar()
     reader, many, _ = make(tmp_path, "zstd:chunked", tar=tree.tar,
                            prefetch=["usr/lib/big.so", "etc/os-release"],
                            source=ManyRangeSource)
     assert isinstance(many, ManyRangeSource)
+    many.answers = answers
     big = reader.layer.resolve("usr/lib/big.so")
     wanted = [big.chunks[0], big.chunks[4], big.chunks[9]]
     assert all(b.offset - a.end_offset > MAX_GAP for a, b in itertools.pairwise(wanted))
     reader.prefetch_ranges = sorted((c.offset, c.end_offset) for c in wanted)
     reader.prefetch()
+    assert reader.stats.requests_by_kind[PREFETCH] == 1
+    if not answers:
+        # (a registry that does not answer them now) one range, the bytes between fetched
+        # and dropped
+        assert many.calls == []
+        assert reader.stats.bytes_by_kind[PREFETCH] == wanted[-1].end_offset - wanted[0].offset
+        return
     assert many.calls == [[(c.offset, c.compressed_size) for c in wanted]]
     # the bytes between the runs were not asked: exactly the touched chunks' own
     assert reader.stats.bytes_by_kind[PREFETCH] == sum(c.compressed_size for c in wanted)
-    assert reader.stats.requests_by_kind[PREFETCH] == 1
     assert reader.cache is not None
     assert all(c.digest in reader.cache for c in wanted)
     assert big.chunks[1].digest not in reader.cache
@@ -545,3 +559,21 @@ def test_the_fill_after_an_indexed_prefetch_fetches_no_span_twice(
             layer.index.span_end(i)[0] - p.cin for i, p in enumerate(layer.index.checkpoints))
     finally:
         fetcher.close()
+
+
+def test_a_multi_range_prefetch_that_fails_leaves_its_chunks_to_reads(tmp_path: Path) -> None:
+    class Failing(ManyRangeSource):
+        def read_many(self, ranges: Sequence[tuple[int, int]], *,
+                      timeout: float | None = None) -> list[bytes]:
+            raise Unavailable("the registry went away mid-answer")
+
+    tree = metadata_tar()
+    reader, _, _ = make(tmp_path, "zstd:chunked", tar=tree.tar,
+                        prefetch=["usr/lib/big.so"], source=Failing)
+    big = reader.layer.resolve("usr/lib/big.so")
+    reader.prefetch_ranges = [(big.chunks[0].offset, big.chunks[0].end_offset),
+                              (big.chunks[5].offset, big.chunks[5].end_offset)]
+    reader.prefetch()                       # logged and counted, not raised; nothing waits
+    assert reader.cache is not None and big.chunks[0].digest not in reader.cache
+    assert reader.stats.as_dict()["errors"]
+    assert read_all(reader, "usr/lib/big.so") == tree.files["usr/lib/big.so"]
