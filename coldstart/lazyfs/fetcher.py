@@ -661,7 +661,7 @@ class ChunkFetcher:
                     upto[c.offset] = max(upto.get(c.offset, 0), c.inner_offset + c.chunk_size)
             later = False
             for part, raw, (start, _) in zip(parts, raws, spans, strict=True):
-                for c in sorted(part, key=lambda c: (c.offset, c.inner_offset)):
+                for c in part:      # in blob order (coalesce's runs, or the sorted group)
                     if c.offset != span:    # sorted: a span's pieces come together
                         spread.clear()
                         span = c.offset

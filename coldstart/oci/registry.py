@@ -884,23 +884,24 @@ class RegistryClient:
         after another: a caller then rather joins close ranges into one itself."""
         ep = self._endpoints_for(ref.registry, "pull")[0]
         with self._lock:
-            return (not self._closed and ep.base not in self._multi_off
-                    and (ep.base, ref.repository) in self._direct_ok
-                    and time.monotonic() >= self._direct_off.get(ep.base, 0.0))
+            return ep.base not in self._multi_off and self._goes_direct(ep, ref)
+
+    def _goes_direct(self, ep: Endpoint, ref: Reference) -> bool:
+        """(With the lock held.) Whether range reads of ``ref`` from ``ep`` go direct now."""
+        return (not self._closed and (ep.base, ref.repository) in self._direct_ok
+                and time.monotonic() >= self._direct_off.get(ep.base, 0.0))
 
     def _direct_target(self, ep: Endpoint, ref: Reference, digest: str
                        ) -> tuple[str, dict[str, str]] | None:
         """URL and headers of a direct range read of ``digest`` from the registry's first
         endpoint ``ep`` (with the credentials already known for the repository); None where
         range reads do not go direct (yet)."""
-        key = (ep.base, ref.repository)
         with self._lock:    # before the credential look-up: most repositories decline here
-            if self._closed or key not in self._direct_ok or \
-                    time.monotonic() < self._direct_off.get(ep.base, 0.0):
+            if not self._goes_direct(ep, ref):
                 return None
         auth = self._auth_header(ep, f"repository:{ref.repository}:pull") or ""
         with self._lock:
-            if self._direct_ok.get(key) != auth:
+            if self._direct_ok.get((ep.base, ref.repository)) != auth:
                 return None
         url = f"{ep.base}/{ref.repository}/blobs/{digest}"
         if ep.mirror_of:

@@ -369,19 +369,31 @@ def _check_partial(content_range: str | None, size: int | None, offset: int,
     """
     bad = f"Content-Range {content_range!r} with Content-Length {size} for {length} bytes " \
           f"at {offset}"
-    if not content_range or size is None:
+    parsed = _content_range(content_range or "")
+    if parsed is None or size is None:
         return bad
-    unit, _, rest = content_range.strip().partition(" ")
+    a, b, total = parsed
+    if a != offset or b - a + 1 != size or size > length or size <= 0:
+        return bad
+    if size < length and b + 1 != total:
+        return bad
+    return ""
+
+
+def _content_range(value: str | bytes) -> tuple[int, int, int | None] | None:
+    """First byte, last byte and total (None for ``*``) of a ``Content-Range: bytes a-b/n``
+    value; None if it is not one.
+
+    >>> _content_range("bytes 10-19/100"), _content_range(b"bytes 0-0/*"), _content_range("x")
+    ((10, 19, 100), (0, 0, None), None)
+    """
+    text = value.decode("latin-1") if isinstance(value, bytes) else value
+    unit, _, rest = text.strip().partition(" ")
     span, _, total = rest.partition("/")
     first, _, last = span.partition("-")
     if unit.lower() != "bytes" or not first.isdigit() or not last.isdigit():
-        return bad
-    a, b = int(first), int(last)
-    if a != offset or b - a + 1 != size or size > length or size <= 0:
-        return bad
-    if size < length and not (total.isdigit() and b + 1 == int(total)):
-        return bad
-    return ""
+        return None
+    return int(first), int(last), int(total) if total.isdigit() else None
 
 
 _DEFAULT_CTX: ssl.SSLContext | None = None
@@ -448,13 +460,9 @@ def _split_byteranges(body: bytearray, boundary: bytes,
         first = last = -1
         for line in bytes(body[eol + 2:end]).split(b"\r\n"):
             key, _, value = line.partition(b":")
-            if key.strip().lower() != b"content-range":
-                continue
-            unit, _, rest = value.strip().partition(b" ")
-            span, _, _total = rest.partition(b"/")
-            lo, _, hi = span.partition(b"-")
-            if unit.lower() == b"bytes" and lo.isdigit() and hi.isdigit():
-                first, last = int(lo), int(hi)
+            parsed = _content_range(value) if key.strip().lower() == b"content-range" else None
+            if parsed is not None:
+                first, last, _ = parsed
         if first < 0 or last < first:
             return "multipart answer: a part without a valid Content-Range"
         start = end + 4
