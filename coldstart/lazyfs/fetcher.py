@@ -220,7 +220,10 @@ def pack_runs(runs: list[list[Chunk]], max_bytes: int, max_parts: int) -> list[l
     size = 0
     for run in runs:
         n = max(c.end_offset for c in run) - run[0].offset
-        if packs and len(packs[-1]) < max_parts and size + n <= max_bytes:
+        # (an empty range, a stray of coalesce's, goes alone: a multi-range request names
+        # no empty range)
+        if packs and n > 0 and size > 0 and len(packs[-1]) < max_parts \
+                and size + n <= max_bytes:
             packs[-1].append(run)
             size += n
         else:

@@ -14,7 +14,7 @@ from coldstart.errors import Unavailable
 from coldstart.format.gzindex import GzipIndex, IndexedLayer
 from coldstart.format.toc import Chunk
 from coldstart.lazyfs import reader as reader_module
-from coldstart.lazyfs.fetcher import DEMAND, FILL, MAX_GAP, PREFETCH, ChunkFetcher
+from coldstart.lazyfs.fetcher import DEMAND, FILL, MAX_GAP, PREFETCH, ChunkFetcher, pack_runs
 from coldstart.lazyfs.reader import LayerReader, _batches, _growing_batches
 from coldstart.prefetch.profile import LayerProfile
 from coldstart.prefetch.recorder import AccessRecorder
@@ -577,3 +577,12 @@ def test_a_multi_range_prefetch_that_fails_leaves_its_chunks_to_reads(tmp_path: 
     assert reader.cache is not None and big.chunks[0].digest not in reader.cache
     assert reader.stats.as_dict()["errors"]
     assert read_all(reader, "usr/lib/big.so") == tree.files["usr/lib/big.so"]
+
+
+def test_runs_are_packed_by_bytes_and_parts_and_an_empty_range_goes_alone() -> None:
+    def run(a: int, b: int) -> list[Chunk]:
+        return [Chunk(a, b, 0, 5, f"d{a}")]
+
+    runs = [run(0, 10), run(20, 20), run(50, 60), run(70, 80), run(90, 100), run(200, 290)]
+    packs = pack_runs(runs, 40, 2)
+    assert [[r[0].offset for r in p] for p in packs] == [[0], [20], [50, 70], [90], [200]]
