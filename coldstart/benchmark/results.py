@@ -98,10 +98,12 @@ class Floor:
     """The best a lazy pull can do on this link: the warm start plus the bytes the start-up
     needed sent at the link's rate."""
 
-    warm_start_s: float
+    warm_start_s: float          # the median of warm_runs_s
     startup_bytes: int | None
     link_s: float
     total_s: float
+    #: each warm start's seconds, in the order they ran (one per round, alternated with the modes)
+    warm_runs_s: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -242,6 +244,9 @@ def describe_floor(doc: dict[str, Any]) -> str | None:
     if not floor:
         return None
     text = f"floor: warm start {floor['warm_start_s']:.2f} s"
+    runs = floor.get("warm_runs_s") or []
+    if len(runs) > 1:
+        text += f" (median of {len(runs)}, {min(runs):.2f}-{max(runs):.2f})"
     if floor["startup_bytes"] is not None and doc.get("link"):
         text += (f" + {floor['startup_bytes'] / 1e6:.1f} MB at {doc['link']['text']} "
                  f"({floor['link_s']:.2f} s)")

@@ -6,9 +6,11 @@ conversions are reused), converts it for each mode (zstd:chunked with ``coldstar
 eStargz with ``ctr-remote``), optionally puts a shaping proxy in front of the registry, then
 runs ``runs`` cold starts per mode, the modes alternated (each round starts one mode later),
 each on a fresh :class:`~coldstart.benchmark.node.Node` with the page cache dropped. Modes that
-cannot run here (stargz without Go) are skipped with the reason. Last, the floor: the warm start
-(image already unpacked, page cache dropped) plus the bytes the lazy start-up fetched sent at
-the link's rate.
+cannot run here (stargz without Go) are skipped with the reason. The floor takes its turn in
+each round like a mode: a fresh node pulls the image in full (not timed), then the warm start
+(image already unpacked, page cache dropped) is timed; the floor is the median warm start plus
+the bytes the lazy start-up fetched sent at the link's rate. Measured in the same rounds as the
+modes, the floor drifts with the host as they do.
 """
 
 from __future__ import annotations
@@ -404,12 +406,25 @@ def run_bench(opts: BenchOptions, report: Reporter | None = None) -> BenchResult
                 report.stage(f"skipping {spec.name}: {skipped[spec.name]}")
         active = [] if opts.prepare_only else [s for s in specs if s.name not in skipped]
         workload = Workload(prepared.command, prepared.env, cond, opts.timeout)
-        total, done = len(active) * opts.runs, 0
+        floor_ref = (_via(prepared.refs["overlayfs"], proxy_host)
+                     if opts.floor and "overlayfs" in prepared.refs and active else None)
+        # the floor's warm starts take a turn in each round (None), alternated with the modes
+        turns: list[ModeSpec | None] = [*active, *([None] if floor_ref else [])]
+        total, done = len(turns) * opts.runs, 0
         insecure = tuple({Reference.parse(r).registry for r in prepared.refs.values()}
                          | ({proxy_host} if proxy_host else set()) | set(opts.insecure))
+        warm: list[Run] = []
         for i in range(opts.runs):
-            order = active[i % len(active):] + active[:i % len(active)] if active else []
-            for spec in order:
+            order = turns[i % len(turns):] + turns[:i % len(turns)] if turns else []
+            for turn in order:
+                if turn is None:
+                    assert floor_ref is not None
+                    run = _warm_start(opts, floor_ref, workload, i, work / "n", insecure, report)
+                    warm.append(run)
+                    done += 1
+                    report.run_done(run, done, total)
+                    continue
+                spec = turn
                 ref = _via(prepared.refs[spec.name], proxy_host)
                 try:
                     with _node(opts, spec, work / "n", ref, insecure, stargz_binary) as node:
@@ -424,12 +439,8 @@ def run_bench(opts: BenchOptions, report: Reporter | None = None) -> BenchResult
         for m in result.modes.values():
             if m.status == "ok" and m.runs and not m.ok_runs():
                 m.status, m.reason = "failed", m.runs[-1].error
-        if opts.floor and "overlayfs" in prepared.refs and not opts.prepare_only:
-            try:
-                result.floor = _floor(opts, prepared, workload, result, work, proxy_host,
-                                      insecure, report)
-            except ColdstartError as exc:   # the runs stand; only the floor is missing
-                report.stage(f"no floor: {exc}")
+        if floor_ref is not None:
+            result.floor = _floor(opts, warm, result, report)
         return result
 
 
@@ -470,22 +481,34 @@ def _stargz_binary(specs: list[ModeSpec], skipped: dict[str, str],
     return None
 
 
-def _floor(opts: BenchOptions, prepared: Prepared, workload: Workload, result: BenchResult,
-           work: Path, proxy_host: str | None, insecure: tuple[str, ...],
+FLOOR = "floor"     # the name the floor's warm starts go by in progress lines
+
+
+def _warm_start(opts: BenchOptions, ref: str, workload: Workload, index: int, base: Path,
+                insecure: tuple[str, ...], report: Reporter) -> Run:
+    """One warm start of the floor: a fresh node pulls ``ref`` in full (not timed), then the
+    container is created and started from the unpacked image with the page cache dropped."""
+    try:
+        with _node(opts, MODES["overlayfs"], base, ref, insecure, None) as node:
+            report.phase(FLOOR, index, "pull (not timed)")
+            node.pull(ref, timeout=opts.timeout)
+            # a container name apart from the modes' (runc's state is per host)
+            run = cold_start(node, ref, workload, 1000 + index, traffic=None,
+                             settle=opts.settle, prepared=True,
+                             on_phase=functools.partial(report.phase, FLOOR, index))
+    except ColdstartError as exc:   # the node did not start or the pull failed
+        run = Run(FLOOR, index, ok=False, error=f"the floor's node did not get ready: {exc}")
+    run.mode, run.index = FLOOR, index
+    return run
+
+
+def _floor(opts: BenchOptions, warm_runs: list[Run], result: BenchResult,
            report: Reporter) -> Floor | None:
-    """Warm starts (image unpacked locally, page cache dropped) and the bytes term."""
-    report.stage("measuring the floor: warm starts of the unpacked image")
-    ref = _via(prepared.refs["overlayfs"], proxy_host)
-    warm: list[float] = []
-    with _node(opts, MODES["overlayfs"], work / "n", ref, insecure, None) as node:
-        node.pull(ref, timeout=opts.timeout)
-        for k in range(min(opts.runs, 3)):
-            run = cold_start(node, ref, workload, 1000 + k, traffic=None, settle=opts.settle,
-                             prepared=True)
-            if run.ok and run.ready_s is not None:
-                warm.append(run.ready_s)
+    """The floor from its warm starts (median) and the bytes term (None: none succeeded)."""
+    warm = [r.ready_s for r in warm_runs if r.ok and r.ready_s is not None]
     if not warm:
-        report.stage(f"no floor: no warm start succeeded ({run.error})")
+        why = warm_runs[-1].error if warm_runs else "none ran"
+        report.stage(f"no floor: no warm start succeeded ({why})")
         return None
     lazy = result.modes.get("coldstart")
     startup: int | None = None
@@ -497,7 +520,7 @@ def _floor(opts: BenchOptions, prepared: Prepared, workload: Workload, result: B
               else 0.0)
     warm_s = statistics.median(warm)
     return Floor(warm_start_s=warm_s, startup_bytes=startup, link_s=link_s,
-                 total_s=warm_s + link_s)
+                 total_s=warm_s + link_s, warm_runs_s=warm)
 
 
 def _machine() -> dict[str, Any]:

@@ -98,7 +98,10 @@ root. The JSON schema is coldstart/benchmark/result_schema.json.
               help="Seconds one cold start may take before it counts as failed.")
 @click.option("--settle", default=2.0, show_default=True, type=float,
               help="Seconds to wait after dropping the page cache (same for every mode).")
-@click.option("--no-floor", is_flag=True, help="Skip the warm starts that measure the floor.")
+@click.option("--no-floor", is_flag=True,
+              help="Skip the warm starts that measure the floor (one per round, alternated "
+                   "with the modes; each on a fresh node that first pulls the image in full, "
+                   "not timed).")
 @click.option("--estargz-level", type=click.IntRange(1, 9), default=None,
               help="gzip level of the eStargz images ctr-remote makes (default: its own, 9; "
                    "1 converts a multi-GB image several times faster).")

@@ -81,6 +81,15 @@ def test_table_has_a_row_per_mode_and_says_why_one_was_skipped() -> None:
     assert "| stargz | skipped: no go on PATH |" in table
     assert describe_floor(to_json(_result())) == (
         "floor: warm start 2.00 s + 0.0 MB at 1gbit,2ms (0.50 s) = 2.50 s")
+    # warm starts measured round by round: how many and their spread
+    res = _result()
+    res.floor = Floor(warm_start_s=2.0, startup_bytes=100, link_s=0.5, total_s=2.5,
+                      warm_runs_s=[2.1, 1.9, 2.0])
+    doc = to_json(res)
+    jsonschema.validate(doc, json.loads(SCHEMA_PATH.read_text()))
+    assert doc["floor"]["warm_runs_s"] == [2.1, 1.9, 2.0]
+    assert describe_floor(doc) == ("floor: warm start 2.00 s (median of 3, 1.90-2.10) + 0.0 MB "
+                                   "at 1gbit,2ms (0.50 s) = 2.50 s")
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
