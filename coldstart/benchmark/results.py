@@ -102,7 +102,8 @@ class Floor:
     startup_bytes: int | None
     link_s: float
     total_s: float
-    #: each warm start's seconds, in the order they ran (one per round, alternated with the modes)
+    #: each successful warm start's seconds, in the order they ran (one per round, alternated
+    #: with the modes)
     warm_runs_s: list[float] = field(default_factory=list)
 
 

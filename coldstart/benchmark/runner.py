@@ -406,7 +406,9 @@ def run_bench(opts: BenchOptions, report: Reporter | None = None) -> BenchResult
                 report.stage(f"skipping {spec.name}: {skipped[spec.name]}")
         active = [] if opts.prepare_only else [s for s in specs if s.name not in skipped]
         workload = Workload(prepared.command, prepared.env, cond, opts.timeout)
-        floor_ref = (_via(prepared.refs["overlayfs"], proxy_host)
+        # the registry itself, not the shaping proxy: the floor's pull is not timed (its
+        # bytes at the link's rate are the floor's link term)
+        floor_ref = (prepared.refs["overlayfs"]
                      if opts.floor and "overlayfs" in prepared.refs and active else None)
         # the floor's warm starts take a turn in each round (None), alternated with the modes
         turns: list[ModeSpec | None] = [*active, *([None] if floor_ref else [])]
@@ -496,7 +498,7 @@ def _warm_start(opts: BenchOptions, ref: str, workload: Workload, index: int, ba
             run = cold_start(node, ref, workload, 1000 + index, traffic=None,
                              settle=opts.settle, prepared=True,
                              on_phase=functools.partial(report.phase, FLOOR, index))
-    except ColdstartError as exc:   # the node did not start or the pull failed
+    except Exception as exc:   # the node did not start or the pull failed (or timed out)
         run = Run(FLOOR, index, ok=False, error=f"the floor's node did not get ready: {exc}")
     run.mode, run.index = FLOOR, index
     return run

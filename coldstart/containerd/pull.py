@@ -31,6 +31,7 @@ from coldstart.errors import (
     IntegrityError,
 )
 from coldstart.lazyfs.spec import (
+    CRI_IMAGE_LAYERS,
     LABEL_LIMIT,
     PULLED_LABEL,
     REASON_LABEL,
@@ -42,6 +43,7 @@ from coldstart.lazyfs.spec import (
     REMOTE_SIZE,
     SNAPSHOT_PREFIX,
     TARGET_SNAPSHOT_REF,
+    image_layers_label,
 )
 from coldstart.oci.manifest import (
     Descriptor,
@@ -114,8 +116,11 @@ def chain_ids(diff_ids: Sequence[str]) -> list[str]:
 
 
 def layer_labels(layer: Descriptor, *, reference: str, manifest_digest: str, chain_id: str,
-                 warn: Progress | None = None) -> dict[str, str]:
-    """The labels a Prepare carries for one layer (see ``coldstart.lazyfs.spec``)."""
+                 warn: Progress | None = None,
+                 image_layers: Sequence[str] = ()) -> dict[str, str]:
+    """The labels a Prepare carries for one layer (see ``coldstart.lazyfs.spec``);
+    ``image_layers``: the image's layer digests from this one up (the CRI's label, which lets
+    the snapshotter open the later layers ahead)."""
     labels: dict[str, str] = {}
     extra: dict[str, str] = {}
     for key, value in sorted(layer.annotations.items()):
@@ -135,6 +140,8 @@ def layer_labels(layer: Descriptor, *, reference: str, manifest_digest: str, cha
         REMOTE_MANIFEST_DIGEST: manifest_digest,
         TARGET_SNAPSHOT_REF: chain_id,
     })
+    if image_layers:
+        labels[CRI_IMAGE_LAYERS] = image_layers_label(image_layers)
     if extra:
         # the largest annotations go first when they do not all fit; the snapshotter can still
         # find them in the manifest (REMOTE_MANIFEST_DIGEST)
@@ -211,7 +218,8 @@ def pull_image(ctd: Containerd, registry: RegistryClient, ref: str, *,
             result = _unpack_layer(ctd, registry, resolved, layer, diff_ids[i], chain, parent,
                                    snapshotter=snapshotter, source=source, say=say,
                                    tmp_dir=tmp_dir, timeout=timeout, head=head,
-                                   byte_progress=byte_progress)
+                                   byte_progress=byte_progress,
+                                   image_layers=[la.digest for la in manifest.layers[i:]])
             results.append(result)
             parent = chain
         top = chains[-1] if chains else ""
@@ -260,12 +268,13 @@ def _unpack_layer(ctd: Containerd, registry: RegistryClient, resolved: Resolved,
                   layer: Descriptor, diff_id: str, chain: str, parent: str, *,
                   snapshotter: str, source: Mapping[str, str], say: Progress,
                   tmp_dir: Path | None, timeout: float | None, head: str,
-                  byte_progress: ByteProgress | None = None) -> LayerResult:
+                  byte_progress: ByteProgress | None = None,
+                  image_layers: Sequence[str] = ()) -> LayerResult:
     if ctd.has_snapshot(snapshotter, chain):
         say(f"{head}: already present")
         return LayerResult(layer.digest, chain, layer.size, "present")
     labels = layer_labels(layer, reference=str(resolved.ref), manifest_digest=resolved.digest,
-                          chain_id=chain, warn=say)
+                          chain_id=chain, warn=say, image_layers=image_layers)
     key = f"extract-{secrets.token_hex(6)} {chain}"
     try:
         # a remote snapshotter may fetch and verify the layer's TOC before it answers

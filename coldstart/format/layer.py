@@ -120,6 +120,10 @@ class SeekableLayer:
         #: Compressed offset where the data area ends (the TOC starts).
         self.toc_offset = toc_offset
         self.verified = verified
+        #: each TOC annotation key the open checked, and the digest it found for it (the
+        #: eStargz key names the TOC JSON's digest, the zstd:chunked keys the compressed TOC's:
+        #: a layer may carry both)
+        self.toc_claims: dict[str, str] = {}
         self._gzip = toc.format == "estargz"
 
     # -- mapping ----------------------------------------------------------------------------
@@ -429,5 +433,11 @@ def open_layer(blob: ReadAt, *, annotations: Mapping[str, str],
     if estargz_digest is None and zstd_checksum is None:
         toc_digest = "sha256:" + hashlib.sha256(toc_json).hexdigest()
     toc = parse_toc(toc_json, format=footer.format, data_end=data_end, exact_frames=exact)
-    return SeekableLayer(blob, toc, toc_digest, footer=footer, toc_offset=data_end,
-                         verified=estargz_digest is not None or zstd_checksum is not None)
+    layer = SeekableLayer(blob, toc, toc_digest, footer=footer, toc_offset=data_end,
+                          verified=estargz_digest is not None or zstd_checksum is not None)
+    if estargz_digest is not None:
+        layer.toc_claims[ESTARGZ_TOC_DIGEST] = estargz_digest
+    if zstd_checksum is not None:
+        layer.toc_claims.update({ZSTD_CHUNKED_MANIFEST_CHECKSUM: zstd_checksum,
+                                 _LEGACY_CHECKSUM: zstd_checksum})
+    return layer

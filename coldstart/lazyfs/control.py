@@ -7,7 +7,8 @@ lines are skipped; a request line over :data:`MAX_LINE` bytes ends the connectio
 ``InvalidArgument`` reply::
 
     {"op": "ping"}                                        -> {"ok": true, "result": {"pid": …}}
-    {"op": "mount", "mountpoint": P, "spec": {…}}         -> {"ok": true, "result": null}
+    {"op": "mount", "mountpoint": P, "spec": {…}[,
+     "image_layers": [D, …]]}                             -> {"ok": true, "result": null}
     {"op": "check", "mountpoint": P}                      -> {"ok": true, "result": null}
     {"op": "unmount", "mountpoint": P}                    -> {"ok": true, "result": null}
     {"op": "status"}                                      -> {"ok": true, "result": [{…}, …]}
@@ -32,6 +33,7 @@ server's trio loop feeds received bytes to a :class:`LineBuffer` and hands each 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -39,7 +41,7 @@ from typing import Any, Protocol
 
 from coldstart import errors
 from coldstart.errors import ColdstartError, InvalidArgument
-from coldstart.lazyfs.spec import LayerSpec
+from coldstart.lazyfs.spec import LayerSpec, digest_list
 
 __all__ = [
     "CHECK",
@@ -131,7 +133,11 @@ def ping_request() -> dict[str, Any]:
 
 
 def mount_request(mountpoint: str, spec: LayerSpec) -> dict[str, Any]:
-    return {"op": MOUNT, "mountpoint": mountpoint, "spec": json.loads(spec.to_json())}
+    req = {"op": MOUNT, "mountpoint": mountpoint, "spec": json.loads(spec.to_json())}
+    if spec.image_layers:
+        # beside the spec, not in it: an older server ignores a key it does not know
+        req["image_layers"] = list(spec.image_layers)
+    return req
 
 
 def check_request(mountpoint: str) -> dict[str, Any]:
@@ -269,6 +275,9 @@ async def dispatch(line: bytes, handler: ControlHandler) -> bytes:
             result = await handler.ping()
         elif op == MOUNT:
             spec = LayerSpec.from_json(json.dumps(req.get("spec")))
+            if req.get("image_layers") is not None:
+                spec = dataclasses.replace(
+                    spec, image_layers=digest_list(req["image_layers"], "'image_layers'"))
             await handler.mount(_mountpoint(req), spec)
         elif op == UNMOUNT:
             await handler.unmount(_mountpoint(req))

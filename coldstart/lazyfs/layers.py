@@ -145,6 +145,12 @@ class LayerTable:
                 if cur.spec.digest == spec.digest:
                     return
                 raise AlreadyExists(f"{mountpoint} already serves layer {cur.spec.digest}")
+            later = [d for d in spec.image_layers if d != spec.digest and d not in self.layers]
+            if later and not restoring:
+                # the image's later layers get their footers and TOCs while this one mounts
+                # (containerd asks for each only once the one below it is mounted)
+                threading.Thread(target=self.resolver.open_ahead, args=(spec, later),
+                                 daemon=True, name="open-ahead").start()
             layer = self.layers.get(spec.digest)
             created = False
             if layer is not None:
@@ -152,7 +158,8 @@ class LayerTable:
                 served = layer.tree.reader.layer
                 await trio.to_thread.run_sync(functools.partial(
                     self.resolver.check_same_toc, spec, served.toc_digest,
-                    indexed=served.format == INDEX_FORMAT))
+                    indexed=served.format == INDEX_FORMAT,
+                    claims=getattr(served, "toc_claims", None)))
             else:
                 reader = await trio.to_thread.run_sync(self.resolver.open, spec)
                 if key is None or base is None:

@@ -423,6 +423,7 @@ class FuseServer:
                     s.stop(timeout=max(0.0, deadline - time.monotonic()))
         if self.files is not None:
             self.files.close()
+        self.resolver.close()
         self.fetcher.close()
         with contextlib.suppress(Exception):
             self.cache.close()

@@ -10,7 +10,7 @@ every layer annotation whose key starts with ``containerd.io/snapshot/`` plus
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,9 +71,14 @@ class LayerSpec:
     media_type: str = ""
     manifest_digest: str = ""
     annotations: dict[str, str] = field(default_factory=dict)
+    #: the image's layers from this one up, as far as the label holds them (the CRI's
+    #: ``cri.image-layers``): the mounter may open the later ones ahead. Not part of the
+    #: spec's JSON (whose form older peers read): the mount request carries it beside it.
+    image_layers: list[str] = field(default_factory=list, compare=False)
 
     def to_json(self) -> str:
-        return json.dumps(self.__dict__, sort_keys=True)
+        data = {k: v for k, v in self.__dict__.items() if k != "image_layers"}
+        return json.dumps(data, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> LayerSpec:
@@ -81,7 +86,10 @@ class LayerSpec:
         (it comes from a control request or a state file: the mounter trusts the types)."""
         try:
             data: dict[str, Any] = json.loads(text)
-            spec = cls(**data)
+            if not isinstance(data, dict):
+                raise TypeError("not a JSON object")
+            # a newer peer's fields are left out, as an older peer leaves out ours
+            spec = cls(**{k: v for k, v in data.items() if k in _SPEC_FIELDS})
         except (ValueError, TypeError, RecursionError) as exc:
             raise InvalidArgument(f"bad layer spec: {exc}") from exc
         for name, kind in _FIELD_TYPES.items():
@@ -93,6 +101,16 @@ class LayerSpec:
                 isinstance(v, str) for v in spec.annotations.values()):
             raise InvalidArgument("bad layer spec: annotations must map strings to strings")
         return spec
+
+
+def digest_list(value: Any, what: str) -> list[str]:
+    """``value`` as a list of strings (a request's ``image_layers``); InvalidArgument if not."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InvalidArgument(f"{what} must be a list of strings")
+    return list(value)
+
+
+_SPEC_FIELDS = {*_FIELD_TYPES, "annotations"}
 
 
 def layer_spec_from_labels(labels: Mapping[str, str]) -> LayerSpec | None:
@@ -125,4 +143,25 @@ def layer_spec_from_labels(labels: Mapping[str, str]) -> LayerSpec | None:
         media_type=labels.get(REMOTE_MEDIA_TYPE, ""),
         manifest_digest=labels.get(REMOTE_MANIFEST_DIGEST) or labels.get(CRI_MANIFEST_DIGEST, ""),
         annotations=annotations,
+        image_layers=[d for d in labels.get(CRI_IMAGE_LAYERS, "").split(",") if d],
     )
+
+
+def image_layers_label(digests: Sequence[str]) -> str:
+    """The ``cri.image-layers`` value for a layer: ``digests`` (the image's layers from this
+    one up), comma-separated, as many as fit in one label (containerd's own rule: the rest are
+    only a missed head start).
+
+    >>> image_layers_label(["sha256:a", "sha256:b"])
+    'sha256:a,sha256:b'
+    """
+    room = LABEL_LIMIT - len(CRI_IMAGE_LAYERS)
+    out: list[str] = []
+    used = 0
+    for d in digests:
+        add = len(d) + (1 if out else 0)
+        if used + add > room:
+            break
+        out.append(d)
+        used += add
+    return ",".join(out)

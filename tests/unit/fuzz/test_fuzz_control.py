@@ -367,7 +367,12 @@ def _reply(line: bytes) -> dict[str, Any]:
     b'{"op": "mount", "mountpoint": "/mp", "spec": {"reference": "r", "digest": null}}',
     b'{"op": "mount", "mountpoint": "/mp", "spec": {"reference": "r", "digest": "d", '
     b'"annotations": [1]}}',                                  # were mounted as they were
-], ids=["deep-nesting", "digest-null", "annotations-list"])
+    b'{"op": "mount", "mountpoint": "/mp", "spec": {"reference": "r", "digest": "d"}, '
+    b'"image_layers": "sha256:a"}',
+    b'{"op": "mount", "mountpoint": "/mp", "spec": {"reference": "r", "digest": "d"}, '
+    b'"image_layers": [1]}',
+], ids=["deep-nesting", "digest-null", "annotations-list", "image-layers-string",
+        "image-layers-ints"])
 def test_regression_bad_requests_are_invalid_argument(line: bytes) -> None:
     reply = _reply(line)
     assert reply["ok"] is False and reply["error"]["kind"] == "InvalidArgument", reply
@@ -380,6 +385,7 @@ def test_regression_bad_requests_are_invalid_argument(line: bytes) -> None:
     b'{"reference": "r", "digest": "d", "size": "12"}',
     b'{"reference": "r", "digest": "d", "annotations": null}',
     b'{"reference": "r", "digest": "d", "annotations": {"k": 1}}',
+    b'[1, 2]',
 ])
 def test_regression_layer_spec_refuses_fields_of_the_wrong_type(text: bytes) -> None:
     """Were accepted (all but the first, a RecursionError), and would have failed in the

@@ -36,6 +36,17 @@ def test_requests_and_replies_keep_their_bytes() -> None:
         b'{"op": "mount", "mountpoint": "/mp", "spec": {"annotations": {}, "digest": '
         b'"sha256:aa", "manifest_digest": "", "media_type": "", "reference": "r.test/x:1", '
         b'"size": -1}}\n')
+    # an image's later layers travel beside the spec, which keeps its bytes (older servers
+    # ignore the key), and only when there are some
+    spec = LayerSpec(reference="r.test/x:1", digest="sha256:aa",
+                     image_layers=["sha256:aa", "sha256:bb"])
+    assert control.encode(control.mount_request("/mp", spec)) == (
+        b'{"op": "mount", "mountpoint": "/mp", "spec": {"annotations": {}, "digest": '
+        b'"sha256:aa", "manifest_digest": "", "media_type": "", "reference": "r.test/x:1", '
+        b'"size": -1}, "image_layers": ["sha256:aa", "sha256:bb"]}\n')
+    # and a newer peer's spec fields are left out, not refused
+    assert LayerSpec.from_json(b'{"reference": "r", "digest": "d", "later": 1}') == LayerSpec(
+        reference="r", digest="d")
     assert control.ok_reply() == b'{"ok": true, "result": null}\n'
     assert control.error_reply(errors.NotFound("x")) == (
         b'{"ok": false, "error": {"kind": "NotFound", "kinds": ["NotFound", "ColdstartError"], '
@@ -166,6 +177,10 @@ def test_each_op_reaches_its_handler_method() -> None:
     assert ops == [("ping", None), ("mount", ("/a/mp", SPEC)), ("check", "/mp"),
                    ("unmount", "//mp"), ("status", None)]   # normpath keeps a leading "//"
     assert [op for op, _ in h.calls].count("ready") == 4
+    # the image's later layers reach the handler on the spec
+    later = LayerSpec(**{**SPEC.__dict__, "image_layers": [SPEC.digest, "sha256:bb"]})
+    assert answer(control.encode(control.mount_request("/mp2", later)), h)["ok"]
+    assert h.calls[-1][1][1].image_layers == [SPEC.digest, "sha256:bb"]
 
 
 def test_malformed_json_is_invalid_argument() -> None:
