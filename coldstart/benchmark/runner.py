@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from coldstart.benchmark import SETTLE_S
 from coldstart.benchmark.node import (
     MODES,
     ModeSpec,
@@ -93,7 +94,7 @@ class BenchOptions:
     images: dict[str, str] = field(default_factory=dict)   # mode -> ref override
     insecure: Sequence[str] = ()
     timeout: float = 900.0
-    settle: float = 2.0
+    settle: float = SETTLE_S
     floor: bool = True
     prepare_only: bool = False             # build, push and convert; no runs
     estargz_level: int | None = None       # ctr-remote's gzip level (None: its default, 9)

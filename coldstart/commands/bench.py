@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from coldstart.benchmark import SETTLE_S
 from coldstart.benchmark.ready import CONDITIONS_HELP
 from coldstart.commands._common import output_option, split_commas
 from coldstart.commands._signals import signals_unwind
@@ -96,8 +97,11 @@ root. The JSON schema is coldstart/benchmark/result_schema.json.
               help="Where the nodes live while it runs (default: a temp dir in /tmp).")
 @click.option("--timeout", default=900.0, show_default=True, type=float,
               help="Seconds one cold start may take before it counts as failed.")
-@click.option("--settle", default=2.0, show_default=True, type=float,
-              help="Seconds to wait after dropping the page cache (same for every mode).")
+@click.option("--settle", default=SETTLE_S, show_default=True, type=float,
+              help="Seconds to wait after dropping the page cache (same for every mode and "
+                   "the floor). On a VM with free page reporting, freed pages go back to the "
+                   "host about two seconds later; a shorter rest lets a run's speed depend on "
+                   "how much the run before it freed.")
 @click.option("--no-floor", is_flag=True,
               help="Skip the warm starts that measure the floor (one per round, alternated "
                    "with the modes; each on a fresh node that first pulls the image in full, "
