@@ -34,6 +34,7 @@ from coldstart.benchmark.node import (
     MODES,
     ModeSpec,
     Node,
+    Traffic,
     Workload,
     cold_start,
     existing_node,
@@ -424,19 +425,11 @@ def run_bench(opts: BenchOptions, report: Reporter | None = None) -> BenchResult
                     assert floor_ref is not None
                     run = _warm_start(opts, floor_ref, workload, i, work / "n", insecure, report)
                     warm.append(run)
-                    done += 1
-                    report.run_done(run, done, total)
-                    continue
-                spec = turn
-                ref = _via(prepared.refs[spec.name], proxy_host)
-                try:
-                    with _node(opts, spec, work / "n", ref, insecure, stargz_binary) as node:
-                        run = cold_start(node, ref, workload, i, traffic=traffic,
-                                         settle=opts.settle,
-                                         on_phase=functools.partial(report.phase, spec.name, i))
-                except ColdstartError as exc:   # the node did not start: this run failed
-                    run = Run(spec.name, i, ok=False, error=f"the node did not start: {exc}")
-                result.modes[spec.name].runs.append(run)
+                else:
+                    run = _mode_run(opts, turn, _via(prepared.refs[turn.name], proxy_host),
+                                    workload, i, work / "n", insecure, stargz_binary, traffic,
+                                    report)
+                    result.modes[turn.name].runs.append(run)
                 done += 1
                 report.run_done(run, done, total)
         for m in result.modes.values():
@@ -482,6 +475,19 @@ def _stargz_binary(specs: list[ModeSpec], skipped: dict[str, str],
     for s in wants:
         skipped[s.name] = why
     return None
+
+
+def _mode_run(opts: BenchOptions, spec: ModeSpec, ref: str, workload: Workload, index: int,
+              base: Path, insecure: tuple[str, ...], stargz_binary: Path | None,
+              traffic: Traffic | None, report: Reporter) -> Run:
+    """One cold start of ``spec`` on a node of its own (a node that does not start is a
+    failed run)."""
+    try:
+        with _node(opts, spec, base, ref, insecure, stargz_binary) as node:
+            return cold_start(node, ref, workload, index, traffic=traffic, settle=opts.settle,
+                              on_phase=functools.partial(report.phase, spec.name, index))
+    except ColdstartError as exc:   # the node did not start: this run failed
+        return Run(spec.name, index, ok=False, error=f"the node did not start: {exc}")
 
 
 FLOOR = "floor"     # the name the floor's warm starts go by in progress lines
