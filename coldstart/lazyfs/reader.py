@@ -186,6 +186,7 @@ class LayerReader:
         self._small_lock = threading.Lock()
         self.stats = LayerStats()
         self._stop = threading.Event()      # set by close(): the layer is no longer served
+        self._prefetched = threading.Event()  # the prefetch ended (or the layer was closed)
         self.target = FetchTarget(digest, layer, source, self.stats, self._stop)
         # per file: where its recent runs of reads end (a few: a loader copying a tensor
         # with several threads reads it as that many interleaved sequential runs)
@@ -216,9 +217,25 @@ class LayerReader:
         """Stop prefetching (and warming the page cache); work held for the layer (deferred
         spreads) is dropped."""
         self._stop.set()
+        self._prefetched.set()
         self.fetcher.wake()
         if self.page_cache is not None:
             self.page_cache.close()
+
+    def wait_start_up(self, after: float, longest: float) -> bool:
+        """Block until the layer's start-up has had its turn: ``after`` seconds from now, the
+        prefetch ended (where the layer names a start-up set) and no read was served for
+        ``QUIET_SECONDS`` (at most ``longest`` seconds for each of these two). False if the
+        layer was closed meanwhile. For housekeeping that holds the GIL (compacting the
+        TOC): the FUSE loop and the mounts of the image's next layers would wait for it."""
+        if self._stop.wait(after):
+            return False
+        if self.wants_prefetch:
+            self._prefetched.wait(longest)
+        if self._stop.is_set():
+            return False
+        self.fetcher.wait_quiet(longest)
+        return not self._stop.is_set()
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -912,8 +929,11 @@ class LayerReader:
     def prefetch_then_rest(self) -> None:
         """What the FUSE server runs in a thread after mounting: the prefetch list in bulk,
         then the rest of the layer in the background."""
-        if self.wants_prefetch:
-            self.prefetch()
+        try:
+            if self.wants_prefetch:
+                self.prefetch()
+        finally:
+            self._prefetched.set()
         if self.background_rate > 0:
             # the rest is background work: this thread yields the CPU from here on, and
             # plans the fill (every entry of the TOC) only once the start-up pauses

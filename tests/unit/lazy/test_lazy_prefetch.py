@@ -4,6 +4,7 @@ the recording touched when the layer says which) and the hybrid fill's order and
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -586,3 +587,33 @@ def test_runs_are_packed_by_bytes_and_parts_and_an_empty_range_goes_alone() -> N
     runs = [run(0, 10), run(20, 20), run(50, 60), run(70, 80), run(90, 100), run(200, 290)]
     packs = pack_runs(runs, 40, 2)
     assert [[r[0].offset for r in p] for p in packs] == [[0], [20], [50, 70], [90], [200]]
+
+
+def test_housekeeping_waits_for_the_prefetch_and_a_pause_in_the_reads(tmp_path: Path) -> None:
+    """wait_start_up (what the TOC's compaction waits for after a mount) returns only once
+    the prefetch has ended and no read was served for QUIET_SECONDS; a closed layer ends it."""
+    tree = metadata_tar()
+    reader, src, _ = make(tmp_path, "zstd:chunked", tar=tree.tar,
+                          prefetch=["usr/lib/big.so", "etc/os-release"])
+    assert reader.wants_prefetch
+    src.gate.clear()                        # the prefetch's requests wait
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: reader.wait_start_up(0.0, 30.0) and done.set())
+    waiter.start()
+    prefetch = threading.Thread(target=reader.prefetch_then_rest)
+    prefetch.start()
+    assert not done.wait(0.5)               # the prefetch is under way
+    reader.fetcher.note_read()              # and the start-up reads
+    src.gate.set()
+    prefetch.join(10)
+    assert done.wait(10)
+    waiter.join(10)
+
+    closed, _, _ = make(tmp_path / "b", "zstd:chunked", tar=tree.tar,
+                        prefetch=["usr/lib/big.so"])
+    results: list[bool] = []
+    t = threading.Thread(target=lambda: results.append(closed.wait_start_up(30.0, 30.0)))
+    t.start()
+    closed.close()
+    t.join(10)
+    assert results == [False]
