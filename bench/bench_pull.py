@@ -108,8 +108,9 @@ def _spy(pid: int | None, out: Path | None) -> subprocess.Popen[bytes] | None:
 
 #: files in the layer pulled first (the memory baseline)
 SMALL_FILES = 100
-#: seconds between the pull and the memory figures (the layer's index is built meanwhile)
-SETTLE = 5.0
+#: seconds between the pull and the memory figures (the layer's index is built meanwhile, and
+#: its TOC compacted 2 s after the mount once the reads pause)
+SETTLE = 8.0
 
 
 def _memory(pid: int | None) -> tuple[float, float]:

@@ -9,7 +9,8 @@ made from them on demand (:class:`~coldstart.format.toc.TOCEntries` keeps the re
 
 Making the columns takes a few tenths of a second for 200,000 entries, which a mount should
 not wait for: until :meth:`TOCColumns.compact` is called (the FUSE server does, in a thread,
-once the layer is mounted), entries are made from the decoder's objects, as they always were.
+once the mounted layer's start-up has had its turn), entries are made from the decoder's
+objects, as they always were.
 Only the fast parser (:mod:`coldstart.format.tocjson`) builds these, from the typed entries it
 has checked (every integer field fits in 64 bits); both ways make equal entries.
 """

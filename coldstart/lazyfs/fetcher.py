@@ -569,11 +569,12 @@ class ChunkFetcher:
         looks its files up: it counts as reading (files are opened without the server)."""
         self.last_read = time.monotonic()
 
-    def wait_quiet(self, timeout: float | None = None) -> bool:
+    def wait_quiet(self, timeout: float | None = None,
+                   stop: threading.Event | None = None) -> bool:
         """Block while on-demand fetches are in flight or a read was served within the last
         ``QUIET_SECONDS`` (see :meth:`_wait_foreground_idle`), at most ``timeout`` seconds;
-        False if it gave up."""
-        return not self._wait_foreground_idle({}, timeout)
+        False if it gave up. Ends at once once ``stop`` is set (after :meth:`wake`)."""
+        return not self._wait_foreground_idle({}, timeout, stop)
 
     def _wait_foreground_idle(self, owned: dict[Chunk, _Flight],
                               timeout: float | None = None,

@@ -61,21 +61,23 @@ def _sizes(reader: LayerReader) -> Callable[[str], int | None]:
     return size
 
 
-#: seconds after a mount before its TOC is compacted (then the prefetch must have ended and
-#: the reads paused; each wait at most COMPACT_WAIT seconds)
+#: seconds after a mount (its neighbour index built) before its TOC is compacted; then the
+#: prefetch must have ended and the reads paused, each wait at most COMPACT_WAIT seconds
 COMPACT_AFTER = 2.0
-COMPACT_WAIT = 60.0
+COMPACT_WAIT = 10.0
 
 
-def _index_then_trim(reader: LayerReader) -> None:
+def _index_then_trim(reader: LayerReader, *, at_once: bool = False) -> None:
     """After a mount: the layer's neighbour index (its first reads want it); then, once the
-    start-up has had its turn (:meth:`~coldstart.lazyfs.reader.LayerReader.wait_start_up`),
-    niced (for the node's memory, not for this start-up), the TOC in its compact form and the
-    parsing's garbage given back (a 200,000-file layer: about 1.5 s, 330 MB -> 80 MB).
-    Compacting is pure Python that holds the GIL: run at once, it held up the mounts of the
-    image's next layers and the FUSE loop (the torch image's pull: 0.51 s against 0.40 s)."""
+    start-up has had its turn (:meth:`~coldstart.lazyfs.reader.LayerReader.wait_start_up`;
+    ``at_once``: a layer restored after a restart, no start-up waits on it), niced (for the
+    node's memory, not for this start-up), the TOC in its compact form and the parsing's
+    garbage given back (a 200,000-file layer: about 1.5 s, 330 MB -> 80 MB). Compacting is
+    pure Python that holds the GIL: run at once, it held up the mounts of the image's next
+    layers and the FUSE loop (the torch image's pull, held back 20 s in a probe: 0.40 s
+    against 0.52 s)."""
     reader.warm_index()
-    if not reader.wait_start_up(COMPACT_AFTER, COMPACT_WAIT):
+    if not at_once and not reader.wait_start_up(COMPACT_AFTER, COMPACT_WAIT):
         return          # unmounted meanwhile: its TOC goes with it
     lower_priority()
     reader.layer.toc.compact()
@@ -221,7 +223,8 @@ class LayerTable:
             if created:
                 # the layer's tables live as long as it does: keep the collector off them
                 gc.freeze()
-                threading.Thread(target=_index_then_trim, args=(reader,), daemon=True,
+                threading.Thread(target=_index_then_trim, args=(reader,),
+                                 kwargs={"at_once": restoring}, daemon=True,
                                  name=f"index-{layer.key}").start()
             if created and (reader.wants_prefetch or reader.background_rate > 0):
                 threading.Thread(target=reader.prefetch_then_rest, daemon=True,

@@ -50,7 +50,8 @@ def give_back_freed_memory() -> None:
 
     Parsing a layer's TOC makes and frees about a kilobyte of objects per file; with the
     thresholds :func:`keep_freed_memory` sets, glibc would keep those pages (a 200,000-file
-    layer: some 100 MB) for good. Called once a layer is mounted; a few milliseconds."""
+    layer: some 100 MB) for good. Called once a mounted layer's TOC is compacted; a few
+    milliseconds."""
     try:
         ctypes.CDLL(None).malloc_trim(ctypes.c_size_t(0))
     except (OSError, AttributeError):

@@ -234,7 +234,7 @@ class LayerReader:
             self._prefetched.wait(longest)
         if self._stop.is_set():
             return False
-        self.fetcher.wait_quiet(longest)
+        self.fetcher.wait_quiet(longest, stop=self._stop)
         return not self._stop.is_set()
 
     # -- reads -----------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,7 +16,16 @@ from coldstart.errors import Unavailable
 from coldstart.format.gzindex import GzipIndex, IndexedLayer
 from coldstart.format.toc import Chunk
 from coldstart.lazyfs import reader as reader_module
-from coldstart.lazyfs.fetcher import DEMAND, FILL, MAX_GAP, PREFETCH, ChunkFetcher, pack_runs
+from coldstart.lazyfs.fetcher import (
+    DEMAND,
+    FILL,
+    MAX_GAP,
+    PREFETCH,
+    QUIET_SECONDS,
+    ChunkFetcher,
+    pack_runs,
+)
+from coldstart.lazyfs.layers import COMPACT_AFTER, _index_then_trim
 from coldstart.lazyfs.reader import LayerReader, _batches, _growing_batches
 from coldstart.prefetch.profile import LayerProfile
 from coldstart.prefetch.recorder import AccessRecorder
@@ -591,29 +601,77 @@ def test_runs_are_packed_by_bytes_and_parts_and_an_empty_range_goes_alone() -> N
 
 def test_housekeeping_waits_for_the_prefetch_and_a_pause_in_the_reads(tmp_path: Path) -> None:
     """wait_start_up (what the TOC's compaction waits for after a mount) returns only once
-    the prefetch has ended and no read was served for QUIET_SECONDS; a closed layer ends it."""
+    the prefetch has ended and no read was served for QUIET_SECONDS; closing the layer ends
+    the wait at once, in any of its stages."""
     tree = metadata_tar()
     reader, src, _ = make(tmp_path, "zstd:chunked", tar=tree.tar,
                           prefetch=["usr/lib/big.so", "etc/os-release"])
+    reader.background_rate = 0
     assert reader.wants_prefetch
     src.gate.clear()                        # the prefetch's requests wait
-    done = threading.Event()
-    waiter = threading.Thread(target=lambda: reader.wait_start_up(0.0, 30.0) and done.set())
+    returned: list[float] = []
+    waiter = threading.Thread(
+        target=lambda: reader.wait_start_up(0.0, 30.0) and returned.append(time.monotonic()))
     waiter.start()
     prefetch = threading.Thread(target=reader.prefetch_then_rest)
     prefetch.start()
-    assert not done.wait(0.5)               # the prefetch is under way
+    time.sleep(0.5)
+    assert not returned                     # the prefetch is under way
+    read_at = time.monotonic()
     reader.fetcher.note_read()              # and the start-up reads
     src.gate.set()
     prefetch.join(10)
-    assert done.wait(10)
     waiter.join(10)
+    assert not prefetch.is_alive() and not waiter.is_alive()
+    assert returned and returned[0] - read_at >= QUIET_SECONDS - 0.05
 
-    closed, _, _ = make(tmp_path / "b", "zstd:chunked", tar=tree.tar,
-                        prefetch=["usr/lib/big.so"])
-    results: list[bool] = []
-    t = threading.Thread(target=lambda: results.append(closed.wait_start_up(30.0, 30.0)))
+    for stage, after in (("the first wait", 30.0), ("the prefetch", 0.0), ("the reads", 0.0)):
+        layer, gated, _ = make(tmp_path / stage.replace(" ", "-"), "zstd:chunked",
+                               tar=tree.tar, prefetch=["usr/lib/big.so"])
+        layer.background_rate = 0
+        gated.gate.clear()
+        results: list[bool] = []
+        t = threading.Thread(target=lambda r=layer, a=after, out=results: out.append(
+            r.wait_start_up(a, 30.0)))
+        if stage == "the reads":
+            layer._prefetched.set()           # the prefetch ended; the reads go on
+            keep_reading = threading.Event()
+
+            def reads(r: LayerReader = layer, go: threading.Event = keep_reading) -> None:
+                while not go.wait(0.05):
+                    r.fetcher.note_read()
+            layer.fetcher.note_read()
+            reading = threading.Thread(target=reads, daemon=True)
+            reading.start()
+        elif stage == "the prefetch":
+            threading.Thread(target=layer.prefetch_then_rest, daemon=True).start()
+        t.start()
+        try:
+            time.sleep(0.4)
+            assert not results, stage
+            closed_at = time.monotonic()
+            layer.close()
+            t.join(10)
+        finally:
+            if stage == "the reads":
+                keep_reading.set()
+            gated.gate.set()
+        assert results == [False], stage
+        assert time.monotonic() - closed_at < 3.0, stage
+
+
+def test_a_layer_restored_after_a_restart_is_compacted_at_once(tmp_path: Path) -> None:
+    """No start-up waits on a layer the server restored: its TOC is compacted without waiting
+    for a prefetch (none ran here) or a pause in the reads."""
+    tree = metadata_tar()
+    reader, _, _ = make(tmp_path, "zstd:chunked", tar=tree.tar, prefetch=["usr/lib/big.so"])
+    assert reader.wants_prefetch
+    assert reader.layer.toc.entries._index is not None        # not compacted yet
+    started = time.monotonic()
+    # in a thread of its own, as the server runs it: it nices the thread that calls it
+    t = threading.Thread(target=_index_then_trim, args=(reader,), kwargs={"at_once": True})
     t.start()
-    closed.close()
     t.join(10)
-    assert results == [False]
+    assert not t.is_alive()
+    assert reader.layer.toc.entries._index is None            # compacted
+    assert time.monotonic() - started < COMPACT_AFTER
