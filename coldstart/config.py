@@ -247,8 +247,10 @@ class WeightsConfig(_Checked):
 
     # bytes of one read (a tensor larger than this is read in pieces, in parallel)
     chunk_bytes: int = 16 * MiB
-    # pinned staging memory of a CUDA load
-    max_host_bytes: int = 512 * MiB
+    # pinned staging memory of a CUDA load. Pinning costs: on an H200 machine (16 cores) 512 MiB
+    # took 225-256 ms to pin, most of a process's first 4 GB load (0.40 s, 10.1 GB/s); 128 MiB
+    # took 42 ms, and the load 0.225 s (17.9 GB/s; bench/published/gpu-2026-12-04)
+    max_host_bytes: int = 128 * MiB
     # registry blobs: ranges that arrive ahead of the in-order digest are held up to this many
     # bytes; beyond it they are read again to verify
     verify_hold_bytes: int = 64 * MiB

@@ -150,7 +150,7 @@ def load_cmd(source: str, device: str, dtype: str | None, concurrency: int | Non
     tensors, stats = _load_once(source, kwargs, show_progress=not quiet)
     report = {"source": source, "path": stats.path, "files": stats.files,
               "tensors": stats.tensors, "bytes": stats.bytes, "seconds": round(stats.seconds, 4),
-              "gb_per_s": round(stats.gb_per_s, 3)}
+              "gb_per_s": round(stats.gb_per_s, 3), "staging_bytes": stats.staging_bytes}
     if output == "json":
         if list_tensors:
             report["shapes"] = {n: [str(t.dtype).removeprefix("torch."), list(t.shape)]

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -125,6 +126,20 @@ def test_weights_load_bad_device_is_one_line(tmp_path: Path) -> None:
         out = run("weights", "load", str(path), "--device", "cuda:0", "-q")
         assert out.returncode == 2 and "CUDA is not available" in out.stderr
         assert "Traceback" not in out.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU present (CUDA unavailable)")
+def test_weights_load_to_cuda(tmp_path: Path) -> None:  # pragma: no cover
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(7)}, str(path))
+    out = run("weights", "load", str(path), "--device", "cuda:0", "--max-host-mb", "1",
+              "-o", "json", "--list")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["path"].startswith("cuda") and report["tensors"] == 2
+    assert report["shapes"]["a"] == ["float32", [300_000]]
+    assert 0 < report["staging_bytes"] <= 1 << 20
 
 
 def test_models_list_of_a_missing_or_file_root_is_an_error(tmp_path: Path) -> None:

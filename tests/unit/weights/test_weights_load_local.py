@@ -338,10 +338,19 @@ def test_torch_device_objects_are_accepted(model: Path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU present (CUDA unavailable)")
 def test_cuda_load(model: Path, tensors: dict[str, torch.Tensor]) -> None:  # pragma: no cover
     stats = LoadStats()
+    host_stats = getattr(torch.cuda, "host_memory_stats", None)      # torch >= 2.7
+    held = 0
+    if host_stats is not None:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_host_memory_stats()
+        held = host_stats()["active_bytes.current"]     # pinned blocks others hold already
     got = load(model, device="cuda", chunk_bytes=8192, max_host_bytes=32768, stats=stats)
     assert stats.path.startswith("cuda")
     assert all(t.is_cuda for t in got.values())
     assert_identical(tensors, got)
+    assert 0 < stats.staging_bytes <= 32768
+    if host_stats is not None:  # the pinned bytes in use at once, as torch's allocator saw them
+        assert 0 < host_stats()["active_bytes.peak"] - held <= 32768
     conv = load(model, device="cuda", dtype=torch.float32, select=["t.BF16"])
     assert torch.equal(conv["t.BF16"].cpu(), tensors["t.BF16"].float())
 

@@ -109,6 +109,20 @@ def test_staged_load_is_bit_identical_and_bounded(model: Path, fake: FakeAsyncDe
     assert sum(fake.staged) <= 8192 and len(fake.staged) >= 2
     assert max(fake.staged) == 4096  # chunk_bytes shrunk to half the budget
     assert fake.copies == stats.reads > 200
+    assert stats.staging_bytes == sum(fake.staged)
+
+
+@pytest.mark.parametrize(("chunk", "budget"), [(10_000, 1 << 20), (65536, 50_000),
+                                                (3 << 20, 7 << 20)])
+def test_staging_blocks_are_powers_of_two_within_the_budget(
+        model: Path, fake: FakeAsyncDevice, chunk: int, budget: int) -> None:
+    # torch's pinned allocator rounds each block up to a power of two: a block of any other
+    # size would hold more pinned memory than asked for, and more than the budget
+    stats = LoadStats()
+    got = load(model, chunk_bytes=chunk, max_host_bytes=budget, concurrency=4, stats=stats)
+    assert_identical(load_file(str(model)), got)
+    assert fake.staged and all(s & (s - 1) == 0 and s <= chunk for s in fake.staged)
+    assert sum(fake.staged) == stats.staging_bytes <= budget
 
 
 def test_each_tensor_is_final_when_yielded(model: Path, fake: FakeAsyncDevice) -> None:
