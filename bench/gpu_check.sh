@@ -9,10 +9,14 @@
 #
 #   OUT=/tmp/gpu-check bash bench/gpu_check.sh
 #
-# Where the machine's Python lacks packages coldstart imports (msgspec, trio, zstandard, ...)
-# or the fastsafetensors peer, put their wheels in .whl/ (pip download, see the module); they are
-# installed into /tmp/site first. Each step has its own time limit, and a failing step does not
-# stop the next.
+# Where the machine's Python lacks packages coldstart imports (msgspec, trio, zstandard, ...),
+# the fastsafetensors peer or py-spy, put their wheels in .whl/; they are installed into
+# /tmp/site first. For the lent H200 machines (Python 3.12), on any machine with pip:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
+#     fastsafetensors msgspec trio outcome sniffio zstandard py-spy
+# Each step has its own time limit, and a failing step does not stop the next.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
@@ -53,4 +57,15 @@ timeout "${TEST_LIMIT:-240}" "$PY" -m pytest -q -ra -p no:cacheprovider tests/un
 echo "== bench/gpu_weights.py --size-gb $SIZE_GB --runs $RUNS --sweep"
 timeout "${BENCH_LIMIT:-300}" "$PY" bench/gpu_weights.py --size-gb "$SIZE_GB" --runs "$RUNS" \
     --sweep --out "$OUT" 2>&1 | tee "$OUT/gpu-weights.log" | tail -40
+if [ -x /tmp/site/bin/py-spy ]; then
+    # where a staged load's time goes, natively: one fresh process, 4 MiB reads (many of them)
+    echo "== py-spy of one load, 4 MiB reads"
+    FILE=/var/tmp/coldstart-gpu-profile.safetensors
+    "$PY" -c "import sys; sys.path.insert(0, 'bench'); from bench_weights import write_model; \
+from pathlib import Path; write_model(Path('$FILE'), int(2e9))" && cat "$FILE" > /dev/null &&
+    timeout 120 /tmp/site/bin/py-spy record --native --format raw --rate 200 \
+        -o "$OUT/profile-4mib.txt" -- "$PY" bench/gpu_weights.py --file "$FILE" \
+        --child 4,128,0 2>&1 | tail -3
+    rm -f "$FILE"
+fi
 echo "== done $(date -u)"

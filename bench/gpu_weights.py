@@ -232,6 +232,39 @@ def identical(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return True
 
 
+def time_calls(acc: dict[str, list[float]]) -> None:
+    """Sum the seconds (over every thread) spent in the staged pipeline's steps, into ``acc``:
+    the read into the staging buffer, queuing its device copy, waiting for a buffer's last copy
+    to land, and handing a finished tensor out."""
+    import threading
+
+    from coldstart.remote.local import LocalFileBlob
+    from coldstart.weights import loader
+
+    lock = threading.Lock()
+
+    def wrap(owner: Any, name: str, label: str) -> None:
+        orig = getattr(owner, name)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                took = time.perf_counter() - start
+                with lock:
+                    calls = acc.setdefault(label, [0.0, 0])
+                    calls[0] += took
+                    calls[1] += 1
+
+        setattr(owner, name, timed)
+
+    wrap(LocalFileBlob, "read_into", "read_into")
+    wrap(loader._CudaCopies, "copy_async", "copy_async")
+    wrap(loader._CudaCopies, "host_wait", "host_wait")
+    wrap(loader, "_finish", "finish (main thread)")
+
+
 def child(path: Path, device: str, spec: str) -> None:
     """One fresh process: CUDA up first, then two loads; prints one JSON line."""
     import torch
@@ -246,10 +279,14 @@ def child(path: Path, device: str, spec: str) -> None:
     if threads:
         kw["concurrency"] = threads
     runs = []
+    acc: dict[str, list[float]] = {}
+    time_calls(acc)
     for _ in range(2):
         info: dict[str, Any] = {}
+        acc.clear()
         secs, out = coldstart_load(path, device, host_mb, info, **kw)
-        runs.append({"seconds": secs, **info})
+        runs.append({"seconds": secs, **info,
+                     "thread_seconds": {k: [round(v[0], 4), int(v[1])] for k, v in acc.items()}})
         del out
         torch.cuda.empty_cache() if device.startswith("cuda") else None
     print(json.dumps({"spec": [chunk_mb, host_mb, threads], "cuda_up_s": up, "loads": runs}))
@@ -274,7 +311,8 @@ def sweep(path: Path, device: str, size: int) -> list[dict[str, Any]]:
               f"first load {row['first_gb_per_s']:.2f} GB/s, second "
               f"{row['second_gb_per_s']:.2f} GB/s; pinned peak "
               f"{(first.get('pinned_active_peak') or 0) / 2**20:.0f} MiB, pinning "
-              f"{(first.get('pinned_alloc_us') or 0) / 1e3:.0f} ms", flush=True)
+              f"{(first.get('pinned_alloc_us') or 0) / 1e3:.0f} ms; second load's thread-seconds "
+              f"[s, calls]: {second.get('thread_seconds')}", flush=True)
     return rows
 
 
