@@ -44,10 +44,11 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-# (chunk MiB, staging MiB, threads; 0 = the loader's default) tried by --sweep
-# (the loader cuts the staging into at least 16 buffers: 16/128 stages 16 buffers of 8 MiB)
-SWEEP = [(16, 128, 0), (16, 512, 0), (4, 64, 0), (4, 128, 0), (8, 256, 0), (16, 128, 32),
-         (32, 1024, 0), (16, 256, 8)]
+# (chunk MiB, staging MiB, threads, buffers the staging is cut into at least; 0 = the loader's
+# default) tried by --sweep. The loader cuts into at least 16 (loader._STAGING_BUFFERS): 16/128
+# stages 16 buffers of 8 MiB, 16/128 with 8 buffers 8 of 16 MiB.
+SWEEP = [(16, 128, 0, 0), (16, 128, 0, 8), (16, 512, 0, 0), (4, 128, 0, 0), (8, 256, 0, 0),
+         (16, 128, 32, 0), (32, 1024, 0, 0), (16, 64, 0, 0)]
 
 
 def sync(device: str) -> None:
@@ -114,9 +115,17 @@ Loaded = tuple[float, dict[str, Any]]
 
 
 def coldstart_load(path: Path, device: str, max_host_mb: int,
-                   info: dict[str, Any] | None = None, **kw: Any) -> Loaded:
-    from coldstart.weights import LoadStats, load
+                   info: dict[str, Any] | None = None, buffers: int = 0, **kw: Any) -> Loaded:
+    """``load(path, device=...)``; ``buffers``: cut the staging into at least that many (0: the
+    loader's own cut)."""
+    from coldstart.weights import LoadStats, load, loader
 
+    if buffers:
+        default, loader._STAGING_BUFFERS = loader._STAGING_BUFFERS, buffers
+        try:
+            return coldstart_load(path, device, max_host_mb, info, **kw)
+        finally:
+            loader._STAGING_BUFFERS = default
     stats = LoadStats()
     sync(device)
     reset_host_peak(device)
@@ -262,6 +271,7 @@ def time_calls(acc: dict[str, list[float]]) -> None:
     wrap(LocalFileBlob, "read_into", "read_into")
     wrap(loader._CudaCopies, "copy_async", "copy_async")
     wrap(loader._CudaCopies, "host_wait", "host_wait")
+    wrap(loader._Staging, "get", "waiting for a free buffer (host_wait within)")
     wrap(loader, "_finish", "finish (main thread)")
 
 
@@ -269,13 +279,13 @@ def child(path: Path, device: str, spec: str) -> None:
     """One fresh process: CUDA up first, then two loads; prints one JSON line."""
     import torch
 
-    chunk_mb, host_mb, threads = (int(x) for x in spec.split(","))
+    chunk_mb, host_mb, threads, buffers = (int(x) for x in spec.split(","))
     t0 = time.perf_counter()
     if device.startswith("cuda"):
         torch.zeros(1, device=device)
         sync(device)
     up = time.perf_counter() - t0
-    kw: dict[str, Any] = {"chunk_bytes": chunk_mb << 20}
+    kw: dict[str, Any] = {"chunk_bytes": chunk_mb << 20, "buffers": buffers}
     if threads:
         kw["concurrency"] = threads
     runs = []
@@ -289,15 +299,22 @@ def child(path: Path, device: str, spec: str) -> None:
                      "thread_seconds": {k: [round(v[0], 4), int(v[1])] for k, v in acc.items()}})
         del out
         torch.cuda.empty_cache() if device.startswith("cuda") else None
-    print(json.dumps({"spec": [chunk_mb, host_mb, threads], "cuda_up_s": up, "loads": runs}))
+    print(json.dumps({"spec": [chunk_mb, host_mb, threads, buffers], "cuda_up_s": up,
+                      "loads": runs}))
 
 
 def sweep(path: Path, device: str, size: int) -> list[dict[str, Any]]:
     rows = []
-    for chunk_mb, host_mb, threads in SWEEP:
-        spec = f"{chunk_mb},{host_mb},{threads}"
-        proc = subprocess.run([sys.executable, __file__, "--file", str(path), "--device", device,
-                               "--child", spec], capture_output=True, text=True, timeout=300)
+    for chunk_mb, host_mb, threads, buffers in SWEEP:
+        spec = f"{chunk_mb},{host_mb},{threads},{buffers}"
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--file", str(path), "--device",
+                                   device, "--child", spec], capture_output=True, text=True,
+                                  timeout=120)
+        except subprocess.TimeoutExpired:
+            rows.append({"spec": spec, "error": "no answer within 120 s"})
+            print(f"sweep {spec}: no answer within 120 s", flush=True)
+            continue
         if proc.returncode != 0:
             rows.append({"spec": spec, "error": proc.stderr.strip()[-2000:]})
             print(f"sweep {spec}: failed: {proc.stderr.strip()[-300:]}", flush=True)
@@ -307,7 +324,8 @@ def sweep(path: Path, device: str, size: int) -> list[dict[str, Any]]:
         row["first_gb_per_s"] = size / first["seconds"] / 1e9
         row["second_gb_per_s"] = size / second["seconds"] / 1e9
         rows.append(row)
-        print(f"sweep chunk {chunk_mb} MiB, staging {host_mb} MiB, threads {threads or 'auto'}: "
+        print(f"sweep chunk {chunk_mb} MiB, staging {host_mb} MiB, threads {threads or 'auto'}, "
+              f"buffers >= {buffers or 'default'}: "
               f"first load {row['first_gb_per_s']:.2f} GB/s, second "
               f"{row['second_gb_per_s']:.2f} GB/s; pinned peak "
               f"{(first.get('pinned_active_peak') or 0) / 2**20:.0f} MiB, pinning "
@@ -323,8 +341,8 @@ def main() -> None:
     p.add_argument("--size-gb", type=float, default=4.0)
     p.add_argument("--device", default="cuda")
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--max-host-mb", type=int, default=128, help="coldstart's pinned staging "
-                   "budget (its default)")
+    p.add_argument("--max-host-mb", type=int, default=128, choices=range(1, 1 << 20),
+                   metavar="MB", help="coldstart's pinned staging budget (its default)")
     p.add_argument("--sweep", action="store_true", help="also time fresh-process loads over "
                    "staging sizes (see SWEEP)")
     p.add_argument("--out", type=Path, default=HERE / "results")
@@ -369,12 +387,16 @@ def main() -> None:
             swept = sweep(path, args.device, size)
             done = [s for s in swept if "loads" in s]
             if done:
-                chunk_mb, host_mb, threads = max(done, key=lambda s: s["first_gb_per_s"])["spec"]
+                best = max(done, key=lambda s: s["first_gb_per_s"])
+                chunk_mb, host_mb, threads, buffers = best["spec"]
                 kw: dict[str, Any] = {"chunk_bytes": chunk_mb << 20}
                 if threads:
                     kw["concurrency"] = threads
+                if buffers:  # the cut the sweep found best, for this row only
+                    kw["buffers"] = buffers
                 loaders[f"coldstart.load ({chunk_mb}/{host_mb} MiB, threads "
-                        f"{threads or 'auto'}: the sweep's best)"] = (
+                        f"{threads or 'auto'}, buffers >= {buffers or 'default'}: the sweep's "
+                        "best)"] = (
                     lambda: coldstart_load(path, args.device, host_mb, None, **kw))
         for r in range(args.runs):
             rows["peak"].append(peak_copy(size, args.device))
@@ -390,6 +412,8 @@ def main() -> None:
                     print(f"{name}: {failed[name]}", flush=True)
                     continue
                 rows[name].append(secs)
+                # every loader pins its own staging, as a process's first load does
+                empty_caches(args.device)
                 if not out:
                     continue
                 if name == "coldstart.load":
@@ -445,9 +469,10 @@ def main() -> None:
     if swept:
         table += "\n".join([
             "", "Fresh processes (CUDA up first; the first load pays for its pinned staging):",
-            "", "| chunk MiB | staging MiB | threads | first GB/s | second GB/s | pinning ms |",
-            "|---|---|---|---|---|---|",
+            "", "| chunk MiB | staging MiB | threads | buffers >= | first GB/s | second GB/s "
+            "| pinning ms |", "|---|---|---|---|---|---|---|",
             *(f"| {s['spec'][0]} | {s['spec'][1]} | {s['spec'][2] or 'auto'} | "
+              f"{s['spec'][3] or 16} | "
               f"{s['first_gb_per_s']:.2f} | {s['second_gb_per_s']:.2f} | "
               f"{(s['loads'][0].get('pinned_alloc_us') or 0) / 1e3:.0f} |"
               for s in swept if "loads" in s), ""])

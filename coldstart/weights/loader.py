@@ -9,8 +9,8 @@ most ``chunk_bytes``; one read may cover several small tensors (``preadv`` with 
 tensor) and skip small gaps.
 
 CPU: the source writes straight into the destination tensors' memory: no staging, no extra copy.
-CUDA: reads land in a bounded pool of pinned staging buffers (``max_host_bytes`` in all, cut into
-at least ``_STAGING_BUFFERS`` of a power-of-two size so reading overlaps copying); each worker
+CUDA: reads land in a bounded pool of pinned staging buffers (``max_host_bytes`` in all, each a
+power of two of at most 1/``_STAGING_BUFFERS`` of it, so reading overlaps copying); each worker
 thread copies its buffer to the device on its own stream with ``non_blocking=True`` and records
 an event; a buffer is reused only after its event completes. dtype conversion happens on the
 device once a tensor is complete. The device side of that pipeline is one small object
@@ -134,6 +134,7 @@ class LoadStats:
     reads: int = 0
     seconds: float = 0.0
     #: host staging memory the load allocated (pinned, for CUDA): within ``max_host_bytes``
+    #: (a budget under 8 KiB still gets two buffers of 4 KiB)
     staging_bytes: int = 0
 
     @property
@@ -562,7 +563,8 @@ def _run(ckpt: Checkpoint, reads: list[_Read], dtype: torch.dtype | None,
     cancelled = threading.Event()
     staging = None
     if copies is not None:
-        count = max(2, min(2 * concurrency, max_host_bytes // chunk_bytes))
+        # (no more buffers than reads: a small checkpoint does not pin the whole budget)
+        count = min(max(2, min(2 * concurrency, max_host_bytes // chunk_bytes)), len(reads))
         staging = _Staging(copies, count, chunk_bytes)
         st.staging_bytes = count * chunk_bytes
 

@@ -28,6 +28,7 @@ def test_weights_load_and_bench(tmp_path: Path) -> None:
     assert report["tensors"] == 2 and report["bytes"] == 40003
     assert report["shapes"]["a"] == ["bfloat16", [100, 100]]
     assert report["path"].startswith("cpu")
+    assert report["staging_bytes"] == 0     # nothing staged: the bytes land in the tensors
     text = run("weights", "load", str(path))
     assert "GB/s" in text.stdout and text.returncode == 0
     bench = run("weights", "bench", str(path), "--runs", "2", "--evict", "-o", "json")
