@@ -4,15 +4,19 @@ Measures, on one checkpoint (page cache warm), in one run, medians of ``--runs``
   * peak: one pinned host buffer -> device copy of the same byte count (the PCIe ceiling);
   * file -> pinned: the file read into pinned buffers (the staging's cut, as many threads) and
     no device copy: the host's side of a staged load alone;
+  * pageable copies: no staging at all, the file's map copied to the device in 16 MiB pieces
+    by as many threads (the driver stages pageable memory itself);
   * coldstart.load: ``coldstart.weights.load(file, device=DEV)`` (pinned staging + async H2D);
   * coldstart.load_file: the safetensors drop-in, ``coldstart.weights.load_file(file, DEV)``;
   * safetensors.safe_open: ``safe_open(file, framework="pt", device=DEV)``, every tensor;
   * safetensors.load_file: ``safetensors.torch.load_file(file, device=DEV)``;
   * fastsafetensors: ``fastsafe_open([file], nogds=True, device=DEV)``, every tensor (the peer;
     the row says why when it is not installed or fails);
-checks each loader's tensors for bit-identity with coldstart's, on the device, and records
-coldstart's pinned staging: the most pinned bytes in use at once during its load (torch's host
-allocator statistics) against ``--max-host-mb``.
+checks each loader's tensors for bit-identity with coldstart's, on the device; times pinning
+128 and 512 MiB with cudaHostAlloc against touching pages on every core and cudaHostRegister
+(in one call, or in slices by as many threads); and records coldstart's pinned staging: the
+most pinned bytes in use at once during its load (torch's host allocator statistics) against
+``--max-host-mb``.
 
 ``--sweep`` first loads the file in fresh processes (each timed after CUDA is up), the first
 load of a process paying for its pinned staging as a model server's one load does, over
@@ -209,6 +213,100 @@ def pread_pinned(path: Path, device: str, max_host_mb: int) -> Loaded:
     return secs, {}
 
 
+def pageable_copies(path: Path, device: str) -> Loaded:
+    """No staging at all: the file's private map (page cache warm) copied to the device in
+    16 MiB pieces by as many threads as a staged load has, each on its own stream; the driver
+    stages pageable memory itself. Raw bytes into one buffer: no tensors, nothing verified."""
+    import mmap
+
+    import torch
+
+    from coldstart.weights.loader import local_concurrency
+
+    chunk = 16 << 20
+    threads = local_concurrency(False)
+    cuda = device.startswith("cuda")
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        src = torch.frombuffer(mapping, dtype=torch.uint8)
+        size = src.numel()
+        sync(device)
+        start = time.perf_counter()
+        dst = torch.empty(size, dtype=torch.uint8, device=device)
+
+        def work(i: int) -> None:
+            stream = torch.cuda.Stream() if cuda else None  # type: ignore[no-untyped-call]
+            with torch.cuda.stream(stream) if stream is not None else _nothing():
+                for off in range(i * chunk, size, threads * chunk):
+                    dst[off : off + chunk].copy_(src[off : off + chunk])
+            if stream is not None:
+                stream.synchronize()
+
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(work, range(threads)))
+        sync(device)
+        secs = time.perf_counter() - start
+        # the tensor views the map: drop both before the map closes
+        src = dst = torch.empty(0)
+    finally:
+        mapping.close()
+    return secs, {}
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def pinning(device: str, mb: int) -> dict[str, float]:
+    """Milliseconds to pin ``mb`` MiB: torch's pinned allocator (cudaHostAlloc, what the loader
+    uses) against pageable memory touched first on every core (``fill_``), then registered
+    (cudaHostRegister) in one call, or in slices by as many threads."""
+    import torch
+
+    from coldstart.weights.loader import local_concurrency
+
+    if not device.startswith("cuda"):
+        return {}
+    nbytes = mb << 20
+    out: dict[str, float] = {}
+    empty_caches(device)
+    start = time.perf_counter()
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    out["cudaHostAlloc_ms"] = (time.perf_counter() - start) * 1e3
+    del pinned
+    empty_caches(device)
+    rt = torch.cuda.cudart()
+    threads = local_concurrency(False)
+    for how in ("one call", "threads"):
+        page = torch.empty(nbytes, dtype=torch.uint8)
+        start = time.perf_counter()
+        page.fill_(0)
+        touched = time.perf_counter()
+        step = nbytes // threads
+        if how == "one call":
+            errs = [rt.cudaHostRegister(page.data_ptr(), nbytes, 0)]
+            ptrs = [page.data_ptr()]
+        else:
+            ptrs = [page.data_ptr() + i * step for i in range(threads)]
+            with ThreadPoolExecutor(threads) as pool:
+                errs = list(pool.map(rt.cudaHostRegister, ptrs, [step] * threads,
+                                     [0] * threads))
+        done = time.perf_counter()
+        for ptr in ptrs:
+            rt.cudaHostUnregister(ptr)
+        out[f"touch_ms ({how})"] = (touched - start) * 1e3
+        out[f"cudaHostRegister_ms ({how})"] = (done - touched) * 1e3
+        out[f"errors ({how})"] = float(sum(int(e) != 0 for e in errs))
+        del page
+    return out
+
+
 def fastsafetensors_load(path: Path, device: str) -> Loaded:
     import torch
     from fastsafetensors import fastsafe_open
@@ -369,6 +467,8 @@ def main() -> None:
     loaders: dict[str, Callable[[], Loaded]] = {
         "file -> pinned (no device copy)": lambda: pread_pinned(path, args.device,
                                                                 args.max_host_mb),
+        "pageable copies, no staging (16 MiB, threads)": lambda: pageable_copies(path,
+                                                                               args.device),
         "coldstart.load": lambda: coldstart_load(path, args.device, args.max_host_mb, info),
         "coldstart.load_file": lambda: coldstart_load_file(path, args.device),
         "safetensors.safe_open": lambda: safe_open_load(path, args.device),
@@ -383,6 +483,12 @@ def main() -> None:
     swept: list[dict[str, Any]] = []
     try:
         subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)  # warm cache
+        try:
+            pinned_ms = {mb: pinning(args.device, mb) for mb in (128, 512)}
+            print(f"pinning: {pinned_ms}", flush=True)
+        except Exception as exc:  # a measurement, not the load: say why and go on
+            pinned_ms = {0: {"error": f"{type(exc).__name__}: {exc}"}}  # type: ignore[dict-item]
+            print(f"pinning: failed: {pinned_ms}", flush=True)
         if args.sweep:
             swept = sweep(path, args.device, size)
             done = [s for s in swept if "loads" in s]
@@ -449,6 +555,7 @@ def main() -> None:
         "pinned_peak_within_max_host": peak_pinned <= args.max_host_mb << 20,
         "ratio_coldstart_vs_peak": med.get("coldstart.load", 0) / med["peak"],
         "sweep": swept,
+        "pinning_ms": pinned_ms,
     }
     for peer in ("safetensors.safe_open", "safetensors.load_file", "fastsafetensors"):
         if peer in med and "coldstart.load" in med:
