@@ -53,10 +53,10 @@ EOF
 cat "$OUT/env.txt"
 
 echo "== tests/unit/weights"
-timeout -s INT "${TEST_LIMIT:-150}" "$PY" -m pytest -q -ra -p no:cacheprovider tests/unit/weights \
+timeout -k 15 -s INT "${TEST_LIMIT:-150}" "$PY" -m pytest -q -ra -p no:cacheprovider tests/unit/weights \
     2>&1 | tee "$OUT/pytest.log" | tail -25
 echo "== bench/gpu_weights.py --size-gb $SIZE_GB --runs $RUNS --sweep"
-timeout -s INT "${BENCH_LIMIT:-240}" "$PY" bench/gpu_weights.py --size-gb "$SIZE_GB" --runs "$RUNS" \
+timeout -k 15 -s INT "${BENCH_LIMIT:-240}" "$PY" bench/gpu_weights.py --size-gb "$SIZE_GB" --runs "$RUNS" \
     --sweep --out "$OUT" 2>&1 | tee "$OUT/gpu-weights.log" | tail -40
 if [ -x /tmp/site/bin/py-spy ]; then
     # where a staged load's time goes, natively: one fresh process, 4 MiB reads (many of them)
@@ -64,7 +64,7 @@ if [ -x /tmp/site/bin/py-spy ]; then
     FILE=/var/tmp/coldstart-gpu-profile.safetensors
     "$PY" -c "import sys; sys.path.insert(0, 'bench'); from bench_weights import write_model; \
 from pathlib import Path; write_model(Path('$FILE'), int(2e9))" && cat "$FILE" > /dev/null &&
-    timeout -s INT 90 /tmp/site/bin/py-spy record --native --format raw --rate 200 \
+    timeout -k 15 -s INT 90 /tmp/site/bin/py-spy record --native --format raw --rate 200 \
         -o "$OUT/profile-4mib.txt" -- "$PY" bench/gpu_weights.py --file "$FILE" \
         --child 4,128,0,0 2>&1 | tail -3
     rm -f "$FILE"

@@ -72,8 +72,9 @@ DEFAULT_MAX_HOST = _WEIGHTS.max_host_bytes
 # Gaps up to this size between wanted ranges are read and dropped rather than cut into two reads.
 _COALESCE_GAP = 256 << 10
 #: A CUDA load cuts its pinned staging budget into at least this many buffers (one for each of
-#: the default 16 threads; at least 4 KiB each, and never fewer than 2). On the H200 machine,
-#: 16 buffers of 8 MiB loaded a 4 GB file at 17.9 GB/s where 32 of 4 MiB managed 10.6
+#: the default 16 threads; at least 4 KiB each, unless the longest read is smaller; never
+#: fewer than 2, nor more than the load's reads). On the H200 machine, 16 buffers of 8 MiB
+#: loaded a 4 GB file at 17.9 GB/s where 32 of 4 MiB managed 10.6
 #: (bench/published/gpu-2026-12-04).
 _STAGING_BUFFERS = 16
 #: Mapped local files: while a thread populates one read, the reads after it, up to this many
@@ -134,7 +135,7 @@ class LoadStats:
     reads: int = 0
     seconds: float = 0.0
     #: host staging memory the load allocated (pinned, for CUDA): within ``max_host_bytes``
-    #: (a budget under 8 KiB still gets two buffers of 4 KiB)
+    #: (a budget under 8 KiB still gets up to two buffers of 4 KiB)
     staging_bytes: int = 0
 
     @property
@@ -563,10 +564,12 @@ def _run(ckpt: Checkpoint, reads: list[_Read], dtype: torch.dtype | None,
     cancelled = threading.Event()
     staging = None
     if copies is not None:
-        # (no more buffers than reads: a small checkpoint does not pin the whole budget)
+        # no more buffers than reads, none larger than the longest read (a power of two): a
+        # small checkpoint does not pin the whole budget
         count = min(max(2, min(2 * concurrency, max_host_bytes // chunk_bytes)), len(reads))
-        staging = _Staging(copies, count, chunk_bytes)
-        st.staging_bytes = count * chunk_bytes
+        size = min(chunk_bytes, 1 << (max(r.length for r in reads) - 1).bit_length())
+        staging = _Staging(copies, count, size)
+        st.staging_bytes = count * size
 
     ahead = _ReadAhead(ckpt, reads, POPULATE_AHEAD) if mappings is not None else None
 

@@ -130,9 +130,10 @@ def test_a_small_checkpoint_stages_no_more_buffers_than_reads(
         tmp_path: Path, fake: FakeAsyncDevice) -> None:
     path = save({"a": torch.arange(1000, dtype=torch.float32)}, tmp_path / "small.safetensors")
     stats = LoadStats()
-    got = load(path, chunk_bytes=4096, max_host_bytes=1 << 20, concurrency=4, stats=stats)
+    got = load(path, max_host_bytes=1 << 20, concurrency=4, stats=stats)
     assert_identical(load_file(str(path)), got)
-    # 4000 bytes: one read of 4 KiB, not the budget's 16 buffers (pinning costs)
+    # 4000 bytes: one read, one buffer of 4 KiB, not the budget's 16 buffers of 64 KiB (pinning
+    # costs)
     assert stats.reads == 1 and fake.staged == [4096] and stats.staging_bytes == 4096
 
 
