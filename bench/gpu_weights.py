@@ -42,6 +42,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -69,12 +70,9 @@ def empty_caches(device: str) -> None:
         return
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    for name in ("empty_host_cache",):          # torch >= 2.9: torch.accelerator
-        fn = getattr(getattr(torch, "accelerator", None), name, None)
-        if fn is not None:
-            fn()
-            return
-    fn = getattr(torch._C, "_host_emptyCache", None)
+    # torch >= 2.9: torch.accelerator.empty_host_cache; before: torch._C._host_emptyCache
+    fn = (getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+          or getattr(torch._C, "_host_emptyCache", None))
     if fn is not None:
         fn()
 
@@ -189,10 +187,10 @@ def pread_pinned(path: Path, device: str, max_host_mb: int) -> Loaded:
     many threads), no device copy. What a staged load can deliver at most."""
     import torch
 
-    from coldstart.weights.loader import _STAGING_BUFFERS, _floor_pow2, local_concurrency
+    from coldstart.weights.loader import local_concurrency, staging_chunk
 
     cuda = device.startswith("cuda")
-    chunk = _floor_pow2(min(16 << 20, (max_host_mb << 20) // _STAGING_BUFFERS))
+    chunk = staging_chunk(16 << 20, max_host_mb << 20)
     threads = local_concurrency(False)
     size = path.stat().st_size
     start = time.perf_counter()
@@ -239,7 +237,7 @@ def pageable_copies(path: Path, device: str) -> Loaded:
         def work(i: int) -> None:
             stream = (torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
                       if cuda else None)
-            with torch.cuda.stream(stream) if stream is not None else _nothing():
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 for off in range(i * chunk, size, threads * chunk):
                     dst[off : off + chunk].copy_(src[off : off + chunk])
             if stream is not None:
@@ -254,14 +252,6 @@ def pageable_copies(path: Path, device: str) -> Loaded:
     finally:
         mapping.close()
     return secs, {}
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def pinning(device: str, mb: int) -> dict[str, Any]:

@@ -57,8 +57,12 @@ _WEIGHTS = WeightsConfig()
 DEFAULT_CONCURRENCY = _SOURCE.concurrency  # network sources: many requests in flight hide latency
 
 
-def _floor_pow2(n: int) -> int:
-    """The largest power of two not above ``n`` (``n`` >= 1)."""
+def staging_chunk(chunk_bytes: int, max_host_bytes: int) -> int:
+    """The size of a CUDA load's pinned staging buffers: ``chunk_bytes`` shrunk until the
+    budget holds ``_STAGING_BUFFERS`` of them (at least 4 KiB), down to a power of two, since
+    torch's pinned allocator rounds each block up to one: any other size would hold more
+    pinned memory than allowed."""
+    n = max(4096, min(chunk_bytes, max_host_bytes // _STAGING_BUFFERS))
     return 1 << (n.bit_length() - 1)
 
 
@@ -478,12 +482,9 @@ def iter_load(
         try:
             copies = _copies_for(dev)
             staged = copies is not None
-            # Pinned staging buffers can't exceed the host budget: chunks shrink until it holds
-            # _STAGING_BUFFERS of them. A power of two: torch's pinned allocator rounds each
-            # block up to one, so any other size would hold more pinned memory than allowed.
+            # Pinned staging buffers can't exceed the host budget: reads are cut to their size.
             if staged:
-                chunk_bytes = _floor_pow2(
-                    max(4096, min(chunk_bytes, max_host_bytes // _STAGING_BUFFERS)))
+                chunk_bytes = staging_chunk(chunk_bytes, max_host_bytes)
             targets, reads = _plan(ckpt, select, chunk_bytes)
             st.files, st.tensors = len(ckpt.files), len(targets)
             st.total_bytes = sum(r.length for r in reads)
