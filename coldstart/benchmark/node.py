@@ -179,11 +179,10 @@ class Node:
             from coldstart.containerd.pull import pull_image
 
             client, registry = self.puller
-            # this thread's CPU only: the bench's other threads (progress, the --link proxy,
-            # the ctr events reader) are not the pull's
-            t_cpu = time.thread_time()
-            pull_image(client, registry, ref, snapshotter=self.mode.snapshotter, timeout=timeout)
-            return time.thread_time() - t_cpu
+            # the pull's threads' CPU only: the bench's other threads (progress, the --link
+            # proxy, the ctr events reader) are not the pull's
+            return pull_image(client, registry, ref, snapshotter=self.mode.snapshotter,
+                              timeout=timeout).cpu_s
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 

@@ -215,6 +215,19 @@ class Containerd:
 
         The lease expires by itself after ``expire`` seconds should we die before deleting it.
         """
+        lease_id = self.create_lease(expire=expire)
+        try:
+            yield lease_id
+        except BaseException:
+            # the original failure matters more; the lease expires by itself anyway
+            self.release_lease(check=False)
+            raise
+        self.release_lease()
+
+    def create_lease(self, *, expire: float = 3600.0) -> str:
+        """Create a lease that every later call of this client holds (from any thread) until
+        :meth:`release_lease`; its id. :meth:`lease` is the block form. The lease expires by
+        itself after ``expire`` seconds should we die before deleting it."""
         if self.lease_id is not None:
             raise InvalidArgument("a lease is already held by this client")
         lease_id = f"coldstart-{secrets.token_hex(8)}"
@@ -222,18 +235,20 @@ class Containerd:
         self._call(self._leases.Create, leases_pb2.CreateRequest(id=lease_id, labels=labels),
                    f"create lease {lease_id}")
         self.lease_id = lease_id
+        return lease_id
+
+    def release_lease(self, *, check: bool = True) -> None:
+        """Delete the lease :meth:`create_lease` made (none held: nothing to do). ``check``
+        False: a failure is ignored (the lease expires by itself)."""
+        lease_id, self.lease_id = self.lease_id, None
+        if lease_id is None:
+            return
         try:
-            yield lease_id
-        except BaseException:
-            self.lease_id = None
-            # the original failure matters more; the lease expires by itself anyway
-            with contextlib.suppress(ColdstartError):
-                self._call(self._leases.Delete, leases_pb2.DeleteRequest(id=lease_id),
-                           f"delete lease {lease_id}")
-            raise
-        self.lease_id = None
-        self._call(self._leases.Delete, leases_pb2.DeleteRequest(id=lease_id),
-                   f"delete lease {lease_id}")
+            self._call(self._leases.Delete, leases_pb2.DeleteRequest(id=lease_id),
+                       f"delete lease {lease_id}")
+        except ColdstartError:
+            if check:
+                raise
 
     def list_leases(self) -> list[str]:
         resp = self._call(self._leases.List, leases_pb2.ListRequest(), "list leases")

@@ -14,13 +14,17 @@ could not, and the layer is downloaded and unpacked through containerd's diff se
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import secrets
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from coldstart.containerd.client import Containerd
 from coldstart.errors import (
@@ -64,6 +68,7 @@ UNCOMPRESSED = "containerd.io/uncompressed"
 DISTRIBUTION_SOURCE = "containerd.io/distribution.source"
 
 Progress = Callable[[str], None]
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,8 @@ class PullResult:
     chain_id: str
     layers: tuple[LayerResult, ...]
     seconds: float
+    #: CPU seconds of the threads that pulled (the caller's and the side thread's)
+    cpu_s: float = 0.0
 
     @property
     def lazy_layers(self) -> int:
@@ -184,36 +191,45 @@ def pull_image(ctd: Containerd, registry: RegistryClient, ref: str, *,
     """
     say = progress or (lambda _msg: None)
     started = time.monotonic()
+    cpu0 = time.thread_time()
+    side_cpu: list[float] = []
     parsed = Reference.parse(ref)
-    resolved = registry.resolve(parsed, platform, timeout=timeout)
-    manifest = resolved.manifest
-    config_bytes = registry.get_blob(resolved.ref, manifest.config.digest, timeout=timeout)
-    if len(config_bytes) != manifest.config.size:
-        raise IntegrityError(f"config {manifest.config.digest}: {len(config_bytes)} bytes, "
-                             f"manifest says {manifest.config.size}")
-    config = ImageConfig.parse(config_bytes)
-    diff_ids = config.diff_ids
-    if len(diff_ids) != len(manifest.layers):
-        raise FormatError(f"image {ref}: {len(manifest.layers)} layers but "
-                          f"{len(diff_ids)} diff_ids in its config")
-    chains = chain_ids(diff_ids)
-    target, index_bytes = _target(registry, resolved, timeout)
-    say(f"{ref}: manifest {_short(resolved.digest)}, {len(manifest.layers)} layers, "
-        f"{_human(sum(la.size for la in manifest.layers))} compressed")
-
-    source = {f"{DISTRIBUTION_SOURCE}.{parsed.registry}": parsed.repository}
     results: list[LayerResult] = []
-    with ctd.lease():
-        ctd.write_content(config_bytes, manifest.config.digest, size=manifest.config.size,
-                          labels=source)
-        ctd.write_content(resolved.manifest_bytes, resolved.digest,
-                          size=len(resolved.manifest_bytes),
-                          labels={**source, **_manifest_gc_labels(manifest)})
-        if index_bytes is not None:
-            ctd.write_content(index_bytes, target.digest, size=target.size,
-                              labels={**source, **_index_gc_labels(resolved)})
+    with ThreadPoolExecutor(1, thread_name_prefix="pull") as side, \
+            contextlib.ExitStack() as held:
+        # containerd makes the lease (a metadata transaction, synced to disk) while the
+        # registry answers; it is released when the block ends, however it ends
+        leasing = side.submit(_timed, side_cpu, ctd.create_lease)
+        held.push(functools.partial(_release, ctd, leasing))
+        resolved = registry.resolve(parsed, platform, timeout=timeout)
+        manifest = resolved.manifest
+        config_bytes = registry.get_blob(resolved.ref, manifest.config.digest, timeout=timeout)
+        if len(config_bytes) != manifest.config.size:
+            raise IntegrityError(f"config {manifest.config.digest}: {len(config_bytes)} bytes, "
+                                 f"manifest says {manifest.config.size}")
+        config = ImageConfig.parse(config_bytes)
+        diff_ids = config.diff_ids
+        if len(diff_ids) != len(manifest.layers):
+            raise FormatError(f"image {ref}: {len(manifest.layers)} layers but "
+                              f"{len(diff_ids)} diff_ids in its config")
+        chains = chain_ids(diff_ids)
+        target, index_bytes = _target(registry, resolved, timeout)
+        say(f"{ref}: manifest {_short(resolved.digest)}, {len(manifest.layers)} layers, "
+            f"{_human(sum(la.size for la in manifest.layers))} compressed")
+        leasing.result()
+
+        source = {f"{DISTRIBUTION_SOURCE}.{parsed.registry}": parsed.repository}
+        # the config, manifest and index go into the content store while the layers are
+        # prepared (each write is a synced transaction too): nothing here waits for them
+        # (as long as a layer's Prepare may take: a containerd that prepares inside its
+        # metadata transaction holds the writes' commits that long)
+        writing = side.submit(_timed, side_cpu, _write_content, ctd, resolved, config_bytes,
+                              target, index_bytes, source, 3 * (timeout or ctd.timeout))
+        held.callback(futures.wait, [writing])      # (before the lease is released)
         parent = ""
         for i, (layer, chain) in enumerate(zip(manifest.layers, chains, strict=True)):
+            if writing.done():
+                writing.result()        # a failed write fails the pull now, not after the layers
             head = f"layer {i + 1}/{len(manifest.layers)} {_short(layer.digest)}"
             result = _unpack_layer(ctd, registry, resolved, layer, diff_ids[i], chain, parent,
                                    snapshotter=snapshotter, source=source, say=say,
@@ -222,6 +238,7 @@ def pull_image(ctd: Containerd, registry: RegistryClient, ref: str, *,
                                    image_layers=[la.digest for la in manifest.layers[i:]])
             results.append(result)
             parent = chain
+        writing.result()
         top = chains[-1] if chains else ""
         if top:
             ctd.update_content_labels(manifest.config.digest,
@@ -229,7 +246,8 @@ def pull_image(ctd: Containerd, registry: RegistryClient, ref: str, *,
         ctd.put_image(ref, target)
     out = PullResult(name=ref, target=target, manifest_digest=resolved.digest,
                      config_digest=manifest.config.digest, chain_id=chains[-1] if chains else "",
-                     layers=tuple(results), seconds=time.monotonic() - started)
+                     layers=tuple(results), seconds=time.monotonic() - started,
+                     cpu_s=time.thread_time() - cpu0 + sum(side_cpu))
     present = sum(1 for la in results if la.how == "present")
     pulled = sum(1 for la in results if la.how == "pulled")
     say(f"{ref}: {len(results)} layers: {out.lazy_layers} lazy, {out.downloaded_layers} "
@@ -237,6 +255,42 @@ def pull_image(ctd: Containerd, registry: RegistryClient, ref: str, *,
         f"{f', {pulled} pulled in full by the snapshotter' if pulled else ''}; "
         f"done in {out.seconds:.2f} s")
     return out
+
+
+def _release(ctd: Containerd, leasing: futures.Future[str], exc_type: object,
+             exc: object, tb: object) -> bool:
+    """Release the pull's lease once it is made (if it was); a failure to release it is
+    the pull's only when nothing else failed."""
+    futures.wait([leasing])
+    if not leasing.cancelled() and leasing.exception() is None:
+        ctd.release_lease(check=exc_type is None)
+    return False
+
+
+def _timed(spent: list[float], fn: Callable[..., _T], *args: object) -> _T:
+    """``fn(*args)``, its thread's CPU seconds appended to ``spent``."""
+    t = time.thread_time()
+    try:
+        return fn(*args)
+    finally:
+        spent.append(time.thread_time() - t)
+
+
+def _write_content(ctd: Containerd, resolved: Resolved, config_bytes: bytes,
+                   target: Descriptor, index_bytes: bytes | None,
+                   source: Mapping[str, str], timeout: float) -> None:
+    """The image's config, manifest and index (if the reference named one) into
+    containerd's content store, with the labels that tie them together for its GC; each
+    write within ``timeout`` seconds."""
+    manifest = resolved.manifest
+    ctd.write_content(config_bytes, manifest.config.digest, size=manifest.config.size,
+                      labels=source, timeout=timeout)
+    ctd.write_content(resolved.manifest_bytes, resolved.digest,
+                      size=len(resolved.manifest_bytes),
+                      labels={**source, **_manifest_gc_labels(manifest)}, timeout=timeout)
+    if index_bytes is not None:
+        ctd.write_content(index_bytes, target.digest, size=target.size,
+                          labels={**source, **_index_gc_labels(resolved)}, timeout=timeout)
 
 
 def _target(registry: RegistryClient, resolved: Resolved,

@@ -87,6 +87,7 @@ def test_labels_keep_everything_through_gc_and_image_removal_frees_it(
     ns = "gc-test"
     with Containerd(ctd.address, ns) as client, RegistryClient() as reg:
         result = pull_image(client, reg, image.ref, snapshotter="overlayfs")
+    assert 0 < result.cpu_s < result.seconds * 2      # its threads' CPU, both counted
     top = result.chain_id
     # a synchronous GC: the image record is the only root now
     ctd.ctr("leases", "create", "--id", "gc-trigger", namespace=ns)
@@ -163,6 +164,8 @@ def test_the_config_must_match_the_layers(ctd: ContainerdProc, registry: Registr
     assert "Traceback" not in proc.stderr
     snaps = ctd.ctr("snapshots", "--snapshotter", "overlayfs", "ls", namespace="bad").stdout
     assert "extract-" not in snaps
+    with Containerd(ctd.address, "bad") as client:     # the failed pull's lease is gone
+        assert not [lease for lease in client.list_leases() if lease.startswith("coldstart-")]
 
 
 def test_clear_errors(ctd: ContainerdProc, registry: Registry, tmp_path_factory:
@@ -177,9 +180,13 @@ def test_clear_errors(ctd: ContainerdProc, registry: Registry, tmp_path_factory:
     assert proc.returncode == InvalidArgument.exit_code
     assert proc.stderr.startswith("coldstart: error: invalid image reference")
 
-    proc = coldstart_cli("pull", "--address", ctd.address, f"{registry.host}/pull-ovl/none:v9")
+    proc = coldstart_cli("pull", "--address", ctd.address, "--namespace", "none",
+                         f"{registry.host}/pull-ovl/none:v9")
     assert proc.returncode == NotFound.exit_code, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+    # the lease, made while the registry was asked, is released all the same
+    with Containerd(ctd.address, "none") as client:
+        assert not [lease for lease in client.list_leases() if lease.startswith("coldstart-")]
 
     proc = coldstart_cli("pull", "--address", ctd.address, "--platform", "linux//v7",
                          f"{registry.host}/pull-ovl/app:v1")
