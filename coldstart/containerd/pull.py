@@ -220,9 +220,9 @@ def pull_image(ctd: Containerd, registry: RegistryClient, ref: str, *,
 
         source = {f"{DISTRIBUTION_SOURCE}.{parsed.registry}": parsed.repository}
         # the config, manifest and index go into the content store while the layers are
-        # prepared (each write is a synced transaction too): nothing here waits for them
-        # (as long as a layer's Prepare may take: a containerd that prepares inside its
-        # metadata transaction holds the writes' commits that long)
+        # prepared (each write is a synced transaction too): nothing here waits for them.
+        # Each may take as long as a layer's Prepare: a containerd that prepares inside its
+        # metadata transaction (1.6.20 does not) holds the writes' commits that long.
         writing = side.submit(_timed, side_cpu, _write_content, ctd, resolved, config_bytes,
                               target, index_bytes, source, 3 * (timeout or ctd.timeout))
         held.callback(futures.wait, [writing])      # (before the lease is released)
