@@ -28,7 +28,7 @@ def _dctx() -> zstandard.ZstdDecompressor:
     return d
 
 
-def gunzip_member(data: bytes, limit: int, *, what: str) -> tuple[bytes, bool]:
+def gunzip_member(data: bytes | memoryview, limit: int, *, what: str) -> tuple[bytes, bool]:
     """Inflate the gzip member at the start of ``data``, producing at most ``limit`` bytes.
 
     Returns ``(output, more)`` where ``more`` says the member holds bytes past ``limit``.
@@ -55,7 +55,7 @@ def gunzip_member(data: bytes, limit: int, *, what: str) -> tuple[bytes, bool]:
     return bytes(out), more
 
 
-def unzstd_frame(data: bytes, limit: int, *, what: str) -> tuple[bytes, bool]:
+def unzstd_frame(data: bytes | memoryview, limit: int, *, what: str) -> tuple[bytes, bool]:
     """Decompress the zstd frame at the start of ``data``, producing at most ``limit`` bytes.
 
     Returns ``(output, more)`` like :func:`gunzip_member`. Never reads past the first frame.

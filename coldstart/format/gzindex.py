@@ -308,7 +308,8 @@ def _prefetch(raw: Any, points: Sequence[Checkpoint],
 _INFLATE_ERROR = cast("type[Exception]", isal_zlib.error)
 
 
-def inflate_span(compressed: bytes, point: Checkpoint, limit: int, *, what: str) -> bytes:
+def inflate_span(compressed: bytes | memoryview, point: Checkpoint, limit: int, *,
+                 what: str) -> bytes:
     """Inflate the deflate data in ``compressed`` (``blob[point.cin:...]``) from ``point``:
     at most ``limit`` bytes. FormatError if the bytes are not deflate data there."""
     try:
@@ -420,7 +421,7 @@ class IndexedLayer(SeekableLayer):
             while len(self._decoded) > _KEEP_SPANS:
                 self._decoded.popitem(last=False)
 
-    def _inflate(self, i: int, point: Checkpoint, limit: int, compressed: bytes,
+    def _inflate(self, i: int, point: Checkpoint, limit: int, compressed: bytes | memoryview,
                  what: str) -> bytes:
         """Span #i inflated from ``point``: ``limit`` bytes (FormatError if fewer), checked
         against the next checkpoint's window when that is the whole span."""
@@ -452,7 +453,8 @@ class IndexedLayer(SeekableLayer):
                               f"{end}")
         return i, point, uend - point.out
 
-    def decode_chunk(self, chunk: Chunk, compressed: bytes, *, upto: int | None = None) -> bytes:
+    def decode_chunk(self, chunk: Chunk, compressed: bytes | memoryview, *,
+                     upto: int | None = None) -> bytes:
         """The chunk's bytes, verified; its span inflated from its checkpoint (or a decoding
         of it kept), whole, or with ``upto`` only that far (at least to the chunk's end)."""
         owner = chunk.owner or "?"

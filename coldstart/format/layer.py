@@ -158,7 +158,8 @@ class SeekableLayer:
 
     # -- decoding ---------------------------------------------------------------------------
 
-    def decode_chunk(self, chunk: Chunk, compressed: bytes, *, upto: int | None = None) -> bytes:
+    def decode_chunk(self, chunk: Chunk, compressed: bytes | memoryview, *,
+                     upto: int | None = None) -> bytes:
         """Decompress ``blob[chunk.offset:chunk.end_offset]`` and verify it: ``chunk_size`` bytes.
 
         Raises IntegrityError (wrong digest) or FormatError (corrupt, short, or a frame that

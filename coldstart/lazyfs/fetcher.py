@@ -333,9 +333,10 @@ class ChunkFetcher:
 
     def get(self, target: FetchTarget, spans: Sequence[Span], deadline: float, *,
             more: Callable[[list[Chunk]], Iterable[Chunk]] | None = None,
-            name: str = "") -> list[bytes]:
+            name: str = "") -> list[bytes | memoryview]:
         """The bytes ``[lo:hi]`` of each ``(chunk, lo, hi)`` of ``spans``, by monotonic
-        ``deadline``: the one get-or-fetch path of a read.
+        ``deadline``: the one get-or-fetch path of a read. A piece of a chunk joined in
+        flight is a view of the chunk's bytes (no copy).
 
         For each chunk: a hole is zeros; a chunk in flight is joined; otherwise this call
         owns it (enters it in flight first, so that a concurrent reader joins instead of
@@ -349,7 +350,7 @@ class ChunkFetcher:
         Raises DeadlineExceeded past ``deadline``, or the chunk's fetch error
         (IntegrityError, FormatError, Unavailable).
         """
-        out: list[bytes | None] = [None] * len(spans)
+        out: list[bytes | memoryview | None] = [None] * len(spans)
         waits: list[tuple[int, Future[bytes]]] = []
         owned: list[tuple[int, Chunk, _Flight]] = []
         mine: dict[Chunk, _Flight] = {}
@@ -393,11 +394,11 @@ class ChunkFetcher:
             data = wait_for(fut, deadline, what)
             if len(data) < hi:
                 raise FormatError(f"{what}: decoded {len(data)} bytes, need {hi}")
-            out[i] = data[lo:hi]
+            out[i] = data if lo == 0 and hi == len(data) else memoryview(data)[lo:hi]
         return [b"" if p is None else p for p in out]
 
     def _look_up(self, spans: Sequence[Span], owned: list[tuple[int, Chunk, _Flight]],
-                 out: list[bytes | None], waits: list[tuple[int, Future[bytes]]],
+                 out: list[bytes | memoryview | None], waits: list[tuple[int, Future[bytes]]],
                  fetch: dict[Chunk, _Flight], target: FetchTarget) -> list[Chunk]:
         """The one cache look-up of each chunk :meth:`get` owns: a hit fills ``out``, a miss
         goes to ``fetch`` and ``waits``. Returns the chunks that were not local (joined or
@@ -849,7 +850,9 @@ class ChunkFetcher:
             res = ready
         else:
             try:
-                res = target.layer.decode_chunk(c, raw[c.offset - start : c.end_offset - start],
+                # a view of the fetched bytes: the decoder reads them where they are
+                res = target.layer.decode_chunk(c, memoryview(raw)[c.offset - start
+                                                                   : c.end_offset - start],
                                                 upto=upto)
             except Exception as exc:
                 kind = type(exc).__name__

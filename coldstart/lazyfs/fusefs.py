@@ -728,7 +728,7 @@ class FuseFS:
             partial = got
         # a ColdstartError becomes its errno (the reader already logged the reason with the
         # layer digest and chunk); anything else is logged by unexpected() and answered EIO
-        return Later(functools.partial(tree.reader.read, entry, off, size, partial))
+        return Later(functools.partial(tree.reader.read_pieces, entry, off, size, partial))
 
 
 def _forget_name(session: FuseSession, name: bytes) -> None:

@@ -56,6 +56,9 @@ __all__ = ["Attr", "FuseError", "FuseOperations", "FuseSession", "Later", "StatF
 log = logging.getLogger(__name__)
 
 ROOT_INODE = 1
+#: pieces of a read's answer written as they are (one ``writev`` takes up to IOV_MAX, 1024,
+#: with the header); more are joined first
+_MAX_PARTS = 512
 ENOATTR = errno.ENODATA
 
 # opcodes
@@ -202,12 +205,13 @@ class StatFs:
 
 class Later:
     """A read's answer that needs a worker thread: :class:`FuseSession` runs ``work`` in its
-    pool and answers with what it returns (or the errno of the :class:`FuseError` it
-    raises); anything else it raises becomes ``on_error(exc)``'s errno."""
+    pool and answers with what it returns, the bytes or their pieces in order (written as
+    they are, not joined first), or the errno of the :class:`FuseError` it raises; anything
+    else it raises becomes ``on_error(exc)``'s errno."""
 
     __slots__ = ("work",)
 
-    def __init__(self, work: Callable[[], bytes]) -> None:
+    def __init__(self, work: Callable[[], bytes | Sequence[bytes | memoryview]]) -> None:
         self.work = work
 
 
@@ -550,7 +554,12 @@ class FuseSession:
             self._error(unique, self.ops.unexpected("read", nodeid, exc))
         else:
             try:
-                self._reply(unique, data)
+                if isinstance(data, bytes):
+                    self._reply(unique, data)
+                elif len(data) < _MAX_PARTS:
+                    self._reply(unique, *data)
+                else:       # past what one writev takes (IOV_MAX): joined
+                    self._reply(unique, b"".join(data))
             except Exception as exc:    # this thread's Future is never looked at: say it
                 self._error(unique, self.ops.unexpected("read (answer)", nodeid, exc))
 

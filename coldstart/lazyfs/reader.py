@@ -296,12 +296,15 @@ class LayerReader:
         FormatError; the FUSE layer turns each into its errno.
         """
         pieces = self.read_pieces(entry, offset, length, partial)
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
 
     def read_pieces(self, entry: Entry, offset: int, length: int,
-                    partial: PartialRead | None = None, *, follow: bool = True) -> list[bytes]:
+                    partial: PartialRead | None = None, *,
+                    follow: bool = True) -> list[bytes | memoryview]:
         """:meth:`read`, as the pieces of each chunk in order, not joined (a caller that
-        writes them somewhere saves a copy of the whole range). ``follow=False``: a caller
+        writes them somewhere saves a copy of the whole range; a piece of a chunk is a view
+        of the chunk's bytes, not a copy: the FUSE answer and the files socket write them as
+        they are). ``follow=False``: a caller
         that asks for whole ranges itself, many at once (the files socket): no neighbours,
         read-ahead or stream started on its behalf, nothing put in the page cache."""
         t0 = time.monotonic()
@@ -322,7 +325,8 @@ class LayerReader:
                 self.fetcher.telemetry.read_done(time.monotonic() - t0)
 
     def _read(self, entry: Entry, offset: int, length: int, deadline: float,
-              partial: PartialRead | None, *, follow: bool = True) -> list[bytes]:
+              partial: PartialRead | None, *,
+              follow: bool = True) -> list[bytes | memoryview]:
         if entry.type != "reg":
             raise FormatError(f"{entry.name!r} is a {entry.type}, not a regular file")
         end = min(entry.size, offset + length)
@@ -331,7 +335,7 @@ class LayerReader:
         if (partial is not None and partial.entry is entry and partial.offset == offset
                 and partial.end == end):
             chunks = partial.chunks
-            done = partial.pieces
+            done: list[bytes | memoryview] = list(partial.pieces)
             tel = self.fetcher.telemetry
             if tel is not None:
                 for c, p in zip(chunks, done, strict=False):

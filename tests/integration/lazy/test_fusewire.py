@@ -34,6 +34,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse") or os.geteuid() 
 
 TEXT = b"hello, lazy world\n" * 1000
 SLOW = bytes(range(256)) * 600
+PIECES = bytes(range(251)) * 5000
 KIDS = [f"entry-with-a-long-name-{i:04d}" for i in range(300)]
 BIG_XATTR = b"y" * 3000
 MTIME_NS = 1_700_000_000_123_456_789
@@ -41,12 +42,14 @@ MTIME_NS = 1_700_000_000_123_456_789
 
 class ToyFS:
     """Inodes: 2 a.txt, 3 link -> a.txt, 4 dir/ (300 files, inodes 100+), 5 slow.bin (read
-    in a worker), 6 boom (its read fails unexpectedly)."""
+    in a worker), 6 boom (its read fails unexpectedly), 7 pieces.bin and 8 crumbs.bin
+    (answered in pieces from a worker: 4096 bytes each, and 97)."""
 
     def __init__(self) -> None:
         self.calls: dict[str, int] = {}
         self.unexpected_errors: list[tuple[str, int, str]] = []
-        self.names = {b"a.txt": 2, b"link": 3, b"dir": 4, b"slow.bin": 5, b"boom": 6}
+        self.names = {b"a.txt": 2, b"link": 3, b"dir": 4, b"slow.bin": 5, b"boom": 6,
+                      b"pieces.bin": 7, b"crumbs.bin": 8}
         self.extra: dict[bytes, int] = {}
 
     def _count(self, op: str) -> None:
@@ -66,7 +69,8 @@ class ToyFS:
             a.st_size = 5
         else:
             a.st_mode = stat.S_IFREG | 0o644
-            a.st_size = {2: len(TEXT), 5: len(SLOW), 6: 10}.get(ino, 0)
+            a.st_size = {2: len(TEXT), 5: len(SLOW), 6: 10, 7: len(PIECES),
+                         8: len(PIECES)}.get(ino, 0)
         return a
 
     def lookup(self, parent: int, name: bytes) -> Attr:
@@ -117,6 +121,14 @@ class ToyFS:
             return Later(slow)
         if inode == 6:
             raise RuntimeError("injected")
+        if inode in (7, 8):     # pieces (views and bytes), few or more than one writev takes
+            step = 4096 if inode == 7 else 97
+            view = memoryview(PIECES)[offset:offset + size]
+
+            def pieces() -> list[bytes | memoryview]:
+                return [bytes(view[i:i + step]) if i // step % 2 else view[i:i + step]
+                        for i in range(0, len(view), step)]
+            return Later(pieces)
         return b""
 
     def getxattr(self, inode: int, name: bytes) -> bytes:
@@ -172,6 +184,9 @@ def test_attributes_contents_and_links(toy: tuple[ToyFS, FuseSession, Path]) -> 
     assert st.st_mtime_ns == MTIME_NS
     assert (mp / "a.txt").read_bytes() == TEXT
     assert (mp / "slow.bin").read_bytes() == SLOW       # answered from a worker thread
+    # a worker's answer in pieces: written as they are, or joined past what a writev takes
+    assert (mp / "pieces.bin").read_bytes() == PIECES
+    assert (mp / "crumbs.bin").read_bytes() == PIECES
     assert os.readlink(mp / "link") == "a.txt"
     assert (mp / "link").read_bytes() == TEXT
     s = os.statvfs(mp)

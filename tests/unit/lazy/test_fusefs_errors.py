@@ -55,12 +55,14 @@ def _broken(*_args: object, **_kwargs: object) -> object:
 
 
 def _answer(fs: FuseFS, op: str, inode: int, call: Callable[[], object]) -> object:
-    """What the session answers: the value (a Later run as its worker would), or the errno
-    of the FuseError raised or of ``unexpected``."""
+    """What the session answers: the value (a Later run as its worker would, its pieces
+    written one after the other), or the errno of the FuseError raised or of ``unexpected``."""
     try:
         got = call()
         if isinstance(got, Later):
             got = got.work()
+            if not isinstance(got, bytes):
+                got = b"".join(got)
         return got
     except FuseError as exc:
         return exc.errno
@@ -87,7 +89,7 @@ def test_an_unexpected_error_on_both_read_paths_is_eio(
         caplog: pytest.LogCaptureFixture) -> None:
     fs, tree, counted = fs_tree
     monkeypatch.setattr(tree.reader, "read_cached", _broken)
-    monkeypatch.setattr(tree.reader, "read", _broken)
+    monkeypatch.setattr(tree.reader, "read_pieces", _broken)
     ino = _ino(tree, NAME)
     with caplog.at_level(logging.ERROR, logger="coldstart.lazyfs.fusefs"):
         assert _answer(fs, "read", ino, lambda: fs.read(ino, 0, 4096)) == errno.EIO
