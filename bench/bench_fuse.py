@@ -9,7 +9,11 @@ Through a lazy mount served by ``coldstart fuse-server`` from a local docker-reg
    cold), vs the same file on tmpfs and against **the verified-bytes limit** of this machine
    for that blob, measured in the same round: its chunks fetched with parallel range GETs
    (8 MiB each), decompressed and checked against their digests in a thread pool, then
-   dropped: what any lazy reader of that blob could deliver here;
+   dropped: what any lazy reader of that blob could deliver here; and that limit again with
+   each verified chunk written into a tmpfs file (``big_limit_page_cache``, "+pc" in the
+   table): the bytes landing in the page cache by a CPU copy, as a FUSE read's answer lands
+   them, which on a VM with free page reporting costs as much as the fetch itself (see
+   ``--memory``);
 2. 20,000 small files: cold ``find`` and cold read-everything, vs the same tree on tmpfs;
    and one ``getxattr`` of ``trusted.overlay.metacopy`` per file (what overlayfs asks of
    every file it looks up in a lower layer; the kernel caches no answer, so each is a round
@@ -35,7 +39,13 @@ against the commit before it in one run, rounds alternated, medians reported::
 Prints a table and writes JSON to ``bench/results/bench_fuse-<time>.json``.
 
     sudo .venv/bin/python bench/bench_fuse.py [--big-mib 1024] [--small-files 20000]
-        [--only big] [--link 1gbit,2ms] [--rounds 3]
+        [--only big] [--link 1gbit,2ms] [--rounds 3] [--memory settled|hot]
+
+``--memory`` sets the guest's free memory before each cold phase, the same for the limit and
+every read: ``settled`` (default) waits ``--settle`` seconds, so on a VM with free page reporting
+the page cache the read fills lands in pages the host backs again one by one on first touch
+(here 1 GiB written into fresh tmpfs pages takes ~2.0 s settled, ~0.45 s hot); ``hot`` then
+writes and frees twice the big file's size first.
 
 The FUSE server runs with the product's ``fetch.concurrency`` (``--concurrency`` sets another)
 and read-ahead, and otherwise the test fixture's config (``coldstart.stack.snapshotter``): no
@@ -69,6 +79,7 @@ from typing import Any, TypeVar
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from coldstart.benchmark.node import heat_memory  # noqa: E402
 from coldstart.benchmark.shaping import Link, shaping_proxy  # noqa: E402
 from coldstart.config import FetchConfig  # noqa: E402
 from coldstart.errors import ColdstartError  # noqa: E402
@@ -188,9 +199,11 @@ def link_arg(text: str) -> Link:
     return link
 
 
-def verified_limit(registry_host: str, spec: LayerSpec, name: str, threads: int) -> int:
+def verified_limit(registry_host: str, spec: LayerSpec, name: str, threads: int,
+                   into: int | None = None) -> int:
     """Bytes of file ``name`` in ``spec``'s layer, fetched, decoded and verified the fastest
-    plain way (:func:`coldstart.benchmark.limits.verified_bytes`)."""
+    plain way (:func:`coldstart.benchmark.limits.verified_bytes`; ``into``: written into that
+    file too)."""
     from coldstart.benchmark.limits import verified_bytes
     from coldstart.oci.reference import Reference
     from coldstart.oci.registry import RegistryClient
@@ -200,7 +213,7 @@ def verified_limit(registry_host: str, spec: LayerSpec, name: str, threads: int)
     try:
         blob = RegistryBlob(client, Reference.parse(spec.reference), spec.digest, None)
         return verified_bytes(blob, open_layer(blob, annotations=spec.annotations), name,
-                              threads)
+                              threads, into=into)
     finally:
         client.close()
 
@@ -271,11 +284,14 @@ def reads_served(metrics_port: int) -> int:
     return 0
 
 
-def drop_page_cache(settle: float) -> None:
-    """Drop the page cache, then let free page reporting settle (see bench_weights.py)."""
+def drop_page_cache(settle: float, heat: int = 0) -> None:
+    """Drop the page cache, then let free page reporting settle (see bench_weights.py); with
+    ``heat`` bytes, then write and free that much memory (``--memory hot``)."""
     subprocess.run(["sync"], check=False)
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
     time.sleep(settle)
+    if heat:
+        heat_memory(heat)
 
 
 class Phase:
@@ -294,7 +310,7 @@ class Phase:
 
 
 def one_round(tree: Path, srv_tmp: Path, registry_host: str, specs: dict[str, LayerSpec],
-              big_size: int, small_files: int, small_bytes: int, settle: float,
+              big_size: int, small_files: int, small_bytes: int, settle: float, heat: int,
               concurrency: int, limit_threads: int, link: Link | None) -> dict[str, Any]:
     """Every phase once, each cold one against a fresh FUSE server run from ``tree`` (fresh
     chunk cache), and the verified-bytes limit of the big blob."""
@@ -304,7 +320,7 @@ def one_round(tree: Path, srv_tmp: Path, registry_host: str, specs: dict[str, La
     def served(host: str = registry_host) -> Iterator[tuple[Phase, FuseServerClient]]:
         """A fresh FUSE server reading from ``host``, the page cache dropped before it starts;
         its temp directory emptied after."""
-        drop_page_cache(settle)
+        drop_page_cache(settle, heat)
         port = free_port()
         with fuse_server(srv_tmp, registry_host=host, cache_max=4 << 30, source_root=tree,
                          concurrency=concurrency,
@@ -321,12 +337,27 @@ def one_round(tree: Path, srv_tmp: Path, registry_host: str, specs: dict[str, La
         return mp
 
     if "big" in specs:
-        drop_page_cache(settle)
+        drop_page_cache(settle, heat)
         b0 = machine_busy()
         t, n = timed(verified_limit, registry_host, specs["big"], "data/big.bin", limit_threads)
         assert n == big_size, (n, big_size)
         res["big_limit"] = {"s": t, "server_cpu_s": 0.0, "reads": 0, "cpu_us_per_read": 0.0,
                             "machine_cpu_s": machine_busy() - b0}
+        # the same, each verified chunk written into a tmpfs file: the limit with the bytes
+        # landing in the page cache by a CPU copy (as a FUSE read's answer lands them)
+        drop_page_cache(settle, heat)
+        fd, shm_file = tempfile.mkstemp(prefix="bench-fuse-limit-", dir="/dev/shm")
+        try:
+            b0 = machine_busy()
+            t, n = timed(verified_limit, registry_host, specs["big"], "data/big.bin",
+                         limit_threads, fd)
+            assert n == big_size and os.fstat(fd).st_size == big_size, n
+            res["big_limit_page_cache"] = {"s": t, "server_cpu_s": 0.0, "reads": 0,
+                                           "cpu_us_per_read": 0.0,
+                                           "machine_cpu_s": machine_busy() - b0}
+        finally:
+            os.close(fd)
+            os.unlink(shm_file)
 
         with served() as (ph, client):
             mp_big = mount(client, "big", specs["big"])
@@ -339,7 +370,7 @@ def one_round(tree: Path, srv_tmp: Path, registry_host: str, specs: dict[str, La
             # node's next container; the first stays mounted: a layer's last unmount reclaims
             # its chunks)
             mp_again = mount(client, "big-again", specs["big"])
-            drop_page_cache(settle)
+            drop_page_cache(settle, heat)
             res["big_chunk_cache"], _ = ph.run(read_file, mp_again / "data/big.bin")
             client.unmount(str(mp_again))
             client.unmount(str(mp_big))
@@ -376,15 +407,15 @@ def one_round(tree: Path, srv_tmp: Path, registry_host: str, specs: dict[str, La
             assert calls == small_files, (calls, small_files)
             res["small_getxattr"]["us_per_call"] = res["small_getxattr"]["s"] / calls * 1e6
             mp_again = mount(client, "small-again", specs["small"])
-            drop_page_cache(settle)
+            drop_page_cache(settle, heat)
             res["small_read_chunk_cache"], _ = ph.run(read_tree, mp_again)
             client.unmount(str(mp_again))
             client.unmount(str(mp_small))
     return res
 
 
-BIG_PHASES = ["big_limit", "big_cold", "big_mmap_cold", "big_page_cache", "big_chunk_cache",
-              "big_cold_link"]
+BIG_PHASES = ["big_limit", "big_limit_page_cache", "big_cold", "big_mmap_cold", "big_page_cache",
+              "big_chunk_cache", "big_cold_link"]
 SMALL_PHASES = ["small_find_cold", "small_read_cold", "small_read_chunk_cache",
                 "small_getxattr"]
 PHASES = BIG_PHASES + SMALL_PHASES
@@ -414,6 +445,9 @@ def summarize(rounds: list[dict[str, Any]], big_size: int, big_compressed: int,
         for ph in ("big_cold", "big_mmap_cold"):
             row[ph]["vs_limit"] = round(statistics.median(
                 r["big_limit"]["s"] / r[ph]["s"] for r in rounds), 3)
+            if "big_limit_page_cache" in rounds[0]:
+                row[ph]["vs_limit_page_cache"] = round(statistics.median(
+                    r["big_limit_page_cache"]["s"] / r[ph]["s"] for r in rounds), 3)
         row["big_fetched_over_compressed"] = round(
             statistics.median(r["big_fetched"] for r in rounds) / big_compressed, 3)
     if "big_cold_link" in rounds[0] and link is not None:
@@ -447,6 +481,12 @@ def main() -> None:
                          "default: this one)")
     ap.add_argument("--settle", type=float, default=6.0,
                     help="seconds to wait after dropping the page cache before each cold phase")
+    ap.add_argument("--memory", choices=["settled", "hot"], default="settled",
+                    help="the guest's free memory before each cold phase: settled (the "
+                         "--settle wait: on a VM with free page reporting, pages freed "
+                         "before are the host's again, as on a node that has not read the "
+                         "file yet) or hot (then twice the big file's size written and freed: "
+                         "the page cache and the server get pages the host still backs)")
     args = ap.parse_args()
     if args.link is not None and args.only == "small":
         ap.error("--link reads the big file: not with --only small")
@@ -468,7 +508,8 @@ def main() -> None:
                                "trees": [str(t) for t in trees], "rounds": args.rounds,
                                "concurrency": args.concurrency,
                                "limit_threads": args.limit_threads,
-                               "link": str(args.link) if args.link else None}
+                               "link": str(args.link) if args.link else None,
+                               "memory": args.memory, "settle_s": args.settle}
     try:
         with start_registry(work / "registry") as registry:
             print(f"building layers in {work} ...", flush=True)
@@ -513,7 +554,9 @@ def main() -> None:
                     print(f"round {rnd + 1}/{args.rounds}: FUSE server from {t}", flush=True)
                     per_tree[str(t)].append(one_round(
                         t, srv_tmp, registry.host, specs, big_size, args.small_files,
-                        small_bytes, args.settle, args.concurrency, args.limit_threads,
+                        small_bytes, args.settle,
+                        2 * big_size if args.memory == "hot" else 0, args.concurrency,
+                        args.limit_threads,
                         args.link))
             results["runs"] = per_tree
             summary = {t: summarize(rounds, big_size, big_compressed, small_bytes, args.link)
@@ -521,6 +564,7 @@ def main() -> None:
             results["median"] = summary
         print()
         names = [Path(t).name or t for t in summary]
+        print(f"free memory before each cold phase: {args.memory}")
         hdr = f"{'phase (median of ' + str(args.rounds) + ')':<22}" + "".join(
             f"{n[:68]:>70}" for n in names)
         print(hdr)
@@ -532,7 +576,10 @@ def main() -> None:
                     continue
                 speed = f"{m['MBps']} MB/s" if "MBps" in m else f"{m['s']:.2f} s"
                 if "vs_limit" in m:
-                    speed += f" ({m['vs_limit']}x limit)"
+                    speed += f" ({m['vs_limit']}x limit"
+                    if "vs_limit_page_cache" in m:
+                        speed += f", {m['vs_limit_page_cache']}x +pc"
+                    speed += ")"
                 if "us_per_call" in m:
                     speed += f" ({m['us_per_call']} us/call)"
                 if "vs_link" in m:

@@ -254,20 +254,6 @@ def drop_cache(path: Path) -> str:
     return how
 
 
-def heat_memory(nbytes: int) -> None:
-    """Write ``nbytes`` of anonymous memory and free it: the next allocations reuse pages the
-    host still backs (see ``--memory hot``)."""
-    import mmap
-
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        m.madvise(23)  # MADV_POPULATE_WRITE (Linux 5.14)
-    except OSError:
-        for off in range(0, nbytes, mmap.PAGESIZE):
-            m[off] = 1
-    m.close()
-
-
 def resident_bytes(path: Path) -> int | None:
     """Bytes of ``path`` in the page cache (``fincore``), or None if it cannot tell."""
     if shutil.which("fincore") is None:
@@ -338,6 +324,8 @@ def measure(mode: str, loaders: list[str], target: str, file_bytes: int,
                     if args.memory == "settled":
                         time.sleep(6.0)
                     else:
+                        sys.path.insert(0, str(ROOT))
+                        from coldstart.benchmark.node import heat_memory
                         heat_memory(int(file_bytes * 1.5))
                 elif mode == "warm":
                     subprocess.run(["cat", target], stdout=subprocess.DEVNULL, check=True)

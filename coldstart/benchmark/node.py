@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import re
 import resource
@@ -41,7 +42,7 @@ from coldstart.stack.mounts import unmount_under
 from coldstart.stack.procs import cpu_seconds, peak_rss_bytes
 
 __all__ = ["MODES", "ModeSpec", "Node", "Workload", "cold_start", "drop_caches", "existing_node",
-           "require_root", "start_node"]
+           "heat_memory", "require_root", "start_node"]
 
 IO_MOUNT = "/run/coldstart-bench"        # where the container sees the notify socket
 
@@ -97,6 +98,20 @@ def drop_caches(settle: float) -> None:
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3\n")
     time.sleep(settle)
+
+
+def heat_memory(nbytes: int) -> None:
+    """Write ``nbytes`` of anonymous memory and free it: the next allocations (the page
+    cache's among them) reuse pages the host still backs, where a VM with free page reporting
+    would otherwise back each new page again on its first touch (a benchmark's "hot" free
+    memory, against the "settled" state :func:`drop_caches` leaves)."""
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(23)  # MADV_POPULATE_WRITE (Linux 5.14)
+    except OSError:
+        for off in range(0, nbytes, mmap.PAGESIZE):
+            m[off] = 1
+    m.close()
 
 
 class ExitEvents:
