@@ -21,12 +21,15 @@ def verified_bytes(blob: RegistryBlob, layer: SeekableLayer, name: str, threads:
                    into: int | None = None) -> int:
     """Bytes of file ``name`` of ``layer`` fetched, decoded and verified the fastest plain way:
     parallel range GETs of its chunks (``GROUP_BYTES`` each, ``threads`` at once), each chunk
-    decompressed and checked against its digest (``decode_chunk``), then dropped (no cache,
-    no page cache, nothing handed to a reader). Returns the bytes verified.
+    decompressed and checked against its digest (``decode_chunk``). Returns the bytes
+    verified (holes, chunks of zeros, are neither fetched nor counted).
 
-    ``into``: a descriptor of a file (on tmpfs, say) each verified chunk is written into at
-    its place (``pwrite``) instead of being dropped: the same pipeline with the file's bytes
-    landing in the page cache by a CPU copy, as every read through FUSE lands them."""
+    Without ``into`` each chunk is then dropped (no cache, no page cache, nothing handed to a
+    reader). ``into``: a descriptor of a file (on tmpfs, say) each verified chunk is written
+    into at its place (``pwrite``): the same pipeline with the file's bytes landing in the
+    page cache by a CPU copy, as every read through FUSE lands them (one file: the kernel
+    takes its writes one at a time, as the FUSE server's page-cache warmer, one thread,
+    stores a stream's chunks)."""
     chunks = [c for c in layer.resolve(name).chunks if not c.zeros]
     groups: list[list[Chunk]] = [[]]
     for c in chunks:

@@ -211,7 +211,8 @@ class Later:
 
     __slots__ = ("work",)
 
-    def __init__(self, work: Callable[[], bytes | Sequence[bytes | memoryview]]) -> None:
+    def __init__(self, work: Callable[[], bytes | memoryview | Sequence[bytes | memoryview]]
+                 ) -> None:
         self.work = work
 
 
@@ -554,7 +555,7 @@ class FuseSession:
             self._error(unique, self.ops.unexpected("read", nodeid, exc))
         else:
             try:
-                if isinstance(data, bytes):
+                if isinstance(data, (bytes, bytearray, memoryview)):
                     self._reply(unique, data)
                 elif len(data) < _MAX_PARTS:
                     self._reply(unique, *data)
