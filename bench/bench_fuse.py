@@ -44,8 +44,9 @@ Prints a table and writes JSON to ``bench/results/bench_fuse-<time>.json``.
 ``--memory`` sets the guest's free memory before each cold phase, the same for the limit and
 every read: ``settled`` (default) waits ``--settle`` seconds, so on a VM with free page reporting
 the page cache the read fills lands in pages the host backs again one by one on first touch
-(here 1 GiB written into fresh tmpfs pages takes ~2.0 s settled, ~0.45 s hot); ``hot`` then
-writes and frees twice the big file's size first.
+(here the limit with its bytes written into tmpfs fell from 661 to 389 MB/s settled, from 704
+to 577 MB/s hot: ``bench/published/fuse-2026-12-04/``); ``hot`` then writes and frees twice
+the big file's size first.
 
 The FUSE server runs with the product's ``fetch.concurrency`` (``--concurrency`` sets another)
 and read-ahead, and otherwise the test fixture's config (``coldstart.stack.snapshotter``): no

@@ -304,9 +304,9 @@ class LayerReader:
         """:meth:`read`, as the pieces of each chunk in order, not joined (a caller that
         writes them somewhere saves a copy of the whole range; a piece of a chunk is a view
         of the chunk's bytes, not a copy: the FUSE answer and the files socket write them as
-        they are). ``follow=False``: a caller
-        that asks for whole ranges itself, many at once (the files socket): no neighbours,
-        read-ahead or stream started on its behalf, nothing put in the page cache."""
+        they are). ``follow=False``: a caller that asks for whole ranges itself, many at
+        once (the files socket): no neighbours, read-ahead or stream started on its behalf,
+        nothing put in the page cache."""
         t0 = time.monotonic()
         self.fetcher.note_read()
         try:
