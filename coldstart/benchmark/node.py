@@ -42,7 +42,7 @@ from coldstart.stack.mounts import unmount_under
 from coldstart.stack.procs import cpu_seconds, peak_rss_bytes
 
 __all__ = ["MODES", "ModeSpec", "Node", "Workload", "cold_start", "drop_caches", "existing_node",
-           "heat_memory", "require_root", "start_node"]
+           "heat_memory", "hot_memory_bytes", "require_root", "start_node"]
 
 IO_MOUNT = "/run/coldstart-bench"        # where the container sees the notify socket
 
@@ -98,6 +98,19 @@ def drop_caches(settle: float) -> None:
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3\n")
     time.sleep(settle)
+
+
+def hot_memory_bytes(most: int, meminfo: str = "/proc/meminfo") -> int:
+    """What ``--memory hot`` writes and frees: ``most`` bytes, at most half of the memory the
+    kernel says is available (``MemAvailable``; ``most`` if it does not say)."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return min(most, int(line.split()[1]) * 1024 // 2)
+    except (OSError, ValueError, IndexError):
+        pass
+    return most
 
 
 def heat_memory(nbytes: int) -> None:
@@ -298,12 +311,15 @@ Traffic = Callable[[], tuple[int, int]]   # (bytes served, requests) so far
 
 
 def cold_start(node: Node, ref: str, work: Workload, index: int, *, traffic: Traffic | None,
-               settle: float = 0.0, on_phase: Callable[[str], None] = lambda _p: None,
+               settle: float = 0.0, heat: int = 0,
+               on_phase: Callable[[str], None] = lambda _p: None,
                prepared: bool = False) -> Run:
     """One cold start of ``ref`` on ``node``; a failure is recorded in the run, not raised.
 
-    ``prepared``: the image is already pulled (the warm start of the floor): only create,
-    start and the app's phases are timed."""
+    ``heat``: bytes of memory written and freed after the page cache is dropped and the
+    ``settle`` rest (:func:`heat_memory`), not timed. ``prepared``: the image is already
+    pulled (the warm start of the floor): only create, start and the app's phases are
+    timed."""
     run = Run(node.mode.name, index)
     cid = f"bench-{os.getpid()}-{index}"     # unique: runc's state is per host, not per root
     io_dir = node.base / "io"
@@ -331,6 +347,8 @@ def cold_start(node: Node, ref: str, work: Workload, index: int, *, traffic: Tra
     try:
         events = ExitEvents(node.ctd, node.base / "events.log")
         drop_caches(settle)
+        if heat:
+            heat_memory(heat)
         served0 = traffic() if traffic else None
         cpu0 = node.cpu()
         last = t0 = time.monotonic()

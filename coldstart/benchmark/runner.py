@@ -96,6 +96,7 @@ class BenchOptions:
     insecure: Sequence[str] = ()
     timeout: float = 900.0
     settle: float = SETTLE_S
+    heat: int = 0                          # bytes written and freed after each rest (hot)
     floor: bool = True
     prepare_only: bool = False             # build, push and convert; no runs
     estargz_level: int | None = None       # ctr-remote's gzip level (None: its default, 9)
@@ -485,6 +486,7 @@ def _mode_run(opts: BenchOptions, spec: ModeSpec, ref: str, workload: Workload, 
     try:
         with _node(opts, spec, base, ref, insecure, stargz_binary) as node:
             return cold_start(node, ref, workload, index, traffic=traffic, settle=opts.settle,
+                              heat=opts.heat,
                               on_phase=functools.partial(report.phase, spec.name, index))
     except ColdstartError as exc:   # the node did not start: this run failed
         return Run(spec.name, index, ok=False, error=f"the node did not start: {exc}")
@@ -503,7 +505,7 @@ def _warm_start(opts: BenchOptions, ref: str, workload: Workload, index: int, ba
             node.pull(ref, timeout=opts.timeout)
             # a container name apart from the modes' (runc's state is per host)
             run = cold_start(node, ref, workload, 1000 + index, traffic=None,
-                             settle=opts.settle, prepared=True,
+                             settle=opts.settle, heat=opts.heat, prepared=True,
                              on_phase=functools.partial(report.phase, FLOOR, index))
     except Exception as exc:   # the node did not start or the pull failed (or timed out)
         run = Run(FLOOR, index, ok=False, error=f"the floor's node did not get ready: {exc}")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from coldstart.benchmark import SETTLE_S
+from coldstart.benchmark import HOT_MEMORY_BYTES, SETTLE_S
 from coldstart.benchmark.ready import CONDITIONS_HELP
 from coldstart.commands._common import output_option, split_commas
 from coldstart.commands._signals import signals_unwind
@@ -102,6 +102,15 @@ root. The JSON schema is coldstart/benchmark/result_schema.json.
                    "the floor). On a VM with free page reporting, freed pages go back to the "
                    "host about two seconds later; a shorter rest lets a run's speed depend on "
                    "how much the run before it freed.")
+@click.option("--memory", type=click.Choice(["settled", "hot"]), default="settled",
+              show_default=True,
+              help="The guest's free memory at each run's start (every mode and the floor "
+                   "alike). settled: as the --settle rest leaves it. hot: then up to 3 GiB "
+                   "(half the available memory at most) written and freed, so that what the "
+                   "run allocates (the page cache, the app) is still backed by the host. On a "
+                   "VM with free page reporting a settled page is backed again on its first "
+                   "write: a disk read's DMA pays that in the VMM, a CPU copy (FUSE) on the "
+                   "guest's own cores.")
 @click.option("--no-floor", is_flag=True,
               help="Skip the warm starts that measure the floor (one per round, alternated "
                    "with the modes; each on a fresh node that first pulls the image in full, "
@@ -116,11 +125,13 @@ def bench(ref: str, modes: str, runs: int, ready: str | None, command: str | Non
           env: tuple[str, ...], link: str | None, embedded: bool, address: str | None,
           images: tuple[str, ...], insecure: tuple[str, ...], json_path: Path | None,
           plot_path: Path | None, output: str, cache_dir: Path | None, workdir: Path | None,
-          timeout: float, settle: float, no_floor: bool, estargz_level: int | None,
+          timeout: float, settle: float, memory: str, no_floor: bool,
+          estargz_level: int | None,
           prepare_only: bool, quiet: bool) -> None:
     """Measure the cold start of REF to READY, phase by phase, in each mode."""
     import shlex
 
+    from coldstart.benchmark.node import hot_memory_bytes
     from coldstart.benchmark.ready import parse_ready
     from coldstart.benchmark.results import (
         describe_floor,
@@ -175,6 +186,7 @@ def bench(ref: str, modes: str, runs: int, ready: str | None, command: str | Non
                         address=address, workdir=workdir, cache_dir=cache_dir,
                         images=overrides, insecure=tuple(split_commas(insecure)),
                         timeout=timeout, settle=settle,
+                        heat=hot_memory_bytes(HOT_MEMORY_BYTES) if memory == "hot" else 0,
                         floor=not no_floor, prepare_only=prepare_only,
                         estargz_level=estargz_level)
     with signals_unwind(), _Progress(quiet, runs * len(mode_list)) as progress:

@@ -147,14 +147,16 @@ def _container_sleeping() -> bool:
 
 
 def test_bench_against_a_running_containerd(layout: Path, tmp_path: Path) -> None:
-    """--address: the node's own containerd and snapshotter; the image is gone afterwards."""
+    """--address: the node's own containerd and snapshotter; the image is gone afterwards
+    (with hot free memory before each run: written and freed, not timed)."""
     from coldstart.stack.snapshotter import temp_local_stack
 
     out = tmp_path / "r.json"
     with temp_local_stack() as st:
         proc = _bench(f"oci:{layout}", "--address", st.address, "--mode", "overlayfs,coldstart",
                       "--runs", "1", "--command", "/app/start.sh", "--cache-dir",
-                      str(tmp_path / "c"), "--json", str(out), "--settle", "0", "--no-floor")
+                      str(tmp_path / "c"), "--json", str(out), "--settle", "0", "--no-floor",
+                      "--memory", "hot")
         _, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stderr
         assert "chunk caches are not cleared" in stderr
