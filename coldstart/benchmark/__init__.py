@@ -7,6 +7,7 @@
 #: (bench/bench_weights.py waits the same).
 SETTLE_S = 6.0
 #: ``coldstart bench --memory hot``: the anonymous memory written and freed after each rest, at
-#: most (and at most half of what the kernel says is available), so that what the run
-#: allocates next (the page cache it fills, the app's heap) is still backed by the host
+#: most (and at most half of what the kernel says is available, or of the memory cgroup's room:
+#: ``coldstart.benchmark.node.hot_memory_bytes``), so that what the run allocates first (the
+#: page cache it fills, the app's heap) is still backed by the host
 HOT_MEMORY_BYTES = 3 << 30

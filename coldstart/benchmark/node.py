@@ -100,17 +100,55 @@ def drop_caches(settle: float) -> None:
     time.sleep(settle)
 
 
-def hot_memory_bytes(most: int, meminfo: str = "/proc/meminfo") -> int:
+def hot_memory_bytes(most: int, meminfo: str = "/proc/meminfo",
+                     cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup") -> int:
     """What ``--memory hot`` writes and frees: ``most`` bytes, at most half of the memory the
-    kernel says is available (``MemAvailable``; ``most`` if it does not say)."""
+    kernel says is available (``MemAvailable``) and half of what this process's memory cgroup
+    has left under its limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``): a container's
+    limit, not the host's free memory, is what the OOM killer goes by."""
+    room = [most]
     try:
         with open(meminfo) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return min(most, int(line.split()[1]) * 1024 // 2)
+                    room.append(int(line.split()[1]) * 1024 // 2)
     except (OSError, ValueError, IndexError):
         pass
-    return most
+    left = _cgroup_memory_left(cgroup, cgroup_root)
+    if left is not None:
+        room.append(left // 2)
+    return max(0, min(room))
+
+
+def _cgroup_memory_left(cgroup: str, root: str) -> int | None:
+    """Bytes this process's memory cgroup may still use (limit less usage), or None if it has
+    no limit or the files do not say."""
+    try:
+        with open(cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hid, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hid == "0" and controllers == "":
+            limit_file, usage_file = "memory.max", "memory.current"
+            base = os.path.join(root, path.lstrip("/"))
+        elif "memory" in controllers.split(","):
+            limit_file, usage_file = "memory.limit_in_bytes", "memory.usage_in_bytes"
+            base = os.path.join(root, "memory", path.lstrip("/"))
+        else:
+            continue
+        try:
+            with open(os.path.join(base, limit_file)) as f:
+                limit = f.read().strip()
+            with open(os.path.join(base, usage_file)) as f:
+                usage = int(f.read().strip())
+            if limit != "max" and int(limit) < 1 << 60:     # v1 says "no limit" as ~2**63
+                return max(0, int(limit) - usage)
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def heat_memory(nbytes: int) -> None:

@@ -106,8 +106,9 @@ root. The JSON schema is coldstart/benchmark/result_schema.json.
               show_default=True,
               help="The guest's free memory at each run's start (every mode and the floor "
                    "alike). settled: as the --settle rest leaves it. hot: then up to 3 GiB "
-                   "(half the available memory at most) written and freed, so that what the "
-                   "run allocates (the page cache, the app) is still backed by the host. On a "
+                   "(half the available memory or the cgroup's room at most) written and "
+                   "freed, so that what the run allocates first (the page cache, the app) is "
+                   "still backed by the host (for about 2 s: freed pages go back). On a "
                    "VM with free page reporting a settled page is backed again on its first "
                    "write: a disk read's DMA pays that in the VMM, a CPU copy (FUSE) on the "
                    "guest's own cores.")
