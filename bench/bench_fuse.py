@@ -68,7 +68,6 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tarfile
 import tempfile
@@ -80,7 +79,7 @@ from typing import Any, TypeVar
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from coldstart.benchmark.node import heat_memory  # noqa: E402
+from coldstart.benchmark.node import drop_caches  # noqa: E402
 from coldstart.benchmark.shaping import Link, shaping_proxy  # noqa: E402
 from coldstart.config import FetchConfig  # noqa: E402
 from coldstart.errors import ColdstartError  # noqa: E402
@@ -285,16 +284,6 @@ def reads_served(metrics_port: int) -> int:
     return 0
 
 
-def drop_page_cache(settle: float, heat: int = 0) -> None:
-    """Drop the page cache, then let free page reporting settle (see bench_weights.py); with
-    ``heat`` bytes, then write and free that much memory (``--memory hot``)."""
-    subprocess.run(["sync"], check=False)
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    time.sleep(settle)
-    if heat:
-        heat_memory(heat)
-
-
 class Phase:
     """Wall time, server CPU and reads of one measured step."""
 
@@ -321,7 +310,7 @@ def one_round(tree: Path, srv_tmp: Path, registry_host: str, specs: dict[str, La
     def served(host: str = registry_host) -> Iterator[tuple[Phase, FuseServerClient]]:
         """A fresh FUSE server reading from ``host``, the page cache dropped before it starts;
         its temp directory emptied after."""
-        drop_page_cache(settle, heat)
+        drop_caches(settle, heat)
         port = free_port()
         with fuse_server(srv_tmp, registry_host=host, cache_max=4 << 30, source_root=tree,
                          concurrency=concurrency,
@@ -338,7 +327,7 @@ def one_round(tree: Path, srv_tmp: Path, registry_host: str, specs: dict[str, La
         return mp
 
     if "big" in specs:
-        drop_page_cache(settle, heat)
+        drop_caches(settle, heat)
         b0 = machine_busy()
         t, n = timed(verified_limit, registry_host, specs["big"], "data/big.bin", limit_threads)
         assert n == big_size, (n, big_size)
@@ -346,7 +335,7 @@ def one_round(tree: Path, srv_tmp: Path, registry_host: str, specs: dict[str, La
                             "machine_cpu_s": machine_busy() - b0}
         # the same, each verified chunk written into a tmpfs file: the limit with the bytes
         # landing in the page cache by a CPU copy (as a FUSE read's answer lands them)
-        drop_page_cache(settle, heat)
+        drop_caches(settle, heat)
         fd, shm_file = tempfile.mkstemp(prefix="bench-fuse-limit-", dir="/dev/shm")
         try:
             b0 = machine_busy()
@@ -371,7 +360,7 @@ def one_round(tree: Path, srv_tmp: Path, registry_host: str, specs: dict[str, La
             # node's next container; the first stays mounted: a layer's last unmount reclaims
             # its chunks)
             mp_again = mount(client, "big-again", specs["big"])
-            drop_page_cache(settle, heat)
+            drop_caches(settle, heat)
             res["big_chunk_cache"], _ = ph.run(read_file, mp_again / "data/big.bin")
             client.unmount(str(mp_again))
             client.unmount(str(mp_big))
@@ -408,7 +397,7 @@ def one_round(tree: Path, srv_tmp: Path, registry_host: str, specs: dict[str, La
             assert calls == small_files, (calls, small_files)
             res["small_getxattr"]["us_per_call"] = res["small_getxattr"]["s"] / calls * 1e6
             mp_again = mount(client, "small-again", specs["small"])
-            drop_page_cache(settle, heat)
+            drop_caches(settle, heat)
             res["small_read_chunk_cache"], _ = ph.run(read_tree, mp_again)
             client.unmount(str(mp_again))
             client.unmount(str(mp_small))

@@ -91,13 +91,16 @@ MODES: dict[str, ModeSpec] = {m.name: m for m in (
 )}
 
 
-def drop_caches(settle: float) -> None:
+def drop_caches(settle: float, heat: int = 0) -> None:
     """Write back and drop the page cache, then wait ``settle`` seconds (on a VM with free page
-    reporting the freed pages go back to the host meanwhile: every run starts the same way)."""
+    reporting the freed pages go back to the host meanwhile: every run starts the same way);
+    then, with ``heat`` bytes, :func:`heat_memory` (hot free memory)."""
     subprocess.run(["sync"], check=True, timeout=300)
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3\n")
     time.sleep(settle)
+    if heat:
+        heat_memory(heat)
 
 
 def hot_memory_bytes(most: int, meminfo: str = "/proc/meminfo",
@@ -384,9 +387,7 @@ def cold_start(node: Node, ref: str, work: Workload, index: int, *, traffic: Tra
 
     try:
         events = ExitEvents(node.ctd, node.base / "events.log")
-        drop_caches(settle)
-        if heat:
-            heat_memory(heat)
+        drop_caches(settle, heat)
         served0 = traffic() if traffic else None
         cpu0 = node.cpu()
         last = t0 = time.monotonic()
