@@ -12,6 +12,10 @@ Keying by content digest means an identical chunk in two layers (or two images) 
 stored once. :class:`ChunkCache` composes the two stores over one in-memory index
 (:mod:`.index`: sizes, locations, LRU, eviction) and adds the writer thread of
 :meth:`~ChunkCache.put_async` (until it is written, such a chunk is served from memory).
+:meth:`~ChunkCache.put_async_encoded` keeps a chunk as its caller's compressed bytes until then
+and decodes it again to write it: a start-up's prefetched chunks, whose writes wait until it
+stops reading, then hold only their compressed bytes, and their decoded bytes are freed (and
+their memory reused by the next chunks) as soon as the page cache has them.
 
 Start-up (:meth:`ChunkCache._rebuild`) indexes big chunks by ``mtime`` and scans every pack,
 re-hashing each record. Chunks another live process stores become visible to this process by
@@ -59,6 +63,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from coldstart.cache.files import FileStore
@@ -96,6 +101,20 @@ PACK_THRESHOLD = 256 << 10
 PACK_BYTES = 64 << 20
 # a miss rescans the packs (for chunks other processes wrote) at most this often
 _RESCAN_INTERVAL = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Encoded:
+    """A pending chunk kept encoded: ``decode()`` gives its ``size`` verified bytes;
+    ``held`` is what it keeps in memory meanwhile (its compressed bytes)."""
+
+    size: int
+    held: int
+    decode: Callable[[], bytes]
+
+
+def _held(pending: bytes | _Encoded) -> int:
+    return pending.held if isinstance(pending, _Encoded) else len(pending)
 
 
 def _hex_of(digest: str) -> str:
@@ -160,8 +179,8 @@ class ChunkCache:
         self._packs = PackStore(self.dir / "packs", self._ix, pack_bytes=self.pack_bytes,
                                 durable=durable)
         self._reclaim_lock = threading.Lock()      # one reclaim (pack compaction) at a time
-        self._pending: dict[str, bytes] = {}       # hex -> data not yet on disk
-        self._pending_bytes = 0
+        self._pending: dict[str, bytes | _Encoded] = {}    # hex -> data not yet on disk
+        self._pending_bytes = 0                     # what the pending chunks hold in memory
         self._pending_cv = threading.Condition(self._lock)
         self._queue: deque[str] = deque()
         self._touches: deque[Path] = deque()       # mtimes to re-stamp off the FUSE loop
@@ -252,10 +271,19 @@ class ChunkCache:
         hexd = m.group(1)
         with self._lock:
             pending = self._pending.get(hexd)
-            if pending is not None:
+            if isinstance(pending, bytes):
                 return self._pending_hit_locked(pending, offset, length)
             packed = hexd in self._ix.packed
-        if packed:
+        if pending is not None:
+            got = self._decode_pending(digest, pending)
+            if got is not None:
+                with self._lock:
+                    if self._pending.get(hexd) is pending:
+                        # read after all: its bytes stay for the next reads (the loop's too)
+                        self._pending[hexd] = got
+                        self._pending_bytes += len(got) - pending.held
+                    return self._pending_hit_locked(got, offset, length)
+        elif packed:
             got = self._read_packed(digest, hexd, offset, length, expected_size)
             if got is not None:
                 return got
@@ -289,8 +317,10 @@ class ChunkCache:
         ix = self._ix
         with self._lock:
             pending = self._pending.get(hexd)
-            if pending is not None:
+            if isinstance(pending, bytes):
                 return self._pending_hit_locked(pending, offset, length)
+            if pending is not None:
+                return None     # kept encoded: the worker's read() decodes it
             size = ix.sizes.get(hexd)
             if (size is None or self.verify_reads or hexd in ix.unverified
                     or (expected_size is not None and size != expected_size)):
@@ -318,6 +348,20 @@ class ChunkCache:
         if len(data) != want:
             return None
         self._hit(hexd, size, want, defer_touch=True)
+        return data
+
+    def _decode_pending(self, digest: str, pending: _Encoded) -> bytes | None:
+        """The bytes of a chunk kept encoded, decoded again (and verified by its decoder);
+        None if that fails (logged: it decoded and verified once, so this is a bug)."""
+        try:
+            data = pending.decode()
+        except Exception:
+            log.exception("chunk cache: decoding pending chunk %s again failed", digest)
+            return None
+        if len(data) != pending.size:
+            log.error("chunk cache: pending chunk %s decoded to %d bytes, not %d", digest,
+                      len(data), pending.size)
+            return None
         return data
 
     def _pending_hit_locked(self, pending: bytes, offset: int, length: int) -> bytes:
@@ -457,13 +501,28 @@ class ChunkCache:
         hexd = _hex_of(digest)
         if not verified and hashlib.sha256(data).hexdigest() != hexd:
             raise IntegrityError(f"chunk cache: data does not match {digest}; not cached")
+        self._queue_write(hexd, bytes(data))
+
+    def put_async_encoded(self, digest: str, size: int, decode: Callable[[], bytes], *,
+                          held: int) -> None:
+        """Like :meth:`put_async` for a chunk its caller decoded and verified already, kept
+        in its encoded form until it is written: ``decode()`` gives its ``size`` bytes again
+        (decoding and verifying them), called by the writer thread and by the first
+        :meth:`read` that finds the chunk pending, which keeps the bytes for the reads after it
+        (:meth:`read_local` leaves that first one to :meth:`read`). ``held``: the bytes
+        ``decode`` keeps alive (its compressed input), counted against the backlog instead of
+        ``size``. For chunks nobody is expected to read through the cache soon (a prefetch's,
+        which the page cache gets)."""
+        self._queue_write(_hex_of(digest), _Encoded(size, held, decode))
+
+    def _queue_write(self, hexd: str, pending: bytes | _Encoded) -> None:
         with self._lock:
             if hexd in self._ix.sizes or hexd in self._pending:
                 return
             while self._pending_bytes > _MAX_PENDING and not self._closed:
                 self._pending_cv.wait(1.0)
-            self._pending[hexd] = bytes(data)
-            self._pending_bytes += len(data)
+            self._pending[hexd] = pending
+            self._pending_bytes += _held(pending)
             self._queue.append(hexd)
             self._start_writer_locked()
             self._pending_cv.notify_all()
@@ -483,7 +542,8 @@ class ChunkCache:
         waited_out = False      # this backlog waited its longest at the gate already
         while True:
             touch: Path | None = None
-            hexd, data = "", b""
+            hexd = ""
+            pending: bytes | _Encoded = b""
             with self._lock:
                 while not self._queue and not self._touches:
                     waited_out = False
@@ -494,23 +554,31 @@ class ChunkCache:
                     touch = self._touches.popleft()
                 else:
                     hexd = self._queue.popleft()
-                    data = self._pending[hexd]
+                    pending = self._pending[hexd]
                 gate = (self.write_gate if not waited_out and self._pending_bytes < gated
                         and not self._flushing and not self._closed else None)
             if gate is not None and touch is None:
                 waited_out = not self._wait_at_gate(gate, gated)
+                with self._lock:    # a read at that time may have decoded it already
+                    pending = self._pending.get(hexd, pending)
             if touch is not None:
                 with contextlib.suppress(OSError):
                     os.utime(touch)
                 continue
             try:
-                self.put("sha256:" + hexd, data, verified=True)
+                data = (pending if isinstance(pending, bytes)
+                        else self._decode_pending("sha256:" + hexd, pending))
+                if data is not None:
+                    self.put("sha256:" + hexd, data, verified=True)
             except (OSError, ColdstartError) as exc:
                 self._log_write_error(hexd, exc)
             finally:
+                data = None
                 with self._lock:
-                    self._pending.pop(hexd, None)
-                    self._pending_bytes -= len(data)
+                    # what is pending now: a read may have swapped in the decoded bytes
+                    gone = self._pending.pop(hexd, None)
+                    if gone is not None:
+                        self._pending_bytes -= _held(gone)
                     self._pending_cv.notify_all()
 
     def _wait_at_gate(self, gate: Callable[[float], bool], gated: int) -> bool:

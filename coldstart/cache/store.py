@@ -14,6 +14,7 @@ Two kinds of look-up, for two kinds of caller:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 __all__ = ["ChunkStore"]
@@ -52,4 +53,10 @@ class ChunkStore(Protocol):
 
     def put_async(self, digest: str, data: bytes, *, verified: bool = False) -> None:
         """Store a chunk in the background; readable at once."""
+        ...
+
+    def put_async_encoded(self, digest: str, size: int, decode: Callable[[], bytes], *,
+                          held: int) -> None:
+        """Like :meth:`put_async` for a chunk verified already but kept encoded until it is
+        written: ``decode()`` gives its ``size`` bytes again; ``held``: the bytes it keeps."""
         ...

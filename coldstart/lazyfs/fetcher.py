@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -673,8 +674,13 @@ class ChunkFetcher:
                         later = upto is not None and self._defer_spread(target, c, raw, start)
                     if not self._finish_chunk(target, c, owned[c], raw, start,
                                               last=REFETCHES <= 0, spread=spread,
-                                              upto=upto[c.offset] if later and upto else None):
+                                              upto=upto[c.offset] if later and upto else None,
+                                              unread=kind == PREFETCH):
                         again.append(c)
+                    else:
+                        # settled: its bytes stay with its readers only (a big prefetch's
+                        # decoded chunks are not all held until its last one is decoded)
+                        del owned[c]
             if again:
                 self._refetch(target, again, owned, kind)
         finally:
@@ -801,7 +807,8 @@ class ChunkFetcher:
                 self._count_fetch(target, len(raw), len(run), kind)
                 for c in run:
                     if not self._finish_chunk(target, c, owned[c], raw, start,
-                                              last=attempt == REFETCHES):
+                                              last=attempt == REFETCHES,
+                                              unread=kind == PREFETCH):
                         bad.append(c)
             if not bad:
                 return
@@ -816,13 +823,22 @@ class ChunkFetcher:
         return msg
 
     def _cache_decoded(self, target: FetchTarget, c: Chunk, data: bytes,
-                       spread: dict[str, bytes] | None) -> None:
+                       spread: dict[str, bytes] | None,
+                       encoded: memoryview | None = None) -> None:
         """Cache a verified chunk, and the other files' pieces of its span when it is an
         indexed gzip layer's and decoded whole (verified too; also kept in ``spread`` for the
-        request's own chunks among them)."""
+        request's own chunks among them). ``encoded``: the chunk's compressed bytes, from
+        which it was decoded whole, for a prefetched chunk (which the page cache gets): the
+        cache keeps those until it writes the chunk (decoding it again) rather than ``data``,
+        which goes as soon as the page cache has it."""
         if not c.digest or self.cache is None:
             return
         try:
+            if encoded is not None and not target.layer.spreads:
+                self.cache.put_async_encoded(
+                    c.digest, len(data), functools.partial(target.layer.decode_chunk, c, encoded),
+                    held=encoded.nbytes)
+                return
             self.cache.put_async(c.digest, data, verified=True)
             for digest, piece in target.layer.spread(c):
                 self.cache.put_async(digest, piece, verified=True)
@@ -833,7 +849,8 @@ class ChunkFetcher:
 
     def _finish_chunk(self, target: FetchTarget, c: Chunk, fl: _Flight, raw: bytes,
                       start: int, *, last: bool = True,
-                      spread: dict[str, bytes] | None = None, upto: int | None = None) -> bool:
+                      spread: dict[str, bytes] | None = None, upto: int | None = None,
+                      unread: bool = False) -> bool:
         """Decode and verify one fetched chunk, cache it, and wake its readers right away.
 
         Bytes that fail to decode or verify settle the chunk with the error if ``last``;
@@ -843,17 +860,18 @@ class ChunkFetcher:
         span: :meth:`~coldstart.format.gzindex.IndexedLayer.spread`), by digest; a chunk
         found there with its own size is not decoded and hashed again (any other is: its
         index may lie). ``upto``: decode the chunk's range only that far
-        (:meth:`~coldstart.format.layer.SeekableLayer.decode_chunk`)."""
+        (:meth:`~coldstart.format.layer.SeekableLayer.decode_chunk`). ``unread``: a prefetched
+        chunk, which the page cache gets (nobody reads it through here unless that fails):
+        the cache keeps it encoded until it is written (:meth:`_cache_decoded`)."""
         res: bytes | BaseException
         ready = spread.pop(c.digest, None) if spread is not None and c.digest else None
         if ready is not None and len(ready) == c.chunk_size:
             res = ready
         else:
+            # a view of the fetched bytes: the decoder reads them where they are
+            encoded = memoryview(raw)[c.offset - start : c.end_offset - start]
             try:
-                # a view of the fetched bytes: the decoder reads them where they are
-                res = target.layer.decode_chunk(c, memoryview(raw)[c.offset - start
-                                                                   : c.end_offset - start],
-                                                upto=upto)
+                res = target.layer.decode_chunk(c, encoded, upto=upto)
             except Exception as exc:
                 kind = type(exc).__name__
                 if not last:
@@ -868,7 +886,8 @@ class ChunkFetcher:
                 target.layer.chunk_failed(c, exc)
                 res = type(exc)(msg) if isinstance(exc, ColdstartError) else Unavailable(msg)
             else:
-                self._cache_decoded(target, c, res, spread)
+                self._cache_decoded(target, c, res, spread,
+                                    encoded if unread and upto is None else None)
         self._release(target, c, fl)   # after the put: a later reader finds it cached
         if fl.future.done():
             return True

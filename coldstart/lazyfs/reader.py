@@ -554,7 +554,7 @@ class LayerReader:
         if not self._fits_in_cache(todo, "streaming " + repr(entry.name)):
             return
         warmer = self.page_cache
-        window: list[dict[Chunk, Future[bytes]]] = []
+        window: list[_Landing] = []
         fetched = i = 0
         while i < len(todo) and not self._stop.is_set():
             batch: list[Chunk] = []
@@ -574,13 +574,14 @@ class LayerReader:
             if warmer is not None:
                 for c, f in futures.items():
                     f.add_done_callback(functools.partial(_hand_over, warmer, c))
-            window.append(futures)
+            window.append(_Landing(futures))
+            del futures
             if len(window) >= STREAM_STREAMS:
                 fetched += _settle(window.pop(0), self.read_deadline * 4)
-        for futures in window:
+        for landing in window:
             if self._stop.is_set():
                 return      # the layer is going away: its requests end by their own timeouts
-            fetched += _settle(futures, self.read_deadline * 4)
+            fetched += _settle(landing, self.read_deadline * 4)
         log.info("layer %s: streamed %r after a run of %d bytes: %d bytes", self.digest,
                  entry.name, hi - lo, fetched)
 
@@ -688,7 +689,7 @@ class LayerReader:
         with self.stats._lock:
             self.stats.state = "prefetching"
         fetched = 0
-        window: list[tuple[int, dict[Chunk, Future[bytes]]]] = []
+        window: list[_Landing] = []
         room = max(1, self.fetcher.pool_size // 2)
         if self._named_apart():
             # the set is scattered over the blob (a gzip index's): its ranges in the order the
@@ -712,11 +713,12 @@ class LayerReader:
             if warmer is not None:
                 for c, f in futures.items():
                     f.add_done_callback(functools.partial(_hand_over, warmer, c))
-            window.append((0, futures))
+            window.append(_Landing(futures))
+            del futures
             if len(window) >= PREFETCH_STREAMS:
-                fetched += _settle(window.pop(0)[1], self.read_deadline * 4)
-        for _, futures in window:
-            fetched += _settle(futures, self.read_deadline * 4)
+                fetched += _settle(window.pop(0), self.read_deadline * 4)
+        for landing in window:
+            fetched += _settle(landing, self.read_deadline * 4)
         with self.stats._lock:
             self.stats.prefetch_done = True
             self.stats.state = "on-demand"
@@ -857,14 +859,14 @@ class LayerReader:
             with self.stats._lock:
                 self.stats.local_bytes = local
 
-        def settle(nbytes: int, futures: dict[Chunk, Future[bytes]]) -> int:
-            count(_ranges(_settled(futures, self.read_deadline * 4)))
+        def settle(nbytes: int, landing: _Landing) -> int:
+            count(_ranges(landing.wait(self.read_deadline * 4)))
             return nbytes
 
         def run(batches: list[list[Chunk]], one_per_span: bool) -> bool:
             """Fetch ``batches`` paced at ``rate``; False if stopped or a request failed."""
             nonlocal fetched
-            window: list[tuple[int, dict[Chunk, Future[bytes]]]] = []
+            window: list[tuple[int, _Landing]] = []
             ok = True
             for batch in batches:
                 if self._stop.is_set():
@@ -883,7 +885,8 @@ class LayerReader:
                 except ColdstartError:
                     ok = False
                     break
-                window.append((_range_bytes(want), futures))
+                window.append((_range_bytes(want), _Landing(futures)))
+                del futures
                 if len(window) >= BACKGROUND_DEPTH:
                     nbytes, oldest = window.pop(0)
                     fetched += settle(nbytes, oldest)
@@ -891,8 +894,8 @@ class LayerReader:
                     ahead = fetched / rate - (clock() - start)
                     if ahead > 0:
                         sleep(ahead)
-            for nbytes, futures in window:
-                fetched += settle(nbytes, futures)
+            for nbytes, landing in window:
+                fetched += settle(nbytes, landing)
             return ok
 
         spreads = self.layer.spreads
@@ -1015,19 +1018,41 @@ def _range_bytes(chunks: Iterable[Chunk]) -> int:
     return sum(b - a for a, b in _ranges(chunks))
 
 
-def _settled(futures: dict[Chunk, Future[bytes]], timeout: float) -> list[Chunk]:
-    """Wait for ``futures`` (``timeout`` seconds in all); the chunks that came."""
-    deadline = time.monotonic() + timeout
-    done: list[Chunk] = []
-    for c, f in futures.items():
-        try:
-            f.result(timeout=max(0.0, deadline - time.monotonic()))
-            done.append(c)
-        except (ColdstartError, TimeoutError):
-            continue
-    return done
+class _Landing:
+    """Which of one request's chunks came, without holding their bytes.
+
+    A prefetch (or fill, or stream) keeps a window of requests in flight and waits for the
+    oldest; holding their futures would keep every decoded chunk of the window alive until
+    then (a start-up's prefetch: all of it, some 200 MB of fresh memory), where the page cache
+    and the chunk cache have each chunk as soon as it is verified. Each future tells this
+    when it is done (a done-callback) and is not kept."""
+
+    __slots__ = ("_came", "_cv", "_left")
+
+    def __init__(self, futures: dict[Chunk, Future[bytes]]) -> None:
+        self._cv = threading.Condition()
+        self._left = len(futures)
+        self._came: list[Chunk] = []
+        for c, f in futures.items():
+            f.add_done_callback(functools.partial(self._land, c))
+
+    def _land(self, c: Chunk, f: Future[bytes]) -> None:
+        came = not f.cancelled() and f.exception() is None
+        with self._cv:
+            if came:
+                self._came.append(c)
+            self._left -= 1
+            if self._left <= 0:
+                self._cv.notify_all()
+
+    def wait(self, timeout: float) -> list[Chunk]:
+        """Wait until every chunk is done (``timeout`` seconds at most); those that came."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._left <= 0, timeout)
+            return list(self._came)
 
 
-def _settle(futures: dict[Chunk, Future[bytes]], timeout: float) -> int:
-    """Wait for ``futures``; the compressed bytes of those that came (see _range_bytes)."""
-    return _range_bytes(_settled(futures, timeout))
+def _settle(landing: _Landing, timeout: float) -> int:
+    """Wait for ``landing``; the compressed bytes of the chunks that came (see
+    _range_bytes)."""
+    return _range_bytes(landing.wait(timeout))

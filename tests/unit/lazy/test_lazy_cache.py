@@ -221,3 +221,93 @@ def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return cond()
+
+
+class Decoder:
+    """A chunk kept encoded: ``decode()`` counts its calls (and raises if ``broken``)."""
+
+    def __init__(self, data: bytes, *, broken: bool = False) -> None:
+        self.data = data
+        self.broken = broken
+        self.calls = 0
+
+    def __call__(self) -> bytes:
+        self.calls += 1
+        if self.broken:
+            raise RuntimeError("decoder bug")
+        return bytes(self.data)
+
+
+def held_gate(c: ChunkCache) -> Callable[[], None]:
+    """Hold ``c``'s background writes (the node is reading); returns what opens the gate."""
+    import threading
+
+    opened = threading.Event()
+    c.write_gate = opened.wait
+    return opened.set
+
+
+def test_an_encoded_chunk_is_decoded_by_its_first_read_and_kept_for_the_next(
+        tmp_path: Path) -> None:
+    c = ChunkCache(tmp_path / "c", max_bytes=1 << 30)
+    open_gate = held_gate(c)
+    data = blob(1, 300_000)                 # a big chunk (a file of its own)
+    dec = Decoder(data)
+    c.put_async_encoded(dg(data), len(data), dec, held=1234)
+    assert c.contains(dg(data)) and dg(data) in c
+    assert c._pending_bytes == 1234                      # the encoded bytes only
+    assert c.read_local(dg(data), 0, 10) is None          # the loop leaves the decode to a worker
+    assert dec.calls == 0
+    assert c.read(dg(data), 5, 10) == data[5:15]
+    assert dec.calls == 1
+    assert c._pending_bytes == len(data)                 # now kept decoded...
+    assert c.read_local(dg(data), 100, 20) == data[100:120]   # ...for the loop's reads too
+    assert c.get(dg(data)) == data
+    assert dec.calls == 1
+    open_gate()
+    assert c.flush(30)
+    assert dec.calls == 1                                 # written from the decoded bytes
+    assert c._pending_bytes == 0
+    c.close()
+    c2 = ChunkCache(tmp_path / "c", max_bytes=1 << 30)
+    assert c2.get(dg(data)) == data
+    c2.close()
+
+
+@LAYOUTS
+def test_an_encoded_chunk_nobody_reads_is_decoded_to_be_written(tmp_path: Path,
+                                                                 threshold: int) -> None:
+    c = ChunkCache(tmp_path / "c", max_bytes=1 << 30, pack_threshold=threshold)
+    data = blob(2, 5000)
+    dec = Decoder(data)
+    c.put_async_encoded(dg(data), len(data), dec, held=99)
+    c.put_async_encoded(dg(data), len(data), dec, held=99)     # pending already: once
+    assert c.flush(30)
+    assert dec.calls == 1
+    assert c._pending_bytes == 0
+    assert c.read_local(dg(data), 0, -1) == data
+    c.close()
+    c2 = ChunkCache(tmp_path / "c", max_bytes=1 << 30, pack_threshold=threshold)
+    assert c2.get(dg(data)) == data
+    c2.close()
+
+
+def test_an_encoded_chunk_that_fails_to_decode_again_is_not_cached(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    c = ChunkCache(tmp_path / "c", max_bytes=1 << 30)
+    open_gate = held_gate(c)
+    data = blob(3, 300_000)
+    short = Decoder(data[:-1])                  # a decoder that gives the wrong size
+    broken = Decoder(data, broken=True)
+    other = blob(4, 300_000)
+    c.put_async_encoded(dg(data), len(data), short, held=10)
+    c.put_async_encoded(dg(other), len(other), broken, held=10)
+    assert c.read(dg(data), 0, 10) is None       # a miss: the reader fetches it again
+    assert c.read(dg(other), 0, 10) is None
+    assert f"decoded to {len(data) - 1} bytes" in caplog.text and "decoder bug" in caplog.text
+    open_gate()
+    assert c.flush(30)
+    assert c._pending_bytes == 0
+    assert dg(data) not in c and dg(other) not in c
+    assert len(c) == 0
+    c.close()

@@ -74,6 +74,10 @@ class CountingStore:
     def put_async(self, digest: str, data: bytes, *, verified: bool = False) -> None:
         self.inner.put_async(digest, data, verified=verified)
 
+    def put_async_encoded(self, digest: str, size: int, decode: Callable[[], bytes], *,
+                          held: int) -> None:
+        self.inner.put_async_encoded(digest, size, decode, held=held)
+
 
 def counted_reader(tmp: Path) -> tuple[LayerReader, CountingStore]:
     store = CountingStore(ChunkCache(tmp / "cache", max_bytes=1 << 30))

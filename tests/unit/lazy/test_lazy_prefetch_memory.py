@@ -1,0 +1,136 @@
+"""What a prefetch keeps in memory: its chunks wait for the disk in their compressed form (the
+page cache has them decoded), and nothing holds a decoded chunk once it is settled."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+
+from coldstart.cache import ChunkCache
+from coldstart.cache.chunks import _Encoded
+from coldstart.errors import Unavailable
+from coldstart.format.toc import Chunk
+from coldstart.lazyfs.fetcher import PREFETCH
+from coldstart.lazyfs.reader import _Landing
+from tests.integration.lazy.lazy_helpers import metadata_tar
+from tests.unit.lazy.test_lazy_reader import FORMATS, make, read_all
+
+BIG = "usr/lib/big.so"
+
+
+def pending(cache: ChunkCache, c: Chunk) -> int | bytes | None:
+    """How ``cache`` holds ``c`` until it is written: the bytes it keeps of the encoded
+    form, ``b"decoded"``, or None (not pending)."""
+    got = cache._pending.get(c.digest.removeprefix("sha256:"))
+    if got is None:
+        return None
+    return got.held if isinstance(got, _Encoded) else b"decoded"
+
+
+def hold_writes(cache: ChunkCache) -> Callable[[], None]:
+    """The node is reading: ``cache`` keeps its background writes pending until the returned
+    function opens the gate."""
+    opened = threading.Event()
+    cache.write_gate = opened.wait
+    return opened.set
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefetched_chunks_wait_for_the_disk_compressed_and_read_ones_decoded(
+        tmp_path: Path, fmt: str) -> None:
+    tree = metadata_tar()
+    reader, _, fetcher = make(tmp_path, fmt, tar=tree.tar, prefetch=[BIG])
+    cache = fetcher.cache
+    assert isinstance(cache, ChunkCache)
+    open_gate = hold_writes(cache)
+    assert reader.prefetch() > 0
+    big = reader.layer.resolve(BIG)
+    compressed = sum(c.end_offset - c.offset for c in big.chunks)
+    assert compressed < sum(c.chunk_size for c in big.chunks) / 2    # big.so compresses well
+    # every chunk of big.so is pending, each as its compressed bytes
+    assert [pending(cache, c) for c in big.chunks] == [c.end_offset - c.offset
+                                                       for c in big.chunks]
+    assert cache._pending_bytes == compressed
+
+    sudo = reader.layer.resolve("usr/bin/sudo")          # not prefetched: a read fetches it
+    assert reader.read(sudo, 0, 100) == tree.files["usr/bin/sudo"][:100]
+    first = sudo.chunks[0]
+    assert pending(cache, first) == b"decoded"
+
+    # reads of the prefetched file decode each chunk once and keep it for the next reads
+    assert read_all(reader, BIG, step=16 << 10) == tree.files[BIG]
+    assert all(pending(cache, c) == b"decoded" for c in big.chunks)
+
+    open_gate()
+    assert cache.flush(30)
+    assert cache._pending_bytes == 0
+    on_disk = ChunkCache(cache.dir, max_bytes=1 << 30)
+    for c in [*big.chunks, first]:
+        assert on_disk.get(c.digest, expected_size=c.chunk_size) is not None, c
+    on_disk.close()
+
+
+def test_a_prefetch_nobody_reads_is_written_from_its_compressed_bytes(tmp_path: Path) -> None:
+    tree = metadata_tar()
+    reader, _, fetcher = make(tmp_path, "zstd:chunked", tar=tree.tar, prefetch=[BIG])
+    cache = fetcher.cache
+    assert isinstance(cache, ChunkCache)
+    assert reader.prefetch() > 0
+    assert cache.flush(30)
+    big = reader.layer.resolve(BIG)
+    on_disk = ChunkCache(cache.dir, max_bytes=1 << 30)
+    got = b"".join(on_disk.get(c.digest, expected_size=c.chunk_size) or b"?"
+                   for c in big.chunks)
+    assert got == tree.files[BIG]
+    on_disk.close()
+
+
+def test_a_request_keeps_no_chunk_it_has_settled(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """One request of many chunks (a prefetch's: tens of MB): a chunk's bytes are its readers'
+    once it is settled, not held until the request's last chunk is decoded."""
+    tree = metadata_tar()
+    reader, src, fetcher = make(tmp_path, "zstd:chunked", tar=tree.tar)
+    chunks = reader.layer.resolve(BIG).chunks[:6]
+    layer = reader.target.layer
+    decode = layer.decode_chunk
+    alive: list[bool] = []
+    refs: list[weakref.ref[Future[bytes]]] = []
+
+    def decode_and_look(c: Chunk, compressed: bytes | memoryview, *,
+                        upto: int | None = None) -> bytes:
+        if c is chunks[-1]:          # the last one: the five before it are settled
+            alive.extend(r() is not None for r in refs[:-1])
+        return decode(c, compressed, upto=upto)
+
+    monkeypatch.setattr(layer, "decode_chunk", decode_and_look)
+    src.gate.clear()                 # the request waits until the futures are let go
+    futures = fetcher.request(reader.target, chunks, kind=PREFETCH)
+    assert src.counting.requests == 0
+    refs.extend(weakref.ref(futures[c]) for c in chunks)
+    last = futures[chunks[-1]]
+    del futures
+    src.gate.set()
+    assert len(last.result(timeout=10)) == chunks[-1].chunk_size
+    assert src.counting.requests == 1           # one request for the six
+    assert alive == [False] * 5
+
+
+def test_a_landing_says_which_chunks_came_without_keeping_them() -> None:
+    chunks = [Chunk(offset=i * 10, end_offset=i * 10 + 10, chunk_offset=0, chunk_size=100,
+                    digest="", owner=f"f{i}") for i in range(3)]
+    futures: dict[Chunk, Future[bytes]] = {c: Future() for c in chunks}
+    refs = [weakref.ref(f) for f in futures.values()]
+    landing = _Landing(futures)
+    futures[chunks[0]].set_result(b"x" * 100)
+    futures[chunks[1]].set_exception(Unavailable("registry down"))
+    assert landing.wait(0.05) == [chunks[0]]         # timed out: the third is still out
+    futures[chunks[2]].set_result(b"y" * 100)
+    assert landing.wait(5) == [chunks[0], chunks[2]]
+    del futures
+    assert [r() for r in refs] == [None, None, None]  # the landing kept none of them
