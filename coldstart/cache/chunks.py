@@ -517,10 +517,12 @@ class ChunkCache:
 
     def _queue_write(self, hexd: str, pending: bytes | _Encoded) -> None:
         with self._lock:
-            if hexd in self._ix.sizes or hexd in self._pending:
-                return
-            while self._pending_bytes > _MAX_PENDING and not self._closed:
-                self._pending_cv.wait(1.0)
+            while True:
+                if hexd in self._ix.sizes or hexd in self._pending:
+                    return
+                if self._pending_bytes <= _MAX_PENDING or self._closed:
+                    break
+                self._pending_cv.wait(1.0)  # (another thread may queue it meanwhile)
             self._pending[hexd] = pending
             self._pending_bytes += _held(pending)
             self._queue.append(hexd)
@@ -580,6 +582,7 @@ class ChunkCache:
                     if gone is not None:
                         self._pending_bytes -= _held(gone)
                     self._pending_cv.notify_all()
+                gone, pending = None, b""       # held no longer than this write
 
     def _wait_at_gate(self, gate: Callable[[float], bool], gated: int) -> bool:
         """Wait (in short steps) until ``gate`` says the node is quiet: True; False once

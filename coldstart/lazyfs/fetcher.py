@@ -243,13 +243,16 @@ class _Flight:
     """One chunk being fetched (or looked up): its future, and how many callers other than
     its owner hold that future (the owner resolves it only if someone does)."""
 
-    __slots__ = ("future", "joiners", "urgent")
+    __slots__ = ("future", "joiners", "unread", "urgent")
 
-    def __init__(self) -> None:
+    def __init__(self, *, unread: bool = False) -> None:
         self.future: Future[bytes] = Future()
         self.joiners = 0
         # a read (or prefetch) joined it: a fill request holding it must not wait any more
         self.urgent = False
+        # its requester hands it to the page cache, and no read waits for it (yet): the
+        # chunk cache may keep it encoded until it is written (see _cache_decoded)
+        self.unread = unread
 
 
 #: a read's chunk: (chunk, start, end) of the bytes it needs within the decoded chunk
@@ -464,7 +467,8 @@ class ChunkFetcher:
 
     def request(self, target: FetchTarget, chunks: Iterable[Chunk], *,
                 background: bool = False, max_bytes: int | None = None,
-                kind: str = DEMAND, max_gap: int | None = None) -> dict[Chunk, Future[bytes]]:
+                kind: str = DEMAND, max_gap: int | None = None,
+                unread: bool = False) -> dict[Chunk, Future[bytes]]:
         """Start fetching ``chunks`` (those not already in flight); a future for each.
 
         For read-ahead and background fetches, whose callers chose the chunks from the
@@ -474,6 +478,9 @@ class ChunkFetcher:
         ``max_coalesce_bytes``). ``background``: the fill's low-priority pool, which waits
         while on-demand fetches run. ``kind`` is what the layer's stats count the bytes as.
         ``max_gap``: chunks this far apart still share a request (default: the fetcher's).
+        ``unread``: the caller hands the chunks to the page cache (a prefetch, a stream), so
+        reads are not expected to ask the chunk cache for them: it keeps each one that no read
+        joined encoded until it is written (a read that does ask decodes it again).
         """
         out: dict[Chunk, Future[bytes]] = {}
         mine: dict[Chunk, _Flight] = {}
@@ -486,7 +493,7 @@ class ChunkFetcher:
                 k = _key(target, c)
                 fl = self._inflight.get(k)
                 if fl is None:
-                    fl = mine[c] = self._inflight[k] = _Flight()
+                    fl = mine[c] = self._inflight[k] = _Flight(unread=unread)
                 else:
                     fl.joiners += 1
                     if not background and not fl.urgent:
@@ -674,8 +681,7 @@ class ChunkFetcher:
                         later = upto is not None and self._defer_spread(target, c, raw, start)
                     if not self._finish_chunk(target, c, owned[c], raw, start,
                                               last=REFETCHES <= 0, spread=spread,
-                                              upto=upto[c.offset] if later and upto else None,
-                                              unread=kind == PREFETCH):
+                                              upto=upto[c.offset] if later and upto else None):
                         again.append(c)
                     else:
                         # settled: its bytes stay with its readers only (a big prefetch's
@@ -807,8 +813,7 @@ class ChunkFetcher:
                 self._count_fetch(target, len(raw), len(run), kind)
                 for c in run:
                     if not self._finish_chunk(target, c, owned[c], raw, start,
-                                              last=attempt == REFETCHES,
-                                              unread=kind == PREFETCH):
+                                              last=attempt == REFETCHES):
                         bad.append(c)
             if not bad:
                 return
@@ -823,21 +828,20 @@ class ChunkFetcher:
         return msg
 
     def _cache_decoded(self, target: FetchTarget, c: Chunk, data: bytes,
-                       spread: dict[str, bytes] | None,
-                       encoded: memoryview | None = None) -> None:
+                       spread: dict[str, bytes] | None, encoded: bytes | None = None) -> None:
         """Cache a verified chunk, and the other files' pieces of its span when it is an
         indexed gzip layer's and decoded whole (verified too; also kept in ``spread`` for the
         request's own chunks among them). ``encoded``: the chunk's compressed bytes, from
-        which it was decoded whole, for a prefetched chunk (which the page cache gets): the
-        cache keeps those until it writes the chunk (decoding it again) rather than ``data``,
-        which goes as soon as the page cache has it."""
+        which it was decoded whole (a copy: not the whole request's buffer), for a chunk the page
+        cache gets: the cache keeps those until it writes the chunk (decoding them again)
+        rather than ``data``, which goes as soon as the page cache has it."""
         if not c.digest or self.cache is None:
             return
         try:
             if encoded is not None and not target.layer.spreads:
                 self.cache.put_async_encoded(
                     c.digest, len(data), functools.partial(target.layer.decode_chunk, c, encoded),
-                    held=encoded.nbytes)
+                    held=len(encoded))
                 return
             self.cache.put_async(c.digest, data, verified=True)
             for digest, piece in target.layer.spread(c):
@@ -849,8 +853,7 @@ class ChunkFetcher:
 
     def _finish_chunk(self, target: FetchTarget, c: Chunk, fl: _Flight, raw: bytes,
                       start: int, *, last: bool = True,
-                      spread: dict[str, bytes] | None = None, upto: int | None = None,
-                      unread: bool = False) -> bool:
+                      spread: dict[str, bytes] | None = None, upto: int | None = None) -> bool:
         """Decode and verify one fetched chunk, cache it, and wake its readers right away.
 
         Bytes that fail to decode or verify settle the chunk with the error if ``last``;
@@ -860,9 +863,9 @@ class ChunkFetcher:
         span: :meth:`~coldstart.format.gzindex.IndexedLayer.spread`), by digest; a chunk
         found there with its own size is not decoded and hashed again (any other is: its
         index may lie). ``upto``: decode the chunk's range only that far
-        (:meth:`~coldstart.format.layer.SeekableLayer.decode_chunk`). ``unread``: a prefetched
-        chunk, which the page cache gets (nobody reads it through here unless that fails):
-        the cache keeps it encoded until it is written (:meth:`_cache_decoded`)."""
+        (:meth:`~coldstart.format.layer.SeekableLayer.decode_chunk`). A chunk its requester
+        hands to the page cache (``fl.unread``, see :meth:`request`) that no read joined is
+        cached encoded until it is written (:meth:`_cache_decoded`)."""
         res: bytes | BaseException
         ready = spread.pop(c.digest, None) if spread is not None and c.digest else None
         if ready is not None and len(ready) == c.chunk_size:
@@ -886,8 +889,8 @@ class ChunkFetcher:
                 target.layer.chunk_failed(c, exc)
                 res = type(exc)(msg) if isinstance(exc, ColdstartError) else Unavailable(msg)
             else:
-                self._cache_decoded(target, c, res, spread,
-                                    encoded if unread and upto is None else None)
+                keep = fl.unread and upto is None and not fl.joiners
+                self._cache_decoded(target, c, res, spread, bytes(encoded) if keep else None)
         self._release(target, c, fl)   # after the put: a later reader finds it cached
         if fl.future.done():
             return True

@@ -88,6 +88,11 @@ class PageCacheWarmer:
         self._lock = threading.Condition()
         self._off = False
 
+    def takes(self) -> bool:
+        """Whether a chunk put now would be stored (the warmer is on, the layer does not
+        record)."""
+        return not self._off and self.enabled()
+
     def put(self, chunk: Chunk, data: bytes, *, wait: bool = False) -> bool:
         """Queue a verified chunk (any thread); False if it was dropped. Past ``max_queued``
         bytes a chunk is dropped, or with ``wait`` (a thread that may block) waits for room."""

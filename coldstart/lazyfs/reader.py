@@ -568,14 +568,12 @@ class LayerReader:
             if not batch:
                 continue
             try:
-                futures = self.fetcher.request(self.target, batch, max_bytes=STREAM_REQUEST)
+                landing = _Landing(self.fetcher.request(self.target, batch,
+                                                        max_bytes=STREAM_REQUEST,
+                                                        unread=_warms(warmer)), warmer)
             except ColdstartError:
                 break
-            if warmer is not None:
-                for c, f in futures.items():
-                    f.add_done_callback(functools.partial(_hand_over, warmer, c))
-            window.append(_Landing(futures))
-            del futures
+            window.append(landing)
             if len(window) >= STREAM_STREAMS:
                 fetched += _settle(window.pop(0), self.read_deadline * 4)
         for landing in window:
@@ -705,16 +703,13 @@ class LayerReader:
             # half the pool at most, node-wide: reads of files outside the set find threads
             self.fetcher.wait_prefetch_room(room, self.read_deadline)
             try:
-                futures = self.fetcher.request(self.target, batch, kind=PREFETCH,
-                                               max_bytes=PREFETCH_REQUEST + PREFETCH_GAP,
-                                               max_gap=PREFETCH_GAP)
+                landing = _Landing(self.fetcher.request(self.target, batch, kind=PREFETCH,
+                                                        max_bytes=PREFETCH_REQUEST + PREFETCH_GAP,
+                                                        max_gap=PREFETCH_GAP,
+                                                        unread=_warms(warmer)), warmer)
             except ColdstartError:
                 break
-            if warmer is not None:
-                for c, f in futures.items():
-                    f.add_done_callback(functools.partial(_hand_over, warmer, c))
-            window.append(_Landing(futures))
-            del futures
+            window.append(landing)
             if len(window) >= PREFETCH_STREAMS:
                 fetched += _settle(window.pop(0), self.read_deadline * 4)
         for landing in window:
@@ -886,7 +881,6 @@ class LayerReader:
                     ok = False
                     break
                 window.append((_range_bytes(want), _Landing(futures)))
-                del futures
                 if len(window) >= BACKGROUND_DEPTH:
                     nbytes, oldest = window.pop(0)
                     fetched += settle(nbytes, oldest)
@@ -1018,6 +1012,12 @@ def _range_bytes(chunks: Iterable[Chunk]) -> int:
     return sum(b - a for a, b in _ranges(chunks))
 
 
+def _warms(warmer: PageCacheWarmer | None) -> bool:
+    """Whether ``warmer`` stores what it is handed now (the fetcher may then keep those
+    chunks encoded in the chunk cache: reads are not expected to ask it for them)."""
+    return warmer is not None and warmer.takes()
+
+
 class _Landing:
     """Which of one request's chunks came, without holding their bytes.
 
@@ -1025,15 +1025,19 @@ class _Landing:
     oldest; holding their futures would keep every decoded chunk of the window alive until
     then (a start-up's prefetch: all of it, some 200 MB of fresh memory), where the page cache
     and the chunk cache have each chunk as soon as it is verified. Each future tells this
-    when it is done (a done-callback) and is not kept."""
+    when it is done (a done-callback) and is not kept. With a ``warmer``, each chunk is
+    handed to it first (:func:`_hand_over`)."""
 
     __slots__ = ("_came", "_cv", "_left")
 
-    def __init__(self, futures: dict[Chunk, Future[bytes]]) -> None:
+    def __init__(self, futures: dict[Chunk, Future[bytes]],
+                 warmer: PageCacheWarmer | None = None) -> None:
         self._cv = threading.Condition()
         self._left = len(futures)
         self._came: list[Chunk] = []
         for c, f in futures.items():
+            if warmer is not None:
+                f.add_done_callback(functools.partial(_hand_over, warmer, c))
             f.add_done_callback(functools.partial(self._land, c))
 
     def _land(self, c: Chunk, f: Future[bytes]) -> None:

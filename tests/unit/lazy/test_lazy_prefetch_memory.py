@@ -3,8 +3,11 @@ page cache has them decoded), and nothing holds a decoded chunk once it is settl
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -15,8 +18,9 @@ from coldstart.cache import ChunkCache
 from coldstart.cache.chunks import _Encoded
 from coldstart.errors import Unavailable
 from coldstart.format.toc import Chunk
-from coldstart.lazyfs.fetcher import PREFETCH
-from coldstart.lazyfs.reader import _Landing
+from coldstart.lazyfs.fetcher import PREFETCH, ChunkFetcher
+from coldstart.lazyfs.pagecache import PageCacheWarmer
+from coldstart.lazyfs.reader import LayerReader, _Landing
 from tests.integration.lazy.lazy_helpers import metadata_tar
 from tests.unit.lazy.test_lazy_reader import FORMATS, make, read_all
 
@@ -40,15 +44,51 @@ def hold_writes(cache: ChunkCache) -> Callable[[], None]:
     return opened.set
 
 
+def warm(reader: LayerReader, root: Path, names: list[str],
+         sizes: dict[str, int]) -> dict[str, bytearray]:
+    """Give ``reader`` a page-cache warmer whose stand-in kernel collects what it is given
+    (by file) under ``root``."""
+    got: dict[str, bytearray] = {}
+    for n in names:
+        (root / n).parent.mkdir(parents=True, exist_ok=True)
+        (root / n).write_bytes(b"")
+
+    def store(ino: int, offset: int, data: memoryview) -> None:
+        name = next(n for n in names if os.stat(root / n).st_ino == ino)
+        buf = got.setdefault(name, bytearray(sizes[name]))
+        buf[offset : offset + len(data)] = data
+
+    reader.page_cache = PageCacheWarmer(root, sizes.get, store)
+    return got
+
+
+def count_decodes(reader: LayerReader, monkeypatch: pytest.MonkeyPatch) -> Counter[Chunk]:
+    """Count each chunk's decodes (the fetch's, a pending chunk's again)."""
+    layer = reader.target.layer
+    decode = layer.decode_chunk
+    counts: Counter[Chunk] = Counter()
+
+    def counted(c: Chunk, compressed: bytes | memoryview, *, upto: int | None = None) -> bytes:
+        counts[c] += 1
+        return decode(c, compressed, upto=upto)
+
+    monkeypatch.setattr(layer, "decode_chunk", counted)
+    return counts
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_prefetched_chunks_wait_for_the_disk_compressed_and_read_ones_decoded(
-        tmp_path: Path, fmt: str) -> None:
+        tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     tree = metadata_tar()
     reader, _, fetcher = make(tmp_path, fmt, tar=tree.tar, prefetch=[BIG])
     cache = fetcher.cache
     assert isinstance(cache, ChunkCache)
+    pushed = warm(reader, tmp_path / "mnt", [BIG], {BIG: len(tree.files[BIG])})
+    decodes = count_decodes(reader, monkeypatch)
     open_gate = hold_writes(cache)
     assert reader.prefetch() > 0
+    assert reader.page_cache is not None and reader.page_cache.join(10)
+    assert bytes(pushed[BIG]) == tree.files[BIG]         # the page cache has it decoded
     big = reader.layer.resolve(BIG)
     compressed = sum(c.end_offset - c.offset for c in big.chunks)
     assert compressed < sum(c.chunk_size for c in big.chunks) / 2    # big.so compresses well
@@ -62,32 +102,98 @@ def test_prefetched_chunks_wait_for_the_disk_compressed_and_read_ones_decoded(
     first = sudo.chunks[0]
     assert pending(cache, first) == b"decoded"
 
-    # reads of the prefetched file decode each chunk once and keep it for the next reads
+    # the kernel let go of big.so's pages: reads decode each chunk once more and keep it
     assert read_all(reader, BIG, step=16 << 10) == tree.files[BIG]
     assert all(pending(cache, c) == b"decoded" for c in big.chunks)
+    assert all(decodes[c] == 2 for c in big.chunks)
 
     open_gate()
     assert cache.flush(30)
     assert cache._pending_bytes == 0
+    assert all(decodes[c] == 2 for c in big.chunks)       # written from the kept bytes
     on_disk = ChunkCache(cache.dir, max_bytes=1 << 30)
     for c in [*big.chunks, first]:
         assert on_disk.get(c.digest, expected_size=c.chunk_size) is not None, c
     on_disk.close()
 
 
-def test_a_prefetch_nobody_reads_is_written_from_its_compressed_bytes(tmp_path: Path) -> None:
+def test_a_prefetch_nobody_reads_is_written_from_its_compressed_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tree = metadata_tar()
     reader, _, fetcher = make(tmp_path, "zstd:chunked", tar=tree.tar, prefetch=[BIG])
     cache = fetcher.cache
     assert isinstance(cache, ChunkCache)
+    warm(reader, tmp_path / "mnt", [BIG], {BIG: len(tree.files[BIG])})
+    decodes = count_decodes(reader, monkeypatch)
+    open_gate = hold_writes(cache)
     assert reader.prefetch() > 0
-    assert cache.flush(30)
     big = reader.layer.resolve(BIG)
+    assert all(isinstance(pending(cache, c), int) for c in big.chunks)
+    open_gate()
+    assert cache.flush(30)
+    assert all(decodes[c] == 2 for c in big.chunks)       # the fetch's, the writer's
     on_disk = ChunkCache(cache.dir, max_bytes=1 << 30)
     got = b"".join(on_disk.get(c.digest, expected_size=c.chunk_size) or b"?"
                    for c in big.chunks)
     assert got == tree.files[BIG]
     on_disk.close()
+
+
+@pytest.mark.parametrize("why", ["no warmer", "recording"])
+def test_a_prefetch_the_page_cache_does_not_get_waits_decoded(tmp_path: Path, why: str) -> None:
+    """Without a warmer that stores (none, or the layer records its reads) the start-up
+    reads the prefetched chunks through the cache: they stay decoded."""
+    tree = metadata_tar()
+    reader, _, fetcher = make(tmp_path, "zstd:chunked", tar=tree.tar, prefetch=[BIG])
+    cache = fetcher.cache
+    assert isinstance(cache, ChunkCache)
+    if why == "recording":
+        warm(reader, tmp_path / "mnt", [BIG], {BIG: len(tree.files[BIG])})
+        assert reader.page_cache is not None
+        reader.page_cache.enabled = lambda: False
+    hold_writes(cache)
+    assert reader.prefetch() > 0
+    big = reader.layer.resolve(BIG)
+    assert all(pending(cache, c) == b"decoded" for c in big.chunks)
+
+
+def test_a_prefetched_chunk_a_read_waited_for_stays_decoded(tmp_path: Path) -> None:
+    tree = metadata_tar()
+    reader, src, fetcher = make(tmp_path, "zstd:chunked", tar=tree.tar, prefetch=[BIG])
+    cache = fetcher.cache
+    assert isinstance(cache, ChunkCache)
+    warm(reader, tmp_path / "mnt", [BIG], {BIG: len(tree.files[BIG])})
+    hold_writes(cache)
+    big = reader.layer.resolve(BIG)
+    src.gate.clear()                      # the prefetch's requests wait
+    prefetch = threading.Thread(target=reader.prefetch)
+    prefetch.start()
+    assert wait_until(lambda: all(cache.contains(c.digest) or fetcher.inflight() > 0
+                                  for c in big.chunks[:1]))
+    got: list[bytes] = []
+    read = threading.Thread(target=lambda: got.append(reader.read(big, 0, 100)))
+    read.start()                          # joins the first chunk's fetch
+    assert wait_until(lambda: src.gate.is_set() or _joined(fetcher))
+    src.gate.set()
+    read.join(10)
+    prefetch.join(10)
+    assert got == [tree.files[BIG][:100]]
+    assert pending(cache, big.chunks[0]) == b"decoded"
+    assert all(isinstance(pending(cache, c), int) for c in big.chunks[1:])
+
+
+def _joined(fetcher: ChunkFetcher) -> bool:
+    with fetcher._lock:
+        return any(fl.joiners for fl in fetcher._inflight.values())
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
 
 
 def test_a_request_keeps_no_chunk_it_has_settled(tmp_path: Path,
