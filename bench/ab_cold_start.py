@@ -6,11 +6,12 @@ two checkouts pairs each A with a B from the same minute::
 
     git worktree add /tmp/b HEAD~1            # B: the code before the change (or after)
     python3 bench/ab_cold_start.py /work/main /tmp/b --pairs 6 \\
-        -- builtin:torch --embedded --mode coldstart+profile --cache-dir bench/images
+        -- builtin:torch --embedded --mode coldstart+profile --cache-dir $PWD/bench/images
 
-Everything after ``--`` goes to ``coldstart bench`` (with ``--runs 1``); each arm runs with
-its checkout first on ``PYTHONPATH`` (a worktree needs its ``coldstart/_proto`` built: copy
-it). Prints each run (READY, phases, the FUSE server's CPU and peak RSS) and the medians.
+Everything after ``--`` goes to ``coldstart bench`` (with ``--runs 1``); each arm runs in its
+checkout's directory with it on ``PYTHONPATH``, so give paths absolute (a worktree needs its
+``coldstart/_proto`` built: copy it). Prints each run (READY, phases, the FUSE server's CPU and
+peak RSS) and the medians.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def run_once(checkout: Path, bench_args: list[str], out: Path) -> dict[str, Any]
     env = dict(os.environ, PYTHONPATH=str(checkout))
     cmd = [sys.executable, "-m", "coldstart.cli", "bench", *bench_args, "--runs", "1",
            "--json", str(out)]
-    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+    # run from the checkout: ``python -m`` puts the working directory first on sys.path
+    subprocess.run(cmd, env=env, cwd=checkout, check=True, stdout=subprocess.DEVNULL)
     result = json.loads(out.read_text())
     (mode,) = [m for m in result["modes"].values() if m.get("runs")]
     run: dict[str, Any] = mode["runs"][0]
@@ -42,10 +44,12 @@ def main() -> None:
     ap.add_argument("a", type=Path, help="checkout A")
     ap.add_argument("b", type=Path, help="checkout B")
     ap.add_argument("--pairs", type=int, default=6, help="runs of each arm (default 6)")
-    ap.add_argument("bench_args", nargs=argparse.REMAINDER,
-                    help="after --: the coldstart bench arguments (one mode)")
-    args = ap.parse_args()
-    bench_args = [a for a in args.bench_args if a != "--"]
+    ap.add_argument("bench_args", nargs="*", metavar="-- BENCH_ARGS",
+                    help="the coldstart bench arguments (one mode)")
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = ap.parse_args(argv[:cut])
+    bench_args = argv[cut + 1:]
     ready: dict[str, list[float]] = {"A": [], "B": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(1, args.pairs + 1):

@@ -478,7 +478,7 @@ class ChunkFetcher:
         ``max_coalesce_bytes``). ``background``: the fill's low-priority pool, which waits
         while on-demand fetches run. ``kind`` is what the layer's stats count the bytes as.
         ``max_gap``: chunks this far apart still share a request (default: the fetcher's).
-        ``unread``: the caller hands the chunks to the page cache (a prefetch, a stream), so
+        ``unread``: the caller hands the chunks to the page cache (a start-up's prefetch), so
         reads are not expected to ask the chunk cache for them: it keeps each one that no read
         joined encoded until it is written (a read that does ask decodes it again).
         """

@@ -568,9 +568,10 @@ class LayerReader:
             if not batch:
                 continue
             try:
+                # (its chunks are not kept encoded: the writer's second decode of a long
+                # stream would run while it streams, measured slower in bench_fuse.py)
                 landing = _Landing(self.fetcher.request(self.target, batch,
-                                                        max_bytes=STREAM_REQUEST,
-                                                        unread=_warms(warmer)), warmer)
+                                                        max_bytes=STREAM_REQUEST), warmer)
             except ColdstartError:
                 break
             window.append(landing)
