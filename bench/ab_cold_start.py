@@ -8,10 +8,11 @@ two checkouts pairs each A with a B from the same minute::
     python3 bench/ab_cold_start.py /work/main /tmp/b --pairs 6 \\
         -- builtin:torch --embedded --mode coldstart+profile --cache-dir $PWD/bench/images
 
-Everything after ``--`` goes to ``coldstart bench`` (with ``--runs 1``); each arm runs in its
-checkout's directory with it on ``PYTHONPATH``, so give paths absolute (a worktree needs its
-``coldstart/_proto`` built: copy it). Prints each run (READY, phases, the FUSE server's CPU and
-peak RSS) and the medians.
+Everything after ``--`` goes to ``coldstart bench`` (with ``--runs 1``); the pairs alternate
+which arm goes first (A B, B A, ...). Each arm runs in its checkout's directory with it on
+``PYTHONPATH``, so give paths absolute (a worktree needs its ``coldstart/_proto`` built: copy
+it). Prints each run (READY, phases, the FUSE server's CPU up to READY and peak RSS) and the
+medians.
 """
 
 from __future__ import annotations
@@ -31,8 +32,12 @@ def run_once(checkout: Path, bench_args: list[str], out: Path) -> dict[str, Any]
     env = dict(os.environ, PYTHONPATH=str(checkout))
     cmd = [sys.executable, "-m", "coldstart.cli", "bench", *bench_args, "--runs", "1",
            "--json", str(out)]
-    # run from the checkout: ``python -m`` puts the working directory first on sys.path
-    subprocess.run(cmd, env=env, cwd=checkout, check=True, stdout=subprocess.DEVNULL)
+    out.unlink(missing_ok=True)
+    # run from the checkout: ``python -m`` puts the working directory first on sys.path; a
+    # failed run exits 1 and says why in its result
+    proc = subprocess.run(cmd, env=env, cwd=checkout, stdout=subprocess.DEVNULL)
+    if not out.exists():
+        return {"ok": False, "error": f"coldstart bench exited {proc.returncode}, no result"}
     result = json.loads(out.read_text())
     (mode,) = [m for m in result["modes"].values() if m.get("runs")]
     run: dict[str, Any] = mode["runs"][0]
@@ -44,8 +49,7 @@ def main() -> None:
     ap.add_argument("a", type=Path, help="checkout A")
     ap.add_argument("b", type=Path, help="checkout B")
     ap.add_argument("--pairs", type=int, default=6, help="runs of each arm (default 6)")
-    ap.add_argument("bench_args", nargs="*", metavar="-- BENCH_ARGS",
-                    help="the coldstart bench arguments (one mode)")
+    ap.usage = "%(prog)s [-h] [--pairs N] A B -- BENCH_ARGS (one mode)"
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     args = ap.parse_args(argv[:cut])
@@ -53,7 +57,8 @@ def main() -> None:
     ready: dict[str, list[float]] = {"A": [], "B": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(1, args.pairs + 1):
-            for arm, checkout in (("A", args.a), ("B", args.b)):
+            arms = [("A", args.a), ("B", args.b)]
+            for arm, checkout in arms if i % 2 else arms[::-1]:    # A B, B A, A B, ...
                 run = run_once(checkout.resolve(), bench_args, Path(tmp) / "run.json")
                 if not run["ok"]:
                     print(f"{arm} {i} failed: {run['error']}", flush=True)

@@ -252,18 +252,21 @@ class ChunkCache:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    def get(self, digest: str, expected_size: int | None = None) -> bytes | None:
+    def get(self, digest: str, expected_size: int | None = None, *,
+            keep: bool = True) -> bytes | None:
         """The whole chunk, or None on a miss (a chunk of the wrong size counts as a miss; a
-        digest other than sha256 is never cached)."""
-        return self.read(digest, 0, -1, expected_size=expected_size)
+        digest other than sha256 is never cached). ``keep``: see :meth:`read`."""
+        return self.read(digest, 0, -1, expected_size=expected_size, keep=keep)
 
     def read(self, digest: str, offset: int, length: int, *,
-             expected_size: int | None = None) -> bytes | None:
+             expected_size: int | None = None, keep: bool = True) -> bytes | None:
         """``length`` bytes at ``offset`` of the chunk (``length=-1``: to its end), or None.
 
         Reading a slice costs one ``pread``: the FUSE read path asks for 128 KiB to 1 MiB of a
         4 MiB chunk at a time. On a miss, finds chunks another process stored (its file; the
-        packs, rescanned at most every ``_RESCAN_INTERVAL``).
+        packs, rescanned at most every ``_RESCAN_INTERVAL``). A chunk kept encoded until it is
+        written (:meth:`put_async_encoded`) is decoded, and kept decoded for the next reads
+        unless ``keep`` is False; one that no longer decodes is dropped (a miss).
         """
         m = _DIGEST_RE.match(digest)
         if m is None:  # not a digest this cache stores (sha512…): never cached
@@ -276,12 +279,16 @@ class ChunkCache:
             packed = hexd in self._ix.packed
         if pending is not None:
             got = self._decode_pending(digest, pending)
-            if got is not None:
-                with self._lock:
-                    if self._pending.get(hexd) is pending:
-                        # read after all: its bytes stay for the next reads (the loop's too)
+            with self._lock:
+                if self._pending.get(hexd) is pending:
+                    if got is None:         # not cached after all: the reader fetches it
+                        del self._pending[hexd]
+                        self._pending_bytes -= pending.held
+                        self._pending_cv.notify_all()
+                    elif keep:  # read after all: its bytes stay for the next reads (the loop's)
                         self._pending[hexd] = got
                         self._pending_bytes += len(got) - pending.held
+                if got is not None:
                     return self._pending_hit_locked(got, offset, length)
         elif packed:
             got = self._read_packed(digest, hexd, offset, length, expected_size)
@@ -556,7 +563,10 @@ class ChunkCache:
                     touch = self._touches.popleft()
                 else:
                     hexd = self._queue.popleft()
-                    pending = self._pending[hexd]
+                    got = self._pending.get(hexd)
+                    if got is None:     # dropped meanwhile (it no longer decoded)
+                        continue
+                    pending = got
                 gate = (self.write_gate if not waited_out and self._pending_bytes < gated
                         and not self._flushing and not self._closed else None)
             if gate is not None and touch is None:

@@ -23,13 +23,16 @@ __all__ = ["ChunkStore"]
 class ChunkStore(Protocol):
     """A content-addressed store of verified chunks, keyed by ``sha256:<hex>``."""
 
-    def get(self, digest: str, expected_size: int | None = None) -> bytes | None:
-        """The whole chunk, or None on a miss."""
+    def get(self, digest: str, expected_size: int | None = None, *,
+            keep: bool = True) -> bytes | None:
+        """The whole chunk, or None on a miss (``keep``: see :meth:`read`)."""
         ...
 
     def read(self, digest: str, offset: int, length: int, *,
-             expected_size: int | None = None) -> bytes | None:
-        """``length`` bytes at ``offset`` of the chunk (``-1``: to its end), or None."""
+             expected_size: int | None = None, keep: bool = True) -> bytes | None:
+        """``length`` bytes at ``offset`` of the chunk (``-1``: to its end), or None.
+        ``keep=False``: a chunk kept encoded until it is written stays encoded (the caller
+        reads it once)."""
         ...
 
     def read_local(self, digest: str, offset: int, length: int, *,

@@ -506,7 +506,7 @@ class ChunkFetcher:
         for c, fl in mine.items():
             data = None
             if c.digest and self.cache is not None:
-                data = self.cache.get(c.digest, expected_size=c.chunk_size)
+                data = self.cache.get(c.digest, expected_size=c.chunk_size, keep=not unread)
             if data is None:
                 new[c] = fl
                 continue
@@ -838,7 +838,7 @@ class ChunkFetcher:
         if not c.digest or self.cache is None:
             return
         try:
-            if encoded is not None and not target.layer.spreads:
+            if encoded is not None:
                 self.cache.put_async_encoded(
                     c.digest, len(data), functools.partial(target.layer.decode_chunk, c, encoded),
                     held=len(encoded))
@@ -889,7 +889,8 @@ class ChunkFetcher:
                 target.layer.chunk_failed(c, exc)
                 res = type(exc)(msg) if isinstance(exc, ColdstartError) else Unavailable(msg)
             else:
-                keep = fl.unread and upto is None and not fl.joiners
+                keep = (fl.unread and upto is None and not fl.joiners
+                        and not target.layer.spreads)
                 self._cache_decoded(target, c, res, spread, bytes(encoded) if keep else None)
         self._release(target, c, fl)   # after the put: a later reader finds it cached
         if fl.future.done():

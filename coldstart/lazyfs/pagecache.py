@@ -89,8 +89,8 @@ class PageCacheWarmer:
         self._off = False
 
     def takes(self) -> bool:
-        """Whether a chunk put now would be stored (the warmer is on, the layer does not
-        record)."""
+        """Whether the warmer takes chunks now (it is on, the layer does not record); one
+        may still be dropped (no owner, the queue full, too old)."""
         return not self._off and self.enabled()
 
     def put(self, chunk: Chunk, data: bytes, *, wait: bool = False) -> bool:

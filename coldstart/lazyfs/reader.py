@@ -728,8 +728,8 @@ class LayerReader:
                 return
             if c.zeros or not c.digest:
                 continue
-            try:
-                data = cache.get(c.digest, expected_size=c.chunk_size)
+            try:   # (a chunk the cache keeps encoded stays so: the page cache gets it)
+                data = cache.get(c.digest, expected_size=c.chunk_size, keep=False)
             except (ColdstartError, OSError):
                 data = None
             if data is not None:
@@ -876,12 +876,13 @@ class LayerReader:
                 if one_per_span:
                     want = _first_per_range(want)
                 try:
-                    futures = self.fetcher.request(self.target, want, background=True,
-                                                   max_bytes=BACKGROUND_REQUEST, kind=FILL)
+                    landing = _Landing(self.fetcher.request(self.target, want, background=True,
+                                                            max_bytes=BACKGROUND_REQUEST,
+                                                            kind=FILL))
                 except ColdstartError:
                     ok = False
                     break
-                window.append((_range_bytes(want), _Landing(futures)))
+                window.append((_range_bytes(want), landing))
                 if len(window) >= BACKGROUND_DEPTH:
                     nbytes, oldest = window.pop(0)
                     fetched += settle(nbytes, oldest)

@@ -238,19 +238,22 @@ class Decoder:
         return bytes(self.data)
 
 
-def held_gate(c: ChunkCache) -> Callable[[], None]:
+def held_gate(c: ChunkCache, monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     """Hold ``c``'s background writes (the node is reading); returns what opens the gate."""
     import threading
 
+    from coldstart.cache import chunks as chunks_module
+
+    monkeypatch.setattr(chunks_module, "_GATE_WAIT", 600.0)  # no give-up on a slow machine
     opened = threading.Event()
     c.write_gate = opened.wait
     return opened.set
 
 
 def test_an_encoded_chunk_is_decoded_by_its_first_read_and_kept_for_the_next(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     c = ChunkCache(tmp_path / "c", max_bytes=1 << 30)
-    open_gate = held_gate(c)
+    open_gate = held_gate(c, monkeypatch)
     data = blob(1, 300_000)                 # a big chunk (a file of its own)
     dec = Decoder(data)
     c.put_async_encoded(dg(data), len(data), dec, held=1234)
@@ -258,15 +261,18 @@ def test_an_encoded_chunk_is_decoded_by_its_first_read_and_kept_for_the_next(
     assert c._pending_bytes == 1234                      # the encoded bytes only
     assert c.read_local(dg(data), 0, 10) is None          # the loop leaves the decode to a worker
     assert dec.calls == 0
+    assert c.get(dg(data), keep=False) == data            # read once: it stays encoded
+    assert dec.calls == 1 and c._pending_bytes == 1234
+    assert c.read_local(dg(data), 0, 10) is None
     assert c.read(dg(data), 5, 10) == data[5:15]
-    assert dec.calls == 1
+    assert dec.calls == 2
     assert c._pending_bytes == len(data)                 # now kept decoded...
     assert c.read_local(dg(data), 100, 20) == data[100:120]   # ...for the loop's reads too
     assert c.get(dg(data)) == data
-    assert dec.calls == 1
+    assert dec.calls == 2
     open_gate()
     assert c.flush(30)
-    assert dec.calls == 1                                 # written from the decoded bytes
+    assert dec.calls == 2                                 # written from the decoded bytes
     assert c._pending_bytes == 0
     c.close()
     c2 = ChunkCache(tmp_path / "c", max_bytes=1 << 30)
@@ -293,9 +299,10 @@ def test_an_encoded_chunk_nobody_reads_is_decoded_to_be_written(tmp_path: Path,
 
 
 def test_an_encoded_chunk_that_fails_to_decode_again_is_not_cached(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     c = ChunkCache(tmp_path / "c", max_bytes=1 << 30)
-    open_gate = held_gate(c)
+    open_gate = held_gate(c, monkeypatch)
     data = blob(3, 300_000)
     short = Decoder(data[:-1])                  # a decoder that gives the wrong size
     broken = Decoder(data, broken=True)
@@ -305,9 +312,14 @@ def test_an_encoded_chunk_that_fails_to_decode_again_is_not_cached(
     assert c.read(dg(data), 0, 10) is None       # a miss: the reader fetches it again
     assert c.read(dg(other), 0, 10) is None
     assert f"decoded to {len(data) - 1} bytes" in caplog.text and "decoder bug" in caplog.text
+    assert not c.contains(dg(data)) and not c.contains(dg(other))    # dropped at once
+    assert c._pending_bytes == 0
+    assert c.read(dg(data), 0, 10) is None and short.calls == 1      # not decoded again
+    c.put_async(dg(data), data, verified=True)          # the reader's fetch stores it again
+    assert c.read(dg(data), 0, 10) == data[:10]
     open_gate()
     assert c.flush(30)
     assert c._pending_bytes == 0
-    assert dg(data) not in c and dg(other) not in c
-    assert len(c) == 0
+    assert dg(other) not in c
+    assert len(c) == 1 and c.get(dg(data)) == data
     c.close()

@@ -43,16 +43,18 @@ class CountingStore:
         with self._lock:
             return Counter(m for m, d, _ in self.calls if d == digest)
 
-    def get(self, digest: str, expected_size: int | None = None) -> bytes | None:
+    def get(self, digest: str, expected_size: int | None = None, *,
+            keep: bool = True) -> bytes | None:
         self._note("get", digest)
-        return self.inner.get(digest, expected_size)
+        return self.inner.get(digest, expected_size, keep=keep)
 
     def read(self, digest: str, offset: int, length: int, *,
-             expected_size: int | None = None) -> bytes | None:
+             expected_size: int | None = None, keep: bool = True) -> bytes | None:
         self._note("read", digest)
         if self.gate is not None:
             self.gate.wait(10)
-        return self.inner.read(digest, offset, length, expected_size=expected_size)
+        return self.inner.read(digest, offset, length, expected_size=expected_size,
+                               keep=keep)
 
     def read_local(self, digest: str, offset: int, length: int, *,
                    expected_size: int | None = None) -> bytes | None:
@@ -141,9 +143,10 @@ def test_the_loop_fast_path_never_rescans_stats_or_plans(tmp_path: Path,
             return super().__contains__(digest)
 
         def read(self, digest: str, offset: int, length: int, *,
-                 expected_size: int | None = None) -> bytes | None:
+                 expected_size: int | None = None, keep: bool = True) -> bytes | None:
             assert threading.current_thread() is not loop, "a full look-up on the loop"
-            return super().read(digest, offset, length, expected_size=expected_size)
+            return super().read(digest, offset, length, expected_size=expected_size,
+                                keep=keep)
 
     cache = LoopGuardCache(tmp_path / "cache", max_bytes=1 << 30)
     fetcher = ChunkFetcher(cache, concurrency=4, request_timeout=5.0)

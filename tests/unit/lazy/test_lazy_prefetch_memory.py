@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from coldstart.cache import ChunkCache
+from coldstart.cache import chunks as chunks_module
 from coldstart.cache.chunks import _Encoded
 from coldstart.errors import Unavailable
 from coldstart.format.toc import Chunk
@@ -36,9 +37,10 @@ def pending(cache: ChunkCache, c: Chunk) -> int | bytes | None:
     return got.held if isinstance(got, _Encoded) else b"decoded"
 
 
-def hold_writes(cache: ChunkCache) -> Callable[[], None]:
+def hold_writes(cache: ChunkCache, monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     """The node is reading: ``cache`` keeps its background writes pending until the returned
     function opens the gate."""
+    monkeypatch.setattr(chunks_module, "_GATE_WAIT", 600.0)  # no give-up on a slow machine
     opened = threading.Event()
     cache.write_gate = opened.wait
     return opened.set
@@ -85,7 +87,7 @@ def test_prefetched_chunks_wait_for_the_disk_compressed_and_read_ones_decoded(
     assert isinstance(cache, ChunkCache)
     pushed = warm(reader, tmp_path / "mnt", [BIG], {BIG: len(tree.files[BIG])})
     decodes = count_decodes(reader, monkeypatch)
-    open_gate = hold_writes(cache)
+    open_gate = hold_writes(cache, monkeypatch)
     assert reader.prefetch() > 0
     assert reader.page_cache is not None and reader.page_cache.join(10)
     assert bytes(pushed[BIG]) == tree.files[BIG]         # the page cache has it decoded
@@ -125,13 +127,19 @@ def test_a_prefetch_nobody_reads_is_written_from_its_compressed_bytes(
     assert isinstance(cache, ChunkCache)
     warm(reader, tmp_path / "mnt", [BIG], {BIG: len(tree.files[BIG])})
     decodes = count_decodes(reader, monkeypatch)
-    open_gate = hold_writes(cache)
+    open_gate = hold_writes(cache, monkeypatch)
     assert reader.prefetch() > 0
     big = reader.layer.resolve(BIG)
     assert all(isinstance(pending(cache, c), int) for c in big.chunks)
+    # a second start-up of the image before the writes: its prefetch finds the chunks
+    # pending and hands them to the page cache, still encoded
+    assert reader.prefetch() == 0
+    assert reader.page_cache is not None and reader.page_cache.join(10)
+    assert all(isinstance(pending(cache, c), int) for c in big.chunks)
+    assert all(decodes[c] == 2 for c in big.chunks)       # the fetch's, the second start's
     open_gate()
     assert cache.flush(30)
-    assert all(decodes[c] == 2 for c in big.chunks)       # the fetch's, the writer's
+    assert all(decodes[c] == 3 for c in big.chunks)       # ... and the writer's
     on_disk = ChunkCache(cache.dir, max_bytes=1 << 30)
     got = b"".join(on_disk.get(c.digest, expected_size=c.chunk_size) or b"?"
                    for c in big.chunks)
@@ -140,7 +148,8 @@ def test_a_prefetch_nobody_reads_is_written_from_its_compressed_bytes(
 
 
 @pytest.mark.parametrize("why", ["no warmer", "recording"])
-def test_a_prefetch_the_page_cache_does_not_get_waits_decoded(tmp_path: Path, why: str) -> None:
+def test_a_prefetch_the_page_cache_does_not_get_waits_decoded(
+        tmp_path: Path, why: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a warmer that stores (none, or the layer records its reads) the start-up
     reads the prefetched chunks through the cache: they stay decoded."""
     tree = metadata_tar()
@@ -151,19 +160,20 @@ def test_a_prefetch_the_page_cache_does_not_get_waits_decoded(tmp_path: Path, wh
         warm(reader, tmp_path / "mnt", [BIG], {BIG: len(tree.files[BIG])})
         assert reader.page_cache is not None
         reader.page_cache.enabled = lambda: False
-    hold_writes(cache)
+    hold_writes(cache, monkeypatch)
     assert reader.prefetch() > 0
     big = reader.layer.resolve(BIG)
     assert all(pending(cache, c) == b"decoded" for c in big.chunks)
 
 
-def test_a_prefetched_chunk_a_read_waited_for_stays_decoded(tmp_path: Path) -> None:
+def test_a_prefetched_chunk_a_read_waited_for_stays_decoded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tree = metadata_tar()
     reader, src, fetcher = make(tmp_path, "zstd:chunked", tar=tree.tar, prefetch=[BIG])
     cache = fetcher.cache
     assert isinstance(cache, ChunkCache)
     warm(reader, tmp_path / "mnt", [BIG], {BIG: len(tree.files[BIG])})
-    hold_writes(cache)
+    hold_writes(cache, monkeypatch)
     big = reader.layer.resolve(BIG)
     src.gate.clear()                      # the prefetch's requests wait
     prefetch = threading.Thread(target=reader.prefetch)
