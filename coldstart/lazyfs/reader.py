@@ -826,9 +826,7 @@ class LayerReader:
 
         Requests are ``BACKGROUND_REQUEST`` bytes, ``BACKGROUND_DEPTH`` outstanding, run in
         the fetcher's low-priority (niced) thread and wait while on-demand fetches are in
-        flight or reads came within ``QUIET_SECONDS`` (the fill's start counts as one: the
-        start-up that mounted the layer reads next): a read jumps the queue and is never
-        starved. A read that needs a chunk
+        flight: a read jumps the queue and is never starved. A read that needs a chunk
         already in one of them joins that fetch (single flight) instead of asking again.
         Errors are logged and counted; the chunks they concern are simply left for on-demand
         reads. When every chunk is local the layer's state becomes ``complete``.
@@ -843,9 +841,6 @@ class LayerReader:
         with self.stats._lock:
             self.stats.state = "filling"
             self.stats.total_bytes = total
-        # the layer was just mounted (or prefetched) for a start-up about to read: its first
-        # request, too, waits for the reads' first pause, not only the ones after it
-        self.fetcher.note_read()
         fetched = 0
         local = 0       # compressed bytes known local: found cached, or fetched by the fill
         counted: set[tuple[int, int]] = set()      # their ranges (a range is counted once)

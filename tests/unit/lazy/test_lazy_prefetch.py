@@ -175,21 +175,6 @@ def test_fill_completes_and_says_so(tmp_path: Path, fmt: str) -> None:
     assert src.counting.requests == before
 
 
-def test_the_fill_starts_at_the_first_pause_after_the_mount(tmp_path: Path) -> None:
-    """A start-up reads right after its layer is mounted: the fill's first request waits for
-    a pause in its reads (``QUIET_SECONDS``), as the requests after it do."""
-    tree = metadata_tar()
-    reader, src, _ = make(tmp_path, "zstd:chunked", tar=tree.tar)
-    reader.background_rate = 1 << 40
-    fill = threading.Thread(target=reader.fetch_rest)
-    fill.start()
-    time.sleep(QUIET_SECONDS / 2)
-    assert src.counting.requests == 0           # no read yet, and still no fill request
-    fill.join(30)
-    assert reader.stats.as_dict()["state"] == "complete"
-    assert src.counting.requests > 0
-
-
 def test_fill_that_is_stopped_is_not_complete(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(reader_module, "BACKGROUND_REQUEST", 16 << 10)
