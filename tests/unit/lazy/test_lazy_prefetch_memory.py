@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -22,8 +21,9 @@ from coldstart.format.toc import Chunk
 from coldstart.lazyfs.fetcher import PREFETCH, ChunkFetcher
 from coldstart.lazyfs.pagecache import PageCacheWarmer
 from coldstart.lazyfs.reader import LayerReader, _Landing
-from tests.integration.lazy.lazy_helpers import metadata_tar
-from tests.unit.lazy.test_lazy_reader import FORMATS, make, read_all
+from tests.integration.lazy.lazy_helpers import SourceTree, metadata_tar
+from tests.unit.lazy.test_lazy_cache import wait_until
+from tests.unit.lazy.test_lazy_reader import FORMATS, GatedSource, make, read_all
 
 BIG = "usr/lib/big.so"
 
@@ -64,6 +64,19 @@ def warm(reader: LayerReader, root: Path, names: list[str],
     return got
 
 
+def start_up(tmp_path: Path, fmt: str = "zstd:chunked", *, warmed: bool = True
+             ) -> tuple[SourceTree, LayerReader, GatedSource, ChunkFetcher, ChunkCache]:
+    """A layer that prefetches ``BIG``, read by a reader with (``warmed``) a page-cache warmer
+    under ``tmp_path / "mnt"``; the tree, reader, source, fetcher and the fetcher's cache."""
+    tree = metadata_tar()
+    reader, src, fetcher = make(tmp_path, fmt, tar=tree.tar, prefetch=[BIG])
+    cache = fetcher.cache
+    assert isinstance(cache, ChunkCache)
+    if warmed:
+        warm(reader, tmp_path / "mnt", [BIG], {BIG: len(tree.files[BIG])})
+    return tree, reader, src, fetcher, cache
+
+
 def count_decodes(reader: LayerReader, monkeypatch: pytest.MonkeyPatch) -> Counter[Chunk]:
     """Count each chunk's decodes (the fetch's, a pending chunk's again)."""
     layer = reader.target.layer
@@ -81,10 +94,7 @@ def count_decodes(reader: LayerReader, monkeypatch: pytest.MonkeyPatch) -> Count
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_prefetched_chunks_wait_for_the_disk_compressed_and_read_ones_decoded(
         tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    tree = metadata_tar()
-    reader, _, fetcher = make(tmp_path, fmt, tar=tree.tar, prefetch=[BIG])
-    cache = fetcher.cache
-    assert isinstance(cache, ChunkCache)
+    tree, reader, _, _, cache = start_up(tmp_path, fmt, warmed=False)
     pushed = warm(reader, tmp_path / "mnt", [BIG], {BIG: len(tree.files[BIG])})
     decodes = count_decodes(reader, monkeypatch)
     open_gate = hold_writes(cache, monkeypatch)
@@ -121,11 +131,7 @@ def test_prefetched_chunks_wait_for_the_disk_compressed_and_read_ones_decoded(
 
 def test_a_prefetch_nobody_reads_is_written_from_its_compressed_bytes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    tree = metadata_tar()
-    reader, _, fetcher = make(tmp_path, "zstd:chunked", tar=tree.tar, prefetch=[BIG])
-    cache = fetcher.cache
-    assert isinstance(cache, ChunkCache)
-    warm(reader, tmp_path / "mnt", [BIG], {BIG: len(tree.files[BIG])})
+    tree, reader, _, _, cache = start_up(tmp_path)
     decodes = count_decodes(reader, monkeypatch)
     open_gate = hold_writes(cache, monkeypatch)
     assert reader.prefetch() > 0
@@ -152,12 +158,8 @@ def test_a_prefetch_the_page_cache_does_not_get_waits_decoded(
         tmp_path: Path, why: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a warmer that stores (none, or the layer records its reads) the start-up
     reads the prefetched chunks through the cache: they stay decoded."""
-    tree = metadata_tar()
-    reader, _, fetcher = make(tmp_path, "zstd:chunked", tar=tree.tar, prefetch=[BIG])
-    cache = fetcher.cache
-    assert isinstance(cache, ChunkCache)
+    _, reader, _, _, cache = start_up(tmp_path, warmed=why == "recording")
     if why == "recording":
-        warm(reader, tmp_path / "mnt", [BIG], {BIG: len(tree.files[BIG])})
         assert reader.page_cache is not None
         reader.page_cache.enabled = lambda: False
     hold_writes(cache, monkeypatch)
@@ -168,11 +170,7 @@ def test_a_prefetch_the_page_cache_does_not_get_waits_decoded(
 
 def test_a_prefetched_chunk_a_read_waited_for_stays_decoded(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    tree = metadata_tar()
-    reader, src, fetcher = make(tmp_path, "zstd:chunked", tar=tree.tar, prefetch=[BIG])
-    cache = fetcher.cache
-    assert isinstance(cache, ChunkCache)
-    warm(reader, tmp_path / "mnt", [BIG], {BIG: len(tree.files[BIG])})
+    tree, reader, src, fetcher, cache = start_up(tmp_path)
     hold_writes(cache, monkeypatch)
     big = reader.layer.resolve(BIG)
     src.gate.clear()                      # the prefetch's requests wait
@@ -195,15 +193,6 @@ def test_a_prefetched_chunk_a_read_waited_for_stays_decoded(
 def _joined(fetcher: ChunkFetcher) -> bool:
     with fetcher._lock:
         return any(fl.joiners for fl in fetcher._inflight.values())
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 def test_a_request_keeps_no_chunk_it_has_settled(tmp_path: Path,
