@@ -323,3 +323,28 @@ def test_an_encoded_chunk_that_fails_to_decode_again_is_not_cached(
     assert dg(other) not in c
     assert len(c) == 1 and c.get(dg(data)) == data
     c.close()
+
+
+def test_put_async_waits_for_the_disk_once_the_backlog_is_full(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the node's reads never pause; past _GATED_PENDING the writer writes anyway, and past
+    # _MAX_PENDING each put_async waits for it: what waits in memory stays bounded
+    from coldstart.cache import chunks as chunks_module
+
+    monkeypatch.setattr(chunks_module, "_MAX_PENDING", 600_000)
+    monkeypatch.setattr(chunks_module, "_GATED_PENDING", 300_000)
+    c = ChunkCache(tmp_path / "c", max_bytes=1 << 30)
+    open_gate = held_gate(c, monkeypatch)
+    chunks = [blob(i, 300_000) for i in range(8)]
+    most = 0
+    for ch in chunks:
+        c.put_async(dg(ch), ch, verified=True)
+        most = max(most, c._pending_bytes)
+    assert most <= 600_000 + len(chunks[0])
+    other = ChunkCache(tmp_path / "c", max_bytes=1 << 30)     # what the disk holds
+    assert sum(dg(ch) in other for ch in chunks) >= len(chunks) - 2
+    assert all(c.get(dg(ch)) == ch for ch in chunks)
+    open_gate()
+    assert c.flush(30)
+    other.close()
+    c.close()
