@@ -88,7 +88,7 @@ _DIGEST_RE = re.compile(r"^sha256:([0-9a-f]{64})$")
 # writer catches up. Every byte waiting is memory the server faults in afresh (on a VM with
 # free page reporting, memory the host backs again), so it is kept small: with 512 MiB and
 # 384 MiB below, a cold 1 GiB read grew the server to 750 MB and spent a fifth of the
-# server's CPU faulting it in; with these, 310 MB, and the read ran 23-35 % faster (an mmap
+# server's CPU faulting it in; with these, 325 MB, and the read ran 23-35 % faster (an mmap
 # reader 31-50 %), torch's on-demand start-up 0.8 s sooner (bench/published/pending-2026-12-05).
 _MAX_PENDING = 160 << 20
 # below this many pending bytes (and a quarter of max_bytes) the writer waits for

@@ -332,7 +332,7 @@ def test_put_async_waits_for_the_disk_once_the_backlog_is_full(
     from coldstart.cache import chunks as chunks_module
 
     monkeypatch.setattr(chunks_module, "_MAX_PENDING", 600_000)
-    monkeypatch.setattr(chunks_module, "_GATED_PENDING", 300_000)
+    monkeypatch.setattr(chunks_module, "_GATED_PENDING", 450_000)   # the first chunk waits
     c = ChunkCache(tmp_path / "c", max_bytes=1 << 30)
     open_gate = held_gate(c, monkeypatch)
     chunks = [blob(i, 300_000) for i in range(8)]
@@ -342,7 +342,8 @@ def test_put_async_waits_for_the_disk_once_the_backlog_is_full(
         most = max(most, c._pending_bytes)
     assert most <= 600_000 + len(chunks[0])
     other = ChunkCache(tmp_path / "c", max_bytes=1 << 30)     # what the disk holds
-    assert sum(dg(ch) in other for ch in chunks) >= len(chunks) - 2
+    # at most three wait (600,000 bytes or fewer let a third in)
+    assert sum(dg(ch) in other for ch in chunks) >= len(chunks) - 3
     assert all(c.get(dg(ch)) == ch for ch in chunks)
     open_gate()
     assert c.flush(30)
