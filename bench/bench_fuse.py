@@ -18,10 +18,13 @@ Through a lazy mount served by ``coldstart fuse-server`` from a local docker-reg
    and one ``getxattr`` of ``trusted.overlay.metacopy`` per file (what overlayfs asks of
    every file it looks up in a lower layer; the kernel caches no answer, so each is a round
    trip to the server): the FUSE request's cost, in µs per call;
-3. registry bytes fetched ÷ bytes read;
+3. registry bytes fetched ÷ bytes read, and the bytes the server pushed into the page cache
+   during the cold ``cat`` (``big_warmed`` in the JSON: ``NOTIFY_STORE``);
 4. with ``--link 1gbit,2ms``: the cold ``cat`` again with the registry behind the bench's
    shaping proxy (``coldstart.benchmark.shaping``), its compressed bytes per second against
-   the link's rate.
+   the link's rate, and against the verified-bytes limit through the same link
+   (``big_limit_link``: the proxy runs on this machine's cores too, so on a small machine
+   the limit may itself fall short of the link).
 
 Each FUSE server's CPU time (``/proc/<pid>/stat``) and the number of FUSE reads it served
 (its ``coldstart_fuse_read_seconds`` count, from ``--metrics-address``) are taken per phase, so
@@ -258,6 +261,11 @@ def fetched(client: FuseServerClient, digest: str) -> int:
     return sum(int(s["fetched_bytes"]) for s in client.status() if s["digest"] == digest)
 
 
+def warmed(client: FuseServerClient, digest: str) -> int:
+    """Bytes the server pushed into the page cache (FUSE ``NOTIFY_STORE``) for the layer."""
+    return sum(int(s["page_cache_bytes"]) for s in client.status() if s["digest"] == digest)
+
+
 def server_cpu(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -356,6 +364,7 @@ def one_round(tree: Path, srv_tmp: Path, registry_host: str, specs: dict[str, La
             assert n == big_size
             res["big_page_cache"], _ = ph.run(read_file, f)
             res["big_fetched"] = fetched(client, specs["big"].digest)
+            res["big_warmed"] = warmed(client, specs["big"].digest)
             # chunks local, page cache dropped: read through a second mount of the layer (a
             # node's next container; the first stays mounted: a layer's last unmount reclaims
             # its chunks)
@@ -377,6 +386,17 @@ def one_round(tree: Path, srv_tmp: Path, registry_host: str, specs: dict[str, La
                 assert ref.startswith(registry_host + "/"), ref
                 shaped = dataclasses.replace(
                     specs["big"], reference=proxy.host + ref[len(registry_host):])
+                # the verified-bytes limit through the same link: what this machine (the
+                # proxy's own CPU included) lets any reader of the blob take from it
+                drop_caches(settle, heat)
+                down0, b0 = proxy.bytes_down, machine_busy()
+                t, n = timed(verified_limit, proxy.host, shaped, "data/big.bin",
+                             limit_threads)
+                assert n == big_size, (n, big_size)
+                res["big_limit_link"] = {"s": t, "server_cpu_s": 0.0, "reads": 0,
+                                         "cpu_us_per_read": 0.0,
+                                         "machine_cpu_s": machine_busy() - b0,
+                                         "link_bytes": proxy.bytes_down - down0}
                 with served(proxy.host) as (ph, client):
                     mp_big = mount(client, "big", shaped)
                     down0 = proxy.bytes_down
@@ -405,7 +425,7 @@ def one_round(tree: Path, srv_tmp: Path, registry_host: str, specs: dict[str, La
 
 
 BIG_PHASES = ["big_limit", "big_limit_page_cache", "big_cold", "big_mmap_cold", "big_page_cache",
-              "big_chunk_cache", "big_cold_link"]
+              "big_chunk_cache", "big_limit_link", "big_cold_link"]
 SMALL_PHASES = ["small_find_cold", "small_read_cold", "small_read_chunk_cache",
                 "small_getxattr"]
 PHASES = BIG_PHASES + SMALL_PHASES
@@ -440,11 +460,14 @@ def summarize(rounds: list[dict[str, Any]], big_size: int, big_compressed: int,
                     r["big_limit_page_cache"]["s"] / r[ph]["s"] for r in rounds), 3)
         row["big_fetched_over_compressed"] = round(
             statistics.median(r["big_fetched"] for r in rounds) / big_compressed, 3)
-    if "big_cold_link" in rounds[0] and link is not None:
-        rates = [r["big_cold_link"]["link_bytes"] / r["big_cold_link"]["s"] for r in rounds]
-        row["big_cold_link"]["link_MBps"] = round(statistics.median(rates) / 1e6, 1)
-        row["big_cold_link"]["vs_link"] = round(
-            statistics.median(rates) / link.rate_bytes_per_s, 3)
+    for ph in ("big_limit_link", "big_cold_link"):
+        if ph in rounds[0] and link is not None:
+            rates = [r[ph]["link_bytes"] / r[ph]["s"] for r in rounds]
+            row[ph]["link_MBps"] = round(statistics.median(rates) / 1e6, 1)
+            row[ph]["vs_link"] = round(statistics.median(rates) / link.rate_bytes_per_s, 3)
+    if "big_limit_link" in rounds[0] and "big_cold_link" in rounds[0]:
+        row["big_cold_link"]["vs_limit_link"] = round(statistics.median(
+            r["big_limit_link"]["s"] / r["big_cold_link"]["s"] for r in rounds), 3)
     if "small_fetched" in rounds[0]:
         row["small_fetched_over_read"] = round(
             statistics.median(r["small_fetched"] for r in rounds) / small_bytes, 3)
@@ -574,6 +597,8 @@ def main() -> None:
                     speed += f" ({m['us_per_call']} us/call)"
                 if "vs_link" in m:
                     speed += f" (link {m['link_MBps']} MB/s, {m['vs_link']}x)"
+                if "vs_limit_link" in m:
+                    speed += f" ({m['vs_limit_link']}x limit_link)"
                 if m["reads"]:
                     speed += f", {m['cpu_us_per_read']:.0f} us/read ({m['reads']:.0f})"
                 speed += f", {m['machine_cpu_s']:.1f} cpu-s"
