@@ -27,10 +27,12 @@ Through a lazy mount served by ``coldstart fuse-server`` from a local docker-reg
    the limit may itself fall short of the link).
 
 Each FUSE server's CPU time (``/proc/<pid>/stat``) and the number of FUSE reads it served
-(its ``coldstart_fuse_read_seconds`` count, from ``--metrics-address``) are taken per phase, so
-the table also shows the server's CPU per read, and the whole machine's busy CPU seconds
-(``/proc/stat``: registry, kernel and reader included; on a small machine the limit and the
-lazy reads are CPU-bound, and this says where they differ).
+(its ``coldstart_fuse_read_seconds`` count, from ``--metrics-address``) are taken per phase
+(and, in the JSON, ``cache_hits``: its ``coldstart_fuse_cache_hits`` count, chunk reads answered
+from the node's chunk cache, pending or on disk, rather than by a fetch), so the table also
+shows the server's CPU per read, and the whole machine's busy CPU seconds (``/proc/stat``:
+registry, kernel and reader included; on a small machine the limit and the lazy reads are
+CPU-bound, and this says where they differ).
 
 ``--tree DIR`` (repeatable) runs the FUSE server from another coldstart checkout (the same
 layers, registry and client; the control protocol is stable), so a change can be measured
@@ -281,15 +283,19 @@ def machine_busy() -> float:
     return (sum(fields[:7]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def reads_served(metrics_port: int) -> int:
-    """FUSE reads the server answered so far (its read-latency histogram's count)."""
+def reads_served(metrics_port: int) -> tuple[int, int]:
+    """FUSE reads the server answered so far (its read-latency histogram's count), and how
+    many of them were answered from the node's chunk cache (``coldstart_fuse_cache_hits``)."""
     import httpx
 
     text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10.0).text
+    reads = hits = 0
     for line in text.splitlines():
         if line.startswith("coldstart_fuse_read_seconds_count"):
-            return int(float(line.split()[-1]))
-    return 0
+            reads = int(float(line.split()[-1]))
+        elif line.startswith("coldstart_fuse_cache_hits_total"):
+            hits = int(float(line.split()[-1]))
+    return reads, hits
 
 
 class Phase:
@@ -299,11 +305,13 @@ class Phase:
         self.pid, self.port = pid, port
 
     def run(self, fn: Callable[..., T], *args: Any) -> tuple[dict[str, float], T]:
-        c0, r0, b0 = server_cpu(self.pid), reads_served(self.port), machine_busy()
+        c0, (r0, h0), b0 = server_cpu(self.pid), reads_served(self.port), machine_busy()
         t, out = timed(fn, *args)
         busy = machine_busy() - b0
-        cpu, reads = server_cpu(self.pid) - c0, reads_served(self.port) - r0
-        return {"s": t, "server_cpu_s": cpu, "reads": reads, "machine_cpu_s": busy,
+        r1, h1 = reads_served(self.port)
+        cpu, reads = server_cpu(self.pid) - c0, r1 - r0
+        return {"s": t, "server_cpu_s": cpu, "reads": reads, "cache_hits": h1 - h0,
+                "machine_cpu_s": busy,
                 "cpu_us_per_read": cpu / reads * 1e6 if reads else 0.0}, out
 
 
