@@ -269,13 +269,10 @@ def timed(fn: Callable[..., T], *args: Any) -> tuple[float, T]:
     return time.perf_counter() - t0, out
 
 
-def fetched(client: FuseServerClient, digest: str) -> int:
-    return sum(int(s["fetched_bytes"]) for s in client.status() if s["digest"] == digest)
-
-
-def warmed(client: FuseServerClient, digest: str) -> int:
-    """Bytes the server pushed into the page cache (FUSE ``NOTIFY_STORE``) for the layer."""
-    return sum(int(s["page_cache_bytes"]) for s in client.status() if s["digest"] == digest)
+def layer_stat(client: FuseServerClient, digest: str, key: str) -> int:
+    """A count from the server's status of layer ``digest`` (summed over its mounts):
+    ``fetched_bytes``, ``page_cache_bytes`` (pushed with FUSE ``NOTIFY_STORE``), ..."""
+    return sum(int(s[key]) for s in client.status() if s["digest"] == digest)
 
 
 def server_cpu(pid: int) -> float:
@@ -382,9 +379,9 @@ def one_round(tree: Path, srv_tmp: Path, registry_host: str, specs: dict[str, La
             f = mp_big / "data/big.bin"
             res["big_cold"], n = ph.run(read_file, f)
             assert n == big_size
-            res["big_warmed"] = warmed(client, specs["big"].digest)
+            res["big_warmed"] = layer_stat(client, specs["big"].digest, "page_cache_bytes")
             res["big_page_cache"], _ = ph.run(read_file, f)
-            res["big_fetched"] = fetched(client, specs["big"].digest)
+            res["big_fetched"] = layer_stat(client, specs["big"].digest, "fetched_bytes")
             # chunks local, page cache dropped: read through a second mount of the layer (a
             # node's next container; the first stays mounted: a layer's last unmount reclaims
             # its chunks)
@@ -434,7 +431,7 @@ def one_round(tree: Path, srv_tmp: Path, registry_host: str, specs: dict[str, La
             res["small_find_cold"], entries = ph.run(count_tree, mp_small)
             res["small_read_cold"], (files, total) = ph.run(read_tree, mp_small)
             assert files == small_files and total == small_bytes, (files, total)
-            res["small_fetched"] = fetched(client, specs["small"].digest)
+            res["small_fetched"] = layer_stat(client, specs["small"].digest, "fetched_bytes")
             res["small_entries"] = entries
             res["small_getxattr"], calls = ph.run(getxattr_tree, mp_small)
             assert calls == small_files, (calls, small_files)
