@@ -11,10 +11,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from coldstart.oci.auth import AuthError
     from coldstart.oci.layout import OciLayout, parse_layout_spec
     from coldstart.oci.manifest import Descriptor, ImageConfig, Index, Manifest, Platform
     from coldstart.oci.reference import Reference
-    from coldstart.oci.registry import AuthError, RegistryClient, Resolved
+    from coldstart.oci.registry import RegistryClient, Resolved
 
 _WHERE = {
     "Reference": "coldstart.oci.reference",
@@ -25,7 +26,7 @@ _WHERE = {
     "Platform": "coldstart.oci.manifest",
     "OciLayout": "coldstart.oci.layout",
     "parse_layout_spec": "coldstart.oci.layout",
-    "AuthError": "coldstart.oci.registry",
+    "AuthError": "coldstart.oci.auth",
     "RegistryClient": "coldstart.oci.registry",
     "Resolved": "coldstart.oci.registry",
 }

@@ -3,8 +3,9 @@
 An upload session is not idempotent (``PATCH``/``PUT`` on a session URL the registry gave), so no
 single request of it is retried; a failed attempt starts a fresh session, with the registry
 client's backoff, within the call's deadline (:func:`coldstart.remote.retry.retry`). Functions
-here take the :class:`~coldstart.oci.registry.RegistryClient` whose ``push_blob``/``mount_blob``
-call them; they use its request engine (``_request``, ``_attempts``).
+here send through the request engine (:class:`~coldstart.oci.transport.Transport`) and ask the
+blob reader (:class:`~coldstart.oci.blobs.BlobReader`) whether a blob is there already;
+:class:`~coldstart.oci.registry.RegistryClient`'s ``push_blob`` and ``mount_blob`` call them.
 """
 
 from __future__ import annotations
@@ -15,27 +16,26 @@ import io
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import BinaryIO
 from urllib.parse import urlencode, urljoin, urlsplit
 
 import httpx
 
 from coldstart.errors import ColdstartError, DeadlineExceeded, IntegrityError, Unavailable
+from coldstart.oci.blobs import BlobReader
 from coldstart.oci.hosts import Endpoint
 from coldstart.oci.reference import Reference, validate_digest
+from coldstart.oci.transport import BodyFactory, Transport
 from coldstart.remote.retry import Again, Deadline, retry
-
-if TYPE_CHECKING:
-    from coldstart.oci.registry import RegistryClient, _BodyFactory
 
 __all__ = ["UploadSource", "mount_blob", "push_blob"]
 
 _CHUNK = 1 << 20
 
 
-def _start(client: RegistryClient, ref: Reference, *, params: Sequence[tuple[str, str]] = (),
+def _start(transport: Transport, ref: Reference, *, params: Sequence[tuple[str, str]] = (),
            scope: str | None = None, deadline: Deadline) -> httpx.Response:
-    return client._request(ref, "POST", "/blobs/uploads/", capability="push",
+    return transport.request(ref, "POST", "/blobs/uploads/", capability="push",
                            scope=scope or f"repository:{ref.repository}:pull,push",
                            params=params, ok=(201, 202), deadline=deadline,
                            headers={"Content-Length": "0"},
@@ -49,23 +49,23 @@ def _session_url(ref: Reference, resp: httpx.Response) -> str:
     return str(urljoin(str(resp.request.url), location))
 
 
-def _raw(client: RegistryClient, ref: Reference, method: str, url: str, *,
-         headers: Mapping[str, str], body: _BodyFactory | None, ok: Iterable[int],
+def _raw(transport: Transport, ref: Reference, method: str, url: str, *,
+         headers: Mapping[str, str], body: BodyFactory | None, ok: Iterable[int],
          deadline: Deadline, what: str,
          extra: Sequence[tuple[str, str]] = ()) -> httpx.Response:
     """A request to an absolute URL given by the registry (upload sessions); no retries,
     since PATCH/PUT on a session are not idempotent: the caller restarts the upload."""
     if extra:
         url += ("&" if "?" in url else "?") + urlencode(extra)
-    ep = _endpoint_for_url(client, ref, url)
-    return client._attempts(ep, method, url, scope=f"repository:{ref.repository}:pull,push",
+    ep = _endpoint_for_url(transport, ref, url)
+    return transport.attempts(ep, method, url, scope=f"repository:{ref.repository}:pull,push",
                             headers=headers, body=body, ok=frozenset(ok), deadline=deadline,
                             stream=False, retry=False, what=what)
 
 
-def _endpoint_for_url(client: RegistryClient, ref: Reference, url: str) -> Endpoint:
+def _endpoint_for_url(transport: Transport, ref: Reference, url: str) -> Endpoint:
     netloc = urlsplit(url).netloc
-    eps = client._endpoints_for(ref.registry, "push")
+    eps = transport.endpoints(ref.registry, "push")
     for ep in eps:
         if ep.host == netloc:
             return ep
@@ -79,36 +79,37 @@ def _restartable(exc: BaseException) -> Again | None:
     return None
 
 
-def push_blob(client: RegistryClient, ref: Reference, data: bytes | Path | BinaryIO,
-              digest: str | None = None, *, chunk_size: int | None = None,
-              timeout: float | None = None) -> str:
-    """:meth:`RegistryClient.push_blob`: upload unless the blob exists; return its digest."""
+def push_blob(transport: Transport, blobs: BlobReader, ref: Reference,
+              data: bytes | Path | BinaryIO, digest: str | None = None, *,
+              chunk_size: int | None = None, timeout: float | None = None) -> str:
+    """:meth:`~coldstart.oci.registry.RegistryClient.push_blob`: upload unless ``blobs``
+    finds the blob there already; return its digest."""
     src = UploadSource.of(data)
     try:
         if digest is None:
             digest = src.digest()
         validate_digest(digest)
-        if client.blob_exists(ref, digest, timeout=timeout):
+        if blobs.exists(ref, digest, timeout=timeout):
             return digest
         what = f"push blob {digest[:19]} to {ref.name}"
-        deadline = Deadline(timeout if timeout is not None else client.blob_timeout, what)
+        deadline = Deadline(timeout if timeout is not None else transport.blob_timeout, what)
         pinned = digest
-        retry(lambda _: _upload_once(client, ref, src, pinned, chunk_size, deadline, what),
-              what=what, deadline=deadline, retries=client.retries, backoff=client._backoff,
+        retry(lambda _: _upload_once(transport, ref, src, pinned, chunk_size, deadline, what),
+              what=what, deadline=deadline, retries=transport.retries, backoff=transport.backoff,
               classify=_restartable)
         return digest
     finally:
         src.close()
 
 
-def _upload_once(client: RegistryClient, ref: Reference, src: UploadSource, digest: str,
+def _upload_once(transport: Transport, ref: Reference, src: UploadSource, digest: str,
                  chunk_size: int | None, deadline: Deadline, what: str) -> None:
-    start = _start(client, ref, deadline=deadline)
+    start = _start(transport, ref, deadline=deadline)
     url = _session_url(ref, start)
     size = src.size()
     octet = {"Content-Type": "application/octet-stream"}
     if chunk_size is None or size <= chunk_size:
-        resp = _raw(client, ref, "PUT", url, headers={**octet, "Content-Length": str(size)},
+        resp = _raw(transport, ref, "PUT", url, headers={**octet, "Content-Length": str(size)},
                     body=lambda: src.iter_range(0, size), ok=(201, 204),
                     deadline=deadline, what=what, extra=[("digest", digest)])
     else:
@@ -116,35 +117,36 @@ def _upload_once(client: RegistryClient, ref: Reference, src: UploadSource, dige
         while pos < size:
             n = min(chunk_size, size - pos)
             start_at = pos
-            resp = _raw(client, ref, "PATCH", url, headers={
+            resp = _raw(transport, ref, "PATCH", url, headers={
                 **octet, "Content-Length": str(n),
                 "Content-Range": f"{start_at}-{start_at + n - 1}"},
                 body=lambda s=start_at, k=n: src.iter_range(s, k),  # type: ignore[misc]
                 ok=(202, 204), deadline=deadline, what=what)
             url = _session_url(ref, resp)
             pos += n
-        resp = _raw(client, ref, "PUT", url, headers={"Content-Length": "0"}, body=None,
+        resp = _raw(transport, ref, "PUT", url, headers={"Content-Length": "0"}, body=None,
                     ok=(201, 204), deadline=deadline, what=what, extra=[("digest", digest)])
     echoed = resp.headers.get("Docker-Content-Digest")
     if echoed and echoed != digest:
         raise IntegrityError(f"{what}: registry stored {echoed}")
 
 
-def mount_blob(client: RegistryClient, ref: Reference, digest: str, from_repository: str, *,
+def mount_blob(transport: Transport, ref: Reference, digest: str, from_repository: str, *,
                timeout: float | None = None) -> bool:
-    """:meth:`RegistryClient.mount_blob`: True if mounted, False if the registry declined."""
+    """:meth:`~coldstart.oci.registry.RegistryClient.mount_blob`: True if mounted, False if
+    the registry declined."""
     validate_digest(digest)
     what = f"mount blob {digest[:19]} from {from_repository} into {ref.name}"
-    deadline = Deadline(timeout if timeout is not None else client.timeout, what)
+    deadline = Deadline(timeout if timeout is not None else transport.timeout, what)
     scope = (f"repository:{ref.repository}:pull,push "
              f"repository:{from_repository}:pull")
-    resp = _start(client, ref, params=[("mount", digest), ("from", from_repository)],
+    resp = _start(transport, ref, params=[("mount", digest), ("from", from_repository)],
                   scope=scope, deadline=deadline)
     if resp.status_code == 201:
         return True
     # 202: the registry opened an ordinary upload session instead; do not leave it dangling
     with contextlib.suppress(ColdstartError):
-        _raw(client, ref, "DELETE", _session_url(ref, resp), headers={}, body=None,
+        _raw(transport, ref, "DELETE", _session_url(ref, resp), headers={}, body=None,
              ok=(200, 202, 204, 404), deadline=deadline, what=what)
     return False
 

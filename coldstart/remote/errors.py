@@ -9,8 +9,8 @@
     HTTP 416                                             -> InvalidArgument
     HTTP 408, 429, 5xx                                   -> Unavailable (retryable)
 
-The registry client (``coldstart.oci.registry``) and the HTTP source (:mod:`.http`) both map
-through here; S3's botocore errors are mapped in :mod:`.s3`.
+The registry client (``coldstart.oci``: its transport, authorizer and blob reader) and the HTTP
+source (:mod:`.http`) both map through here; S3's botocore errors are mapped in :mod:`.s3`.
 
 >>> import httpx
 >>> type(map_http_error(httpx.ReadTimeout("slow"), "GET /x")).__name__

@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from coldstart.errors import FormatError, IntegrityError, InvalidArgument, NotFound, Unavailable
+from coldstart.oci.auth import AuthError
 from coldstart.oci.layout import OciLayout
 from coldstart.oci.manifest import OCI_INDEX, OCI_MANIFEST, Platform, digest_of
 from coldstart.oci.reference import Reference
-from coldstart.oci.registry import AuthError, RegistryClient
+from coldstart.oci.registry import RegistryClient
 from coldstart.remote import RegistryBlob, open_blob
 from tests.fixtures.registry import AuthRegistry, Registry, TLSRegistry, faulty_proxy, reply
 from tests.integration.oci.oci_testimages import (

@@ -13,9 +13,10 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from coldstart.errors import DeadlineExceeded, IntegrityError, NotFound, Unavailable
+from coldstart.oci.auth import AuthError
 from coldstart.oci.manifest import digest_of
 from coldstart.oci.reference import Reference
-from coldstart.oci.registry import AuthError, RegistryClient
+from coldstart.oci.registry import RegistryClient
 from tests.fixtures.registry import reply, scripted_server
 
 pytestmark = pytest.mark.integration

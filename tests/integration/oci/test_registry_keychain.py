@@ -14,11 +14,12 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
+from coldstart.oci.auth import AuthError
 from coldstart.oci.credentials import Credentials
 from coldstart.oci.keychain import Keychain
 from coldstart.oci.manifest import digest_of
 from coldstart.oci.reference import Reference
-from coldstart.oci.registry import AuthError, RegistryClient
+from coldstart.oci.registry import RegistryClient
 from coldstart.stack.registry import AccessLog, start_registry, write_htpasswd
 from tests.fixtures.registry import reply, scripted_server
 

@@ -122,19 +122,19 @@ def test_client_prefers_the_keychain_and_reads_it_every_time(tmp_path: Path) -> 
     with RegistryClient(docker_config=config, keychain=kc) as client:
         ep = Endpoint(base=f"https://{host}/v2")
         scope = "repository:team/app:pull"
-        assert client._creds_for(ep, scope) == Credentials("docker", "pw-docker")
+        assert client._auth.credentials(ep, scope) == Credentials("docker", "pw-docker")
         kc.put(f"{host}/team/app:v1", Credentials("kubelet", "pw1"))
-        assert client._creds_for(ep, scope) == Credentials("kubelet", "pw1")
+        assert client._auth.credentials(ep, scope) == Credentials("kubelet", "pw1")
         kc.put(f"{host}/team/app:v1", Credentials("kubelet", "pw2"))   # rotated
-        assert client._creds_for(ep, scope) == Credentials("kubelet", "pw2")
+        assert client._auth.credentials(ep, scope) == Credentials("kubelet", "pw2")
         # a push-and-mount scope names the target repository first
         kc.put(f"{host}/team/other:v1", Credentials("other", "pw3"))
-        assert client._creds_for(
+        assert client._auth.credentials(
             ep, "repository:team/app:pull,push repository:team/other:pull") == \
             Credentials("kubelet", "pw2")
         # Basic auth's header is built per request from that lookup
-        client._schemes[host] = ("basic", {})
-        header = client._auth_header(ep, scope)
+        client._auth._schemes[host] = ("basic", {})
+        header = client._auth.header(ep, scope)
         assert header == "Basic " + base64.b64encode(b"kubelet:pw2").decode()
 
 
@@ -146,13 +146,13 @@ def test_client_mirror_endpoint_order(tmp_path: Path) -> None:
     none = tmp_path / "none.json"
     with RegistryClient(docker_config=none, keychain=kc) as client:
         # no credentials for the mirror itself: those of the registry it mirrors
-        assert client._creds_for(mirror, scope) == Credentials("kubelet", "pw-up")
+        assert client._auth.credentials(mirror, scope) == Credentials("kubelet", "pw-up")
     config = _docker_config(tmp_path / "config.json", "mirror.example", "m", "pw-m")
     with RegistryClient(docker_config=config, keychain=kc) as client:
         # the mirror's own credentials come before those of the registry it stands in for
-        assert client._creds_for(mirror, scope) == Credentials("m", "pw-m")
+        assert client._auth.credentials(mirror, scope) == Credentials("m", "pw-m")
     with RegistryClient(docker_config=none) as client:       # no keychain: as before
-        assert client._creds_for(mirror, scope) is None
+        assert client._auth.credentials(mirror, scope) is None
 
 
 def test_config_key_and_default_directory() -> None:
