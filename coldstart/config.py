@@ -207,9 +207,11 @@ class FuseConfig(_Checked):
     # serve the layers that show no extended attribute (none in the TOC, no opaque directory,
     # no *.safetensors file: the weights loader's token is one) on a second FUSE connection
     # that answers no getxattr: overlayfs then stops asking each lower file for
-    # trusted.overlay.* (a round trip each, a third of a PyTorch start-up's requests). A
-    # getxattr of their files fails with EOPNOTSUPP (ENODATA on a local disk); listing still
-    # answers an empty list. false: every new layer on the first connection
+    # trusted.overlay.* (a round trip each, a third of a PyTorch start-up's requests). Inside
+    # a container started on them, a getxattr of their files fails with EOPNOTSUPP (ENODATA on
+    # a local disk; listing still answers an empty list); views and the mounts of a container
+    # already running or changed (containerd's diff, commit, checkpoint --rw) read them through
+    # the first connection and get ENODATA. false: every new layer on the first connection
     split_xattrs: bool = True
     # host:port for the FUSE server's Prometheus metrics (fetches, cache, page cache, errors
     # per layer); "" disables; must differ from the top-level metrics_address

@@ -10,6 +10,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+from typing import NamedTuple
 
 from coldstart.errors import ColdstartError, FailedPrecondition, InvalidArgument, NotFound
 
@@ -59,16 +60,34 @@ def lazy_unmount(target: str) -> bool:
     return True
 
 
-def mounted_paths() -> list[tuple[str, str]]:
-    """``(mount point, fs type)`` of every mount this process sees."""
-    out: list[tuple[str, str]] = []
+class MountEntry(NamedTuple):
+    """One line of ``/proc/self/mountinfo``."""
+
+    point: str      # where it is mounted
+    dev: str        # the file system's ``major:minor``
+    root: str       # the directory of that file system shown there (``/`` but for binds)
+    fstype: str
+    options: str    # the file system's own options (overlayfs: ``lowerdir=…,upperdir=…``)
+
+
+def mount_table() -> list[MountEntry]:
+    """Every mount this process sees, in mount order (of mounts stacked on one point, the
+    last is the one seen)."""
+    out: list[MountEntry] = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
             left, _, right = line.partition(" - ")
             parts = left.split(" ")
             if len(parts) > 4:
-                out.append((_unescape(parts[4]), right.split(" ", 1)[0]))
+                fstype, _source, options = ([*right.split(" ", 2), "", ""])[:3]
+                out.append(MountEntry(_unescape(parts[4]), parts[2], _unescape(parts[3]),
+                                      fstype, _unescape(options.rstrip("\n"))))
     return out
+
+
+def mounted_paths() -> list[tuple[str, str]]:
+    """``(mount point, fs type)`` of every mount this process sees."""
+    return [(m.point, m.fstype) for m in mount_table()]
 
 
 def is_mountpoint(path: str) -> bool:

@@ -52,7 +52,7 @@ from coldstart.lazyfs.metrics import FuseMetrics
 from coldstart.lazyfs.mountstate import MountRecord, MountState
 from coldstart.lazyfs.mountsys import is_mountpoint, lazy_unmount
 from coldstart.lazyfs.resolver import LayerResolver
-from coldstart.lazyfs.spec import LayerSpec
+from coldstart.lazyfs.spec import FUSE_DIR, PLAIN_FUSE_DIR, LayerSpec
 from coldstart.oci.keychain import Keychain
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
@@ -93,8 +93,8 @@ class FuseServer:
         self._unpack_lock = threading.Lock()
         self._unpack_locks: dict[str, threading.Lock] = {}
         self.root = Path(root or config.root)
-        self.fuse_dir = self.root / "fuse"
-        self.plain_dir = self.root / "fuse-plain"
+        self.fuse_dir = self.root / FUSE_DIR
+        self.plain_dir = self.root / PLAIN_FUSE_DIR
         self.socket_path = socket_path or config.fuse.socket
         self.metrics_address = (config.fuse.metrics_address if metrics_address is None
                                 else metrics_address)

@@ -16,6 +16,13 @@ from typing import Any
 
 from coldstart.errors import InvalidArgument
 
+#: the FUSE server's two mounts of its file system under its root (the snapshotter's root):
+#: each shows every layer as ``<mount>/<key>``; a layer's snapshot ``fs`` is a bind of one of
+#: them. The first answers getxattr; the second answers none (``fuse.split_xattrs``: the
+#: kernel stops asking, see :mod:`coldstart.lazyfs.fusewire`).
+FUSE_DIR = "fuse"
+PLAIN_FUSE_DIR = "fuse-plain"
+
 SNAPSHOT_PREFIX = "containerd.io/snapshot/"
 TARGET_SNAPSHOT_REF = "containerd.io/snapshot.ref"
 # set on every snapshot we commit as a lazily mounted layer (stargz uses the same key)

@@ -5,6 +5,10 @@
 - otherwise ``overlay`` with ``lowerdir=`` the parents' ``fs`` dirs, nearest first, plus
   ``workdir=``/``upperdir=`` for ACTIVE.
 
+``lowers`` names another directory for some parents (a lazily mounted layer's directory on the
+FUSE connection that answers getxattr, see :mod:`coldstart.snapshotter.xattrpaths`); every
+other parent is its ``fs``.
+
 Example::
 
     mounts_for(Snapshot("7", Kind.ACTIVE, ("5", "3")), "/var/lib/coldstart")
@@ -15,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from coldstart.snapshotter.store import Kind, Snapshot
@@ -43,8 +48,13 @@ def index_supported() -> bool:
     return os.path.exists("/sys/module/overlay/parameters/index")
 
 
-def mounts_for(snap: Snapshot, root: str, *, index_off: bool = False) -> list[Mount]:
-    """The mounts that assemble ``snap``'s filesystem under ``root``."""
+def mounts_for(snap: Snapshot, root: str, *, index_off: bool = False,
+               lowers: Mapping[str, str] | None = None) -> list[Mount]:
+    """The mounts that assemble ``snap``'s filesystem under ``root``; ``lowers``: parent id ->
+    the directory that stands for that parent's ``fs``."""
+    def lower_of(pid: str) -> str:
+        return (lowers or {}).get(pid) or upper_path(root, pid)
+
     if not snap.parent_ids:
         flag = "ro" if snap.kind == Kind.VIEW else "rw"
         return [Mount("bind", upper_path(root, snap.id), (flag, "rbind"))]
@@ -53,7 +63,7 @@ def mounts_for(snap: Snapshot, root: str, *, index_off: bool = False) -> list[Mo
         options += [f"workdir={work_path(root, snap.id)}",
                     f"upperdir={upper_path(root, snap.id)}"]
     elif len(snap.parent_ids) == 1:
-        return [Mount("bind", upper_path(root, snap.parent_ids[0]), ("ro", "rbind"))]
-    lower = ":".join(upper_path(root, p) for p in snap.parent_ids)
+        return [Mount("bind", lower_of(snap.parent_ids[0]), ("ro", "rbind"))]
+    lower = ":".join(lower_of(p) for p in snap.parent_ids)
     options.append(f"lowerdir={lower}")
     return [Mount("overlay", "overlay", tuple(options))]

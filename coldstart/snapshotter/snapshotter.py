@@ -51,6 +51,7 @@ from coldstart.errors import (
     Unavailable,
 )
 from coldstart.lazyfs.client import FuseServerUnreachable
+from coldstart.lazyfs.mountsys import is_mountpoint
 from coldstart.lazyfs.spec import (
     BAD_INDEX,
     CRI_IMAGE_REF,
@@ -76,7 +77,8 @@ from coldstart.snapshotter.mounts import (
     mounts_for,
     upper_path,
 )
-from coldstart.snapshotter.store import Info, Kind, Store, Tx, Usage
+from coldstart.snapshotter.store import Info, Kind, Snapshot, Store, Tx, Usage
+from coldstart.snapshotter.xattrpaths import attribute_lowers
 
 __all__ = [
     "FALLBACK_REASONS",
@@ -89,7 +91,6 @@ __all__ = [
     "Snapshotter",
     "disk_usage",
     "fallback_reason",
-    "is_mountpoint",
 ]
 
 log = logging.getLogger("coldstart.snapshotter")
@@ -193,25 +194,6 @@ def disk_usage(path: str) -> Usage:
     return Usage(size=size, inodes=len(seen))
 
 
-def _unescape_mountinfo(s: str) -> str:
-    out, i = [], 0
-    while i < len(s):
-        if s[i] == "\\" and i + 3 < len(s) and s[i + 1:i + 4].isdigit():
-            out.append(chr(int(s[i + 1:i + 4], 8)))
-            i += 4
-        else:
-            out.append(s[i])
-            i += 1
-    return "".join(out)
-
-
-def is_mountpoint(path: str) -> bool:
-    """Whether ``path`` is in the mount table (works on a dead FUSE mount, unlike ``lstat``)."""
-    target = os.path.realpath(path)
-    with open("/proc/self/mountinfo") as f:
-        return any(_unescape_mountinfo(line.split()[4]) == target for line in f)
-
-
 class Snapshotter:
     """containerd's snapshotter contract over :class:`Store` and ``<root>/snapshots``."""
 
@@ -268,7 +250,7 @@ class Snapshotter:
     def mounts(self, key: str) -> list[Mount]:
         with self.store.transaction() as tx:
             snap = tx.get_snapshot(key)
-        return mounts_for(snap, self.root, index_off=self.index_off)
+        return self._mounts_for(snap)
 
     def commit(self, name: str, key: str, labels: Mapping[str, str]) -> None:
         with self.store.transaction(writable=True) as tx:
@@ -337,7 +319,13 @@ class Snapshotter:
                     if d is not None:
                         shutil.rmtree(d, ignore_errors=True)
                 raise
-        return mounts_for(snap, self.root, index_off=self.index_off)
+        return self._mounts_for(snap)
+
+    def _mounts_for(self, snap: Snapshot) -> list[Mount]:
+        # a view or an active snapshot mounted before reads lazily mounted parents through
+        # the FUSE connection that answers getxattr (containerd's diff needs ENODATA)
+        return mounts_for(snap, self.root, index_off=self.index_off,
+                          lowers=attribute_lowers(self.root, snap))
 
     def _cleanup_dirs(self, tx: Tx) -> list[str]:
         ids = tx.id_map()

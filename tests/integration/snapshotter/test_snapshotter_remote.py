@@ -22,8 +22,8 @@ import pytest
 
 from coldstart._proto.containerd.services.snapshots.v1 import snapshots_pb2 as pb
 from coldstart.lazyfs.client import FuseServerClient
+from coldstart.lazyfs.mountsys import is_mountpoint
 from coldstart.lazyfs.spec import REMOTE_ANNOTATIONS, REMOTE_SNAPSHOT
-from coldstart.snapshotter.snapshotter import is_mountpoint
 from tests.fixtures.containerd import Containerd, SnapshotterDaemon
 from tests.fixtures.registry import Registry
 from tests.integration.snapshotter.remote_layers import (

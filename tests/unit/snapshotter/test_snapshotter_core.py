@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from coldstart.errors import AlreadyExists, FailedPrecondition, IntegrityError, NotFound
+from coldstart.lazyfs.mountsys import is_mountpoint
 from coldstart.lazyfs.spec import (
     REMOTE_DIGEST,
     REMOTE_REFERENCE,
@@ -22,7 +23,7 @@ from coldstart.lazyfs.spec import (
     LayerSpec,
 )
 from coldstart.snapshotter.mounter import LayerMounter
-from coldstart.snapshotter.snapshotter import Snapshotter, disk_usage, is_mountpoint
+from coldstart.snapshotter.snapshotter import Snapshotter, disk_usage
 from coldstart.snapshotter.store import Kind, Store
 
 

@@ -32,3 +32,13 @@ def test_overlays_list_lower_dirs_nearest_first() -> None:
     assert mounts_for(Snapshot("9", Kind.VIEW, ("5", "3", "1")), R) == [
         Mount("overlay", "overlay",
               ("lowerdir=/r/snapshots/5/fs:/r/snapshots/3/fs:/r/snapshots/1/fs",))]
+
+
+def test_lowers_name_other_directories_for_some_parents() -> None:
+    other = {"3": "/r/fuse/k3"}
+    assert mounts_for(Snapshot("9", Kind.ACTIVE, ("5", "3")), R, lowers=other) == [
+        Mount("overlay", "overlay", (
+            "workdir=/r/snapshots/9/work", "upperdir=/r/snapshots/9/fs",
+            "lowerdir=/r/snapshots/5/fs:/r/fuse/k3"))]
+    assert mounts_for(Snapshot("2", Kind.VIEW, ("3",)), R, lowers=other) == [
+        Mount("bind", "/r/fuse/k3", ("ro", "rbind"))]
