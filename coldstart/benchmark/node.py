@@ -60,6 +60,9 @@ class ModeSpec:
     # coldstart's fuse.split_xattrs (layers with no attribute on the connection that answers
     # no getxattr)
     split_xattrs: bool = True
+    # our own A/B variant of another mode (what one feature is worth): accepted by --mode, not
+    # listed in `coldstart bench --help` (bench/ scripts and docs/bench.md name them)
+    ablation: bool = False
 
 
 MODES: dict[str, ModeSpec] = {m.name: m for m in (
@@ -81,13 +84,15 @@ MODES: dict[str, ModeSpec] = {m.name: m for m in (
              "link's rate, in the background)", background_rate=None),
     ModeSpec("coldstart+profile-nowarm", "coldstart", "zstd:chunked-profile",
              "coldstart+profile without handing the prefetched chunks to the kernel's page "
-             "cache (fuse.page_cache = false; an ablation)", page_cache=False),
+             "cache (fuse.page_cache = false; an ablation)", page_cache=False, ablation=True),
     ModeSpec("coldstart+profile-grid", "coldstart", "zstd:chunked-profile-grid",
              "coldstart+profile on the same profile's image written with fixed-size chunks "
-             "only (no chunk cut at the edges of what the start-up read; an ablation)"),
+             "only (no chunk cut at the edges of what the start-up read; an ablation)",
+             ablation=True),
     ModeSpec("coldstart+profile-xattrs", "coldstart", "zstd:chunked-profile",
              "coldstart+profile with every layer on the FUSE connection that answers getxattr "
-             "(fuse.split_xattrs = false; an ablation)", split_xattrs=False),
+             "(fuse.split_xattrs = false; an ablation)", split_xattrs=False,
+             ablation=True),
 )}
 
 

@@ -111,7 +111,8 @@ def parse_modes(text: str | Sequence[str]) -> list[str]:
         if not name:
             continue
         if name not in MODES:
-            raise InvalidArgument(f"unknown mode {name!r}; modes: {', '.join(MODES)}")
+            users = ", ".join(n for n, m in MODES.items() if not m.ablation)
+            raise InvalidArgument(f"unknown mode {name!r}; modes: {users}")
         if name not in out:
             out.append(name)
     if not out:

@@ -51,14 +51,14 @@ root. The JSON schema is coldstart/benchmark/result_schema.json.
 @click.argument("ref")
 @click.option("--mode", "modes", default="overlayfs,coldstart,stargz", show_default=True,
               metavar="MODE[,MODE…]",
-              help="Modes to compare: overlayfs, coldstart, stargz, stargz-optimized, "
+              # our ablations (coldstart+profile-nowarm, -grid, -xattrs) are accepted too but
+              # not listed: they are A/B variants for bench/ scripts (see docs/bench.md)
+              help="Modes to compare: overlayfs (containerd's full pull: the baseline), "
+                   "coldstart (lazy pull, chunks on demand), stargz (stargz-snapshotter, "
+                   "eStargz), stargz-optimized (its ctr-remote optimized image), "
                    "coldstart+profile (the image from coldstart optimize), coldstart+fill "
-                   "(the same with the hybrid fill), coldstart+profile-nowarm (the same "
-                   "without handing the prefetched chunks to the page cache), "
-                   "coldstart+profile-xattrs (the same with every layer on the FUSE "
-                   "connection that answers getxattr), coldstart+profile-grid (the same "
-                   "profile written in fixed-size chunks only), "
-                   "coldstart+ctr-profile (coldstart on ctr-remote's optimized image).")
+                   "(the same with the hybrid fill), coldstart+ctr-profile (coldstart on "
+                   "ctr-remote's optimized image).")
 @click.option("--runs", "-n", default=5, show_default=True, type=click.IntRange(1, 1000),
               help="Cold starts per mode.")
 @click.option("--ready", default=None, metavar="CONDITION",
