@@ -12,7 +12,8 @@ not wait for: until :meth:`TOCColumns.compact` is called (the FUSE server does, 
 once the mounted layer's start-up has had its turn), entries are made from the decoder's
 objects, as they always were.
 Only the fast parser (:mod:`coldstart.format.tocjson`) builds these, from the typed entries it
-has checked (every integer field fits in 64 bits); both ways make equal entries.
+has checked (every integer field fits in 64 bits); both ways make equal entries. What this
+module reads of those entries is :class:`RawEntry`, so it does not import the parser.
 """
 
 from __future__ import annotations
@@ -22,14 +23,47 @@ import threading
 from array import array
 from collections.abc import Callable, Sequence
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from coldstart.format.toc import MODE_PERM_MASK, Chunk, Entry
 
-if TYPE_CHECKING:
-    from coldstart.format.tocjson import _RawEntry
+__all__ = ["RawEntry", "TOCColumns"]
 
-__all__ = ["TOCColumns"]
+
+class RawEntry(Protocol):
+    """The fields of a TOC entry's typed JSON object that the columns are made from, named as
+    in the JSON (the fast parser's decoded entries, checked: integers fit in 64 bits, digests
+    are None, "" or ``sha256:`` digests)."""
+
+    @property
+    def size(self) -> int: ...
+    @property
+    def modtime(self) -> str: ...
+    @property
+    def mode(self) -> int: ...
+    @property
+    def uid(self) -> int: ...
+    @property
+    def gid(self) -> int: ...
+    @property
+    def linkName(self) -> str: ...
+    @property
+    def devMajor(self) -> int: ...
+    @property
+    def devMinor(self) -> int: ...
+    @property
+    def digest(self) -> str | None: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def endOffset(self) -> int: ...
+    @property
+    def chunkDigest(self) -> str | None: ...
+    @property
+    def chunkType(self) -> str: ...
+    @property
+    def innerOffset(self) -> int: ...
+
 
 _ZERO_HEX = "0" * 64
 
@@ -75,13 +109,13 @@ class TOCColumns:
                  "_names", "_offset", "_raws", "_size", "_starts", "_types", "_uid", "_unames",
                  "_xattrs", "_zeros")
 
-    def __init__(self, raws: list[_RawEntry], names: list[str], types: list[str], *,
+    def __init__(self, raws: Sequence[RawEntry], names: list[str], types: list[str], *,
                  mtimes: dict[str, int], unames: list[str] | None, gnames: list[str] | None,
                  links: dict[int, str], xattrs: dict[int, dict[str, bytes]],
                  chunks: dict[int, list[Chunk]], starts: list[int], data_end: int,
                  exact_frames: bool) -> None:
         self._m = len(raws)
-        self._raws: list[_RawEntry] | None = raws
+        self._raws: Sequence[RawEntry] | None = raws
         self._names = names
         self._types = types
         self._mtimes = mtimes
@@ -171,7 +205,7 @@ class TOCColumns:
             self._make = self._from_columns
             self._raws = None
 
-    def _fill(self, raws: list[_RawEntry]) -> None:
+    def _fill(self, raws: Sequence[RawEntry]) -> None:
         def column(key: str) -> list[Any]:
             return list(map(attrgetter(key), raws))
 
