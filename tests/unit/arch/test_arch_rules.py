@@ -10,15 +10,18 @@ package must be placed in it. The layering the table encodes, lowest first::
     errors -> config -> format -> remote -> oci -> cache -> unpack -> lazyfs -> snapshotter
            -> containerd -> benchmark / stack -> commands / cli  (weights, probe stand beside: §2)
 
-Independently of the table, the area graph built from the imports actually written must have no
-cycle. Every ``import`` counts: at module level, inside functions, under ``TYPE_CHECKING``.
-Walks the source with ``ast``; nothing is imported.
+Independently of the table, the graph built from the imports actually written must have no
+cycle: neither between areas nor between two modules of one area (``oci.registry`` importing
+``oci.uploads`` importing ``oci.registry``: one of them wants a lower module both use, or to be
+handed what it needs). Every ``import`` counts: at module level, inside functions, under
+``TYPE_CHECKING``. Walks the source with ``ast``; nothing is imported.
 """
 
 from __future__ import annotations
 
 import ast
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -79,9 +82,12 @@ RULES: dict[str, Rule] = {
     "node": rule("errors config files lazyfs.client", "tomlkit"),
     # bcrypt: htpasswd files for the password-protected test registry
     "stack": rule(_BELOW_BENCH, "bcrypt@stack.registry"),
+    # httpx@benchmark.ready: the `--ready http://...` condition's GET of the benchmarked app
+    # (a probe of the app, as probe.sinks' POST is a report; blobs go through remote and oci)
     "benchmark": rule(_BELOW_BENCH + " stack",
-                      "httpx matplotlib@benchmark.results numpy@benchmark.images "
-                      "torch@benchmark.server_app safetensors@benchmark.server_app"),
+                      "httpx@benchmark.ready matplotlib@benchmark.results "
+                      "numpy@benchmark.images torch@benchmark.server_app "
+                      "safetensors@benchmark.server_app"),
     "cli": rule("*", "click"),
     "commands": rule("*", "click rich@commands.bench rich@commands._progress "
                           "torch@commands.weights "
@@ -119,10 +125,10 @@ def _internal(name: str) -> str:
     return rest or "__init__"
 
 
-def imports(path: Path) -> list[tuple[int, str]]:
-    """(line, absolute module name) of every import in ``path``; ``from a import b`` names
-    ``a.b`` when that is a coldstart module."""
-    tree = ast.parse(path.read_text(), str(path))
+def imports(path: Path, source: str | None = None) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in ``path`` (or in ``source``, read as if
+    it were that file's); ``from a import b`` names ``a.b`` when that is a coldstart module."""
+    tree = ast.parse(path.read_text() if source is None else source, str(path))
     here = ["coldstart", *path.relative_to(PKG).parts[:-1]]
     out: list[tuple[int, str]] = []
     for node in ast.walk(tree):
@@ -157,8 +163,9 @@ def _target_allowed(rule_: Rule, target: str) -> bool:
     return any(target == e or target.startswith(e + ".") for e in rule_.imports)
 
 
-def violations(path: Path) -> list[str]:
-    """What ``path`` imports that its area's rule does not allow (empty when it keeps them)."""
+def violations(path: Path, source: str | None = None) -> list[str]:
+    """What ``path`` (or ``source`` in its place) imports that its area's rule does not allow
+    (empty when it keeps them)."""
     module = _dotted(path)
     area = _area(module)
     rel = path.relative_to(PKG)
@@ -168,7 +175,7 @@ def violations(path: Path) -> list[str]:
     if not rule_.checked:
         return []
     bad: list[str] = []
-    for line, name in imports(path):
+    for line, name in imports(path, source):
         top = name.split(".")[0]
         if top == "coldstart":
             target = _internal(name)
@@ -191,6 +198,21 @@ def area_graph() -> dict[str, set[str]]:
                 target = _area(_internal(name))
                 if target not in (area, "__init__"):
                     edges.add(target)
+    return graph
+
+
+def module_graph(sources: Mapping[Path, str] | None = None) -> dict[str, set[str]]:
+    """Module -> the other coldstart modules it imports (a package's ``__init__`` is the
+    package's name). ``sources``: the modules to read, with the text to read in place of each
+    file (a test's own); else every module of the package, from its file."""
+    graph: dict[str, set[str]] = {}
+    for path in (sources if sources is not None else _modules()):
+        module = _dotted(path)
+        edges = graph.setdefault(module, set())
+        text = sources[path] if sources is not None else None
+        for _, name in imports(path, text):
+            if name.split(".")[0] == "coldstart" and (target := _internal(name)) != module:
+                edges.add(target)
     return graph
 
 
@@ -230,6 +252,11 @@ def test_areas_import_each_other_without_cycles() -> None:
     assert cycle == [], "import cycle between areas: " + " -> ".join(cycle)
 
 
+def test_modules_import_each_other_without_cycles() -> None:
+    cycle = find_cycle(module_graph())
+    assert cycle == [], "import cycle between modules: " + " -> ".join(cycle)
+
+
 def test_every_rule_names_a_real_area() -> None:
     # a stale or misspelt entry would silently allow nothing or everything
     areas = {_area(_dotted(p)) for p in _modules()}
@@ -251,3 +278,27 @@ def test_the_walk_sees_the_package_and_resolves_names(tmp_path: Path) -> None:
     assert not _target_allowed(r, "lazyfs")   # the package itself is not its spec module
     assert _lib_allowed(RULES["commands"], "commands.weights", "torch")
     assert not _lib_allowed(RULES["commands"], "commands.pull", "torch")
+
+
+def test_the_rules_fail_a_forbidden_import() -> None:
+    # each check fails on a module that breaks it (synthetic source read as a real file's)
+    runner, ready = PKG / "benchmark" / "runner.py", PKG / "benchmark" / "ready.py"
+    assert violations(ready, "import httpx\n") == []
+    assert violations(runner, "import httpx\n") == [
+        "benchmark/runner.py:1 imports httpx: benchmark.runner may not"]
+    assert violations(runner, "def f():\n    from coldstart.cli import main\n") == [
+        "benchmark/runner.py:2 imports coldstart.cli: benchmark may not"]
+    assert violations(PKG / "snapshotter" / "service.py",
+                      "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                      "    from coldstart.lazyfs import reader\n") == [
+        "snapshotter/service.py:3 imports coldstart.lazyfs.reader: snapshotter may not"]
+    # a cycle of two modules of one area, one import of it only for typing
+    toc, columns = PKG / "format" / "toc.py", PKG / "format" / "toccolumns.py"
+    graph = module_graph({
+        toc: "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+             "    from coldstart.format.toccolumns import TOCColumns\n",
+        columns: "from coldstart.format import toc\n"})
+    assert graph == {"format.toc": {"format.toccolumns"}, "format.toccolumns": {"format.toc"}}
+    assert find_cycle(graph) == ["format.toc", "format.toccolumns", "format.toc"]
+    # and the real graph is read: the registry client wires its transport
+    assert "oci.transport" in module_graph()["oci.registry"]
