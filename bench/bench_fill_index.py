@@ -55,10 +55,10 @@ _ONE = textwrap.dedent('''
         fetcher = ChunkFetcher(cache, concurrency=8, max_coalesce_bytes=16 << 20,
                                request_timeout=60.0)
         reader = LayerReader(digest, layer, src, fetcher, read_deadline=120.0)
-        reader.background_rate = 1 << 40
+        reader.fill.rate = 1 << 40
         counting.reset()
         t0 = time.monotonic()
-        reader.fetch_rest()
+        reader.fill.fetch_rest()
         seconds = time.monotonic() - t0
         stats = reader.stats.as_dict()
         fetcher.close()

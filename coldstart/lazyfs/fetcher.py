@@ -296,7 +296,7 @@ class ChunkFetcher:
         self._deferred = 0          # compressed bytes held for deferred spreads
         self._closed = False
         self.last_read = 0.0       # monotonic time of the last FUSE read served
-        # held by the one big file being streamed whole on the node (LayerReader._stream)
+        # held by the one big file being streamed whole on the node (streams.SequentialReads)
         self.stream_slot = threading.Semaphore(1)
 
     def close(self) -> None:

@@ -76,7 +76,7 @@ def _index_then_trim(reader: LayerReader, *, at_once: bool = False) -> None:
     pure Python that holds the GIL: run at once, it held up the mounts of the image's next
     layers and the FUSE loop (the torch image's pull, held back 20 s in a probe: 0.40 s
     against 0.52 s)."""
-    reader.warm_index()
+    reader.windows.warm_index()
     if not at_once and not reader.wait_start_up(COMPACT_AFTER, COMPACT_WAIT):
         return          # unmounted meanwhile: its TOC goes with it
     lower_priority()
@@ -226,7 +226,7 @@ class LayerTable:
                 threading.Thread(target=_index_then_trim, args=(reader,),
                                  kwargs={"at_once": restoring}, daemon=True,
                                  name=f"index-{layer.key}").start()
-            if created and (reader.wants_prefetch or reader.background_rate > 0):
+            if created and (reader.prefetcher.wanted or reader.fill.rate > 0):
                 threading.Thread(target=reader.prefetch_then_rest, daemon=True,
                                  name=f"prefetch-{layer.key}").start()
             log.info("mounted layer %s (%s) at %s%s", spec.digest, spec.reference, mountpoint,

@@ -254,8 +254,8 @@ class LayerResolver:
                              neighbor_max_bytes=self.neighbor_max_bytes)
         # the spec's or the manifest's: which chunks the recorded start-up touched (a layer
         # read through a gzip index has none: its index may name them, the reader took those)
-        reader.prefetch_ranges = (_prefetch_ranges(spec.digest, annotations)
-                                  or reader.prefetch_ranges)
+        reader.prefetcher.ranges = (_prefetch_ranges(spec.digest, annotations)
+                                    or reader.prefetcher.ranges)
         return reader
 
     def _open_layer(self, spec: LayerSpec, annotations: dict[str, str]) -> _Opened:

@@ -30,9 +30,9 @@ from coldstart.lazyfs.metrics import (
     READ_SECONDS,
 )
 from coldstart.lazyfs.mountsys import is_mountpoint, lazy_unmount
-from coldstart.lazyfs.reader import NEIGHBOR_BYTES
 from coldstart.lazyfs.reclaim import chunk_digests
 from coldstart.lazyfs.spec import LayerSpec
+from coldstart.lazyfs.windows import NEIGHBOR_BYTES
 from tests.fixtures.procs import free_port, wait_for
 from tests.fixtures.registry import Registry
 from tests.integration.lazy.lazy_helpers import (

@@ -36,8 +36,8 @@ from coldstart.format.layer import SeekableLayer, open_layer
 from coldstart.format.readat import BytesReadAt
 from coldstart.format.toc import Chunk
 from coldstart.lazyfs.client import FuseServerClient
+from coldstart.lazyfs.fill import BACKGROUND_REQUEST
 from coldstart.lazyfs.metrics import CACHE_HITS, ERRORS
-from coldstart.lazyfs.reader import BACKGROUND_REQUEST
 from coldstart.lazyfs.spec import LayerSpec
 from tests.fixtures.procs import free_port, wait_for
 from tests.fixtures.registry import Registry

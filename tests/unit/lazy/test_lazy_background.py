@@ -30,8 +30,8 @@ class FakeClock:
 def test_fetch_rest_makes_every_file_local(tmp_path: Path, fmt: str) -> None:
     tree = metadata_tar()
     reader, src, _ = make(tmp_path, fmt, tar=tree.tar)
-    reader.background_rate = 1 << 40
-    fetched = reader.fetch_rest()
+    reader.fill.rate = 1 << 40
+    fetched = reader.fill.fetch_rest()
     assert fetched > 0
     assert reader.stats.background_done
     requests = src.counting.requests
@@ -39,29 +39,29 @@ def test_fetch_rest_makes_every_file_local(tmp_path: Path, fmt: str) -> None:
         assert read_all(reader, name) == data, name
     assert src.counting.requests == requests      # every read came from the cache
     # a second pass has nothing left to fetch
-    assert reader.fetch_rest() == 0
+    assert reader.fill.fetch_rest() == 0
 
 
 def test_fetch_rest_is_off_at_rate_zero(tmp_path: Path) -> None:
     reader, src, _ = make(tmp_path, "zstd:chunked")
-    reader.background_rate = 0
-    assert reader.fetch_rest() == 0
+    reader.fill.rate = 0
+    assert reader.fill.fetch_rest() == 0
     assert src.counting.requests == 0
     assert not reader.stats.background_done
 
 
 def test_fetch_rest_keeps_to_its_rate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from coldstart.lazyfs import reader as reader_module
+    from coldstart.lazyfs import fill as fill_module
 
     request = 16 << 10
-    monkeypatch.setattr(reader_module, "BACKGROUND_REQUEST", request)
+    monkeypatch.setattr(fill_module, "BACKGROUND_REQUEST", request)
     reader, _, _ = make(tmp_path, "zstd:chunked", chunk_size=8 << 10)
     rate = 32 << 10
-    reader.background_rate = rate
+    reader.fill.rate = rate
     clock = FakeClock()
-    fetched = reader.fetch_rest(clock=clock.clock, sleep=clock.sleep)
+    fetched = reader.fill.fetch_rest(clock=clock.clock, sleep=clock.sleep)
     # enough requests for pacing to matter
-    unpaced = reader_module.BACKGROUND_DEPTH * (request + (8 << 10))
+    unpaced = fill_module.BACKGROUND_DEPTH * (request + (8 << 10))
     assert fetched > 4 * unpaced
     # no time passes but the sleeps: they must pace the bytes at the rate (the requests
     # still outstanding at the end are not waited for)

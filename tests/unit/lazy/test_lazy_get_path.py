@@ -151,7 +151,7 @@ def test_the_loop_fast_path_never_rescans_stats_or_plans(tmp_path: Path,
     cache = LoopGuardCache(tmp_path / "cache", max_bytes=1 << 30)
     fetcher = ChunkFetcher(cache, concurrency=4, request_timeout=5.0)
     reader, src, _ = make(tmp_path, "zstd:chunked", fetcher=fetcher)
-    reader.readahead_bytes = 0                        # none while warming up
+    reader.sequential.readahead_bytes = 0           # none while warming up
     tree = metadata_tar()
     big = reader.layer.resolve(BIG)
     step = big.chunks[1].chunk_offset                 # one chunk per read
@@ -174,7 +174,7 @@ def test_the_loop_fast_path_never_rescans_stats_or_plans(tmp_path: Path,
             return fn(*args, **kwargs)
         return guarded
 
-    reader.readahead_bytes = 128 << 10
+    reader.sequential.readahead_bytes = 128 << 10
     planned: list[str] = []
     real_plan = fetcher.plan
     before = src.counting.requests
@@ -184,8 +184,8 @@ def test_the_loop_fast_path_never_rescans_stats_or_plans(tmp_path: Path,
                           (pathlib.Path, "stat")]:
             m.setattr(mod, name, on_loop(getattr(mod, name)))
         m.setattr(fetcher, "plan", lambda fn: (planned.append("plan"), real_plan(fn)))
-        m.setattr(reader, "_read_ahead", on_loop(reader._read_ahead))
-        m.setattr(reader, "_small_between", on_loop(reader._small_between))
+        m.setattr(reader.sequential, "_read_ahead", on_loop(reader.sequential._read_ahead))
+        m.setattr(reader.windows, "_small_between", on_loop(reader.windows._small_between))
         active[0] = True
         try:
             for name in small:                        # warm small files: served on the loop
@@ -270,14 +270,14 @@ def test_a_warm_sequential_reader_is_not_replanned_at_every_chunk(tmp_path: Path
     n = len(big.chunks)
     assert n >= 8
     step = big.chunks[1].chunk_offset                 # one chunk per read
-    reader.readahead_bytes = 0                        # warm the whole file first
+    reader.sequential.readahead_bytes = 0           # warm the whole file first
     for i in range(n):
         off = big.chunks[i].chunk_offset
         assert fuse_read(reader, big, off, step) == tree.files[BIG][off:off + step]
     assert fetcher.cache is not None and fetcher.cache.flush()
     _wait(lambda: fetcher.inflight() == 0)
 
-    reader.readahead_bytes = 2 * max(c.compressed_size for c in big.chunks)  # ~2 chunks
+    reader.sequential.readahead_bytes = 2 * max(c.compressed_size for c in big.chunks)  # ~2 chunks
     planned: list[int] = []
     real_plan = fetcher.plan
 
@@ -305,8 +305,8 @@ def test_a_long_sequential_read_widens_its_window_and_a_jump_narrows_it(
     n = len(big.chunks)
     assert n >= 12
     chunk = max(c.compressed_size for c in big.chunks)
-    reader.readahead_bytes = chunk
-    reader.readahead_max_bytes = 4 * chunk
+    reader.sequential.readahead_bytes = chunk
+    reader.sequential.readahead_max_bytes = 4 * chunk
     asked: list[int] = []
     monkeypatch.setattr(fetcher, "plan", lambda fn: fn())
     monkeypatch.setattr(fetcher, "request",

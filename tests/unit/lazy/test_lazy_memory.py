@@ -155,7 +155,7 @@ def test_the_neighbour_index_lists_the_small_files_chunks_in_blob_order(
     expected = sorted((c for e in toc.entries.values() if e.type == "reg"
                        and e.size <= reader.small_file_bytes for c in e.chunks if not c.zeros),
                       key=lambda c: (c.offset, c.inner_offset))
-    small = reader.warm_index()
+    small = reader.windows.warm_index()
     assert len(small) == len(expected) == FILES
     got: list[Chunk] = list(small.between(0, 1 << 62))
     assert got == expected and [c.owner for c in got] == [c.owner for c in expected]

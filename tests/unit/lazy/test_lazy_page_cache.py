@@ -126,7 +126,7 @@ def test_prefetch_hands_each_verified_chunk_over_unless_recording(tmp_path: Path
     for n in names:
         (root / n).parent.mkdir(parents=True, exist_ok=True)
         (root / n).write_bytes(b"")
-    reader.prefetch()
+    reader.prefetcher.prefetch()
     assert reader.page_cache.join(10)
     if recording:      # the recorder must see the start-up's reads: nothing was pushed
         assert got == {}
@@ -140,12 +140,12 @@ def test_a_node_that_has_the_chunks_already_still_warms_the_page_cache(tmp_path:
     tree = metadata_tar()
     names = ["usr/lib/big.so", "etc/os-release"]
     reader, src, _ = make(tmp_path / "r", "zstd:chunked", tar=tree.tar, prefetch=names)
-    reader.prefetch()                       # the node's cache now holds the start-up set
+    reader.prefetcher.prefetch()          # the node's cache now holds the start-up set
     requests = src.counting.requests
     root = tmp_path / "mnt"
     store = Stores()
     reader.page_cache = _warmer(root, {n: len(tree.files[n]) for n in names}, store)
-    reader.prefetch()                       # a second container of the image on the node
+    reader.prefetcher.prefetch()          # a second container of the image on the node
     assert reader.page_cache.join(10)
     assert src.counting.requests == requests           # nothing fetched again
     pushed = {n: bytearray(len(tree.files[n])) for n in names}

@@ -15,7 +15,9 @@ from coldstart.cache import ChunkCache
 from coldstart.errors import Unavailable
 from coldstart.format.gzindex import GzipIndex, IndexedLayer
 from coldstart.format.toc import Chunk
-from coldstart.lazyfs import reader as reader_module
+from coldstart.lazyfs import batches as batching
+from coldstart.lazyfs import fill as fill_module
+from coldstart.lazyfs.batches import unique_chunks
 from coldstart.lazyfs.fetcher import (
     DEMAND,
     FILL,
@@ -26,16 +28,22 @@ from coldstart.lazyfs.fetcher import (
     pack_runs,
 )
 from coldstart.lazyfs.layers import COMPACT_AFTER, _index_then_trim
-from coldstart.lazyfs.reader import LayerReader, _batches, _growing_batches
+from coldstart.lazyfs.prefetch import PREFETCH_GROWTH
+from coldstart.lazyfs.reader import LayerReader
 from coldstart.prefetch.profile import LayerProfile
 from coldstart.prefetch.recorder import AccessRecorder
 from tests.integration.lazy.lazy_helpers import metadata_tar
 from tests.unit.lazy.test_lazy_reader import FORMATS, GatedSource, make, read_all
 
 
+def _growing(chunks: list[Chunk], first: int, limit: int) -> list[list[Chunk]]:
+    """The prefetch's batches: growing by PREFETCH_GROWTH."""
+    return batching.growing_batches(chunks, first, limit, growth=PREFETCH_GROWTH)
+
+
 def test_growing_batches() -> None:
     chunks = [Chunk(i * 100, i * 100 + 100, i * 100, 100, f"d{i}") for i in range(40)]
-    batches = _growing_batches(chunks, 200, 800)
+    batches = _growing(chunks, 200, 800)
     sizes = [sum(c.compressed_size for c in b) for b in batches]
     assert sizes[:3] == [200, 800, 800]
     assert [c for b in batches for c in b] == chunks
@@ -46,16 +54,16 @@ def test_chunks_sharing_one_range_stay_in_one_batch() -> None:
     batch cut between them fetched the span once per batch (twice the bytes, measured)."""
     spans = [(i * 1000, i * 1000 + 1000) for i in range(6)]
     chunks = [Chunk(a, b, 0, 10, f"d{a}-{k}", k * 10) for a, b in spans for k in range(7)]
-    for batches in (_growing_batches(chunks, 1500, 3000), _batches(chunks, 2000)):
+    for batches in (_growing(chunks, 1500, 3000), batching.batches(chunks, 2000)):
         assert [c for b in batches for c in b] == chunks
         ranges = [{(c.offset, c.end_offset) for c in b} for b in batches]
         assert all(not (x & y) for i, x in enumerate(ranges) for y in ranges[i + 1:])
     # each range counted once: 1500 bytes -> two spans in the first batch, then 3000
-    assert [len({c.offset for c in b}) for b in _growing_batches(chunks, 1500, 3000)] == [2, 3, 1]
+    assert [len({c.offset for c in b}) for b in _growing(chunks, 1500, 3000)] == [2, 3, 1]
     # the fill's batches stay within the limit (one request each): 2 spans of 1000 in 2000
-    assert [len({c.offset for c in b}) for b in _batches(chunks, 2000)] == [2, 2, 2]
-    assert [len({c.offset for c in b}) for b in _batches(chunks, 500)] == [1] * 6
-    assert _batches([], 10) == []
+    assert [len({c.offset for c in b}) for b in batching.batches(chunks, 2000)] == [2, 2, 2]
+    assert [len({c.offset for c in b}) for b in batching.batches(chunks, 500)] == [1] * 6
+    assert batching.batches([], 10) == []
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -63,7 +71,7 @@ def test_prefetch_is_a_few_requests_counted_as_prefetch(tmp_path: Path, fmt: str
     tree = metadata_tar()
     names = ["usr/lib/big.so", "usr/bin/sudo", "etc/os-release"]
     reader, src, _ = make(tmp_path, fmt, tar=tree.tar, prefetch=names)
-    fetched = reader.prefetch()
+    fetched = reader.prefetcher.prefetch()
     assert fetched > 0
     stats = reader.stats.as_dict()
     assert stats["prefetched_bytes"] >= fetched and stats["on_demand_bytes"] == 0
@@ -82,8 +90,8 @@ def test_prefetch_takes_only_the_touched_chunks(tmp_path: Path) -> None:
     big = reader.layer.resolve("usr/lib/big.so")
     assert len(big.chunks) > 10
     wanted = [big.chunks[0], big.chunks[3]]
-    reader.prefetch_ranges = sorted((c.offset, c.end_offset) for c in wanted)
-    reader.prefetch()
+    reader.prefetcher.ranges = sorted((c.offset, c.end_offset) for c in wanted)
+    reader.prefetcher.prefetch()
     assert reader.cache is not None
     assert all(c.digest in reader.cache for c in wanted)
     assert big.chunks[1].digest not in reader.cache
@@ -126,8 +134,8 @@ def test_a_source_that_reads_several_ranges_at_once_gets_the_touched_runs_in_one
     big = reader.layer.resolve("usr/lib/big.so")
     wanted = [big.chunks[0], big.chunks[4], big.chunks[9]]
     assert all(b.offset - a.end_offset > MAX_GAP for a, b in itertools.pairwise(wanted))
-    reader.prefetch_ranges = sorted((c.offset, c.end_offset) for c in wanted)
-    reader.prefetch()
+    reader.prefetcher.ranges = sorted((c.offset, c.end_offset) for c in wanted)
+    reader.prefetcher.prefetch()
     assert reader.stats.requests_by_kind[PREFETCH] == 1
     if not answers:
         # (a registry that does not answer them now) one range, the bytes between fetched
@@ -147,7 +155,7 @@ def test_a_source_that_reads_several_ranges_at_once_gets_the_touched_runs_in_one
 def test_fill_order_is_profile_then_small_then_big(tmp_path: Path) -> None:
     tree = metadata_tar()
     reader, _, _ = make(tmp_path, "zstd:chunked", tar=tree.tar, prefetch=["etc/shadow"])
-    order = reader.fill_order()
+    order = reader.fill.fill_order()
     shadow = reader.layer.resolve("etc/shadow").chunks
     big = reader.layer.resolve("usr/lib/big.so")
     assert order[:len(shadow)] == shadow
@@ -163,8 +171,8 @@ def test_fill_order_is_profile_then_small_then_big(tmp_path: Path) -> None:
 def test_fill_completes_and_says_so(tmp_path: Path, fmt: str) -> None:
     tree = metadata_tar()
     reader, src, _ = make(tmp_path, fmt, tar=tree.tar)
-    reader.background_rate = 1 << 40
-    reader.fetch_rest()
+    reader.fill.rate = 1 << 40
+    reader.fill.fetch_rest()
     stats = reader.stats.as_dict()
     assert stats["state"] == "complete"
     assert stats["filled_bytes"] > 0 and stats["local_bytes"] == stats["total_bytes"] > 0
@@ -177,50 +185,44 @@ def test_fill_completes_and_says_so(tmp_path: Path, fmt: str) -> None:
 
 def test_fill_that_is_stopped_is_not_complete(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(reader_module, "BACKGROUND_REQUEST", 16 << 10)
+    monkeypatch.setattr(fill_module, "BACKGROUND_REQUEST", 16 << 10)
     reader, _, _ = make(tmp_path, "zstd:chunked", chunk_size=8 << 10)
-    reader.background_rate = 1 << 10           # slow: the pacing sleeps after a few requests
+    reader.fill.rate = 1 << 10         # slow: the pacing sleeps after a few requests
 
     def stop_at_first_pause(_seconds: float) -> None:
         reader.close()                         # stopped in the middle of the fill
 
-    reader.fetch_rest(sleep=stop_at_first_pause)
+    reader.fill.fetch_rest(sleep=stop_at_first_pause)
     stats = reader.stats.as_dict()
     assert stats["state"] == "on-demand"
     assert stats["filled_bytes"] > 0 and stats["local_bytes"] < stats["total_bytes"]
 
 
-def test_a_read_joining_a_held_fill_request_does_not_wait_for_quiet(tmp_path: Path) -> None:
+def test_a_read_joining_a_held_fill_request_does_not_wait_for_quiet(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fill holds its requests while reads keep coming; a read that needs a chunk of
-    such a held request takes it over at once instead of waiting with it."""
-    import threading
-    import time
+    such a held request takes it over at once instead of waiting with it.
 
+    Quiet takes an hour here (``QUIET_SECONDS``) after the start-up's read: the fill's request
+    stays held for the whole test, so a read that waited with it would end at its deadline
+    (10 s) with an error, not with the file's bytes."""
+    from coldstart.lazyfs import fetcher as fetcher_module
+
+    monkeypatch.setattr(fetcher_module, "QUIET_SECONDS", 3600.0)
     tree = metadata_tar()
-    reader, _, fetcher = make(tmp_path, "zstd:chunked", tar=tree.tar)
+    reader, src, fetcher = make(tmp_path, "zstd:chunked", tar=tree.tar)
     big = reader.layer.resolve("usr/lib/big.so")
-    stop = threading.Event()
-
-    def keep_reading() -> None:            # the start-up, reading on: never quiet
-        while not stop.is_set():
-            fetcher.note_read()
-            time.sleep(0.01)
-
-    t = threading.Thread(target=keep_reading)
-    t.start()
-    try:
-        time.sleep(0.05)
-        futures = fetcher.request(reader.target, big.chunks[3:6], background=True)
-        time.sleep(0.5)
-        assert not any(f.done() for f in futures.values())     # held by the quiet gate
-        t0 = time.monotonic()
-        got = read_all(reader, "usr/lib/big.so")
-        assert got == tree.files["usr/lib/big.so"]
-        assert time.monotonic() - t0 < 3.0
-        assert all(f.done() for f in futures.values())
-    finally:
-        stop.set()
-        t.join()
+    fetcher.note_read()                    # the start-up, reading on: not quiet for an hour
+    futures = fetcher.request(reader.target, big.chunks[3:6], background=True)
+    time.sleep(0.5)
+    assert not any(f.done() for f in futures.values())     # held by the quiet gate
+    assert src.counting.requests == 0
+    got = read_all(reader, "usr/lib/big.so")
+    assert got == tree.files["usr/lib/big.so"]
+    assert all(f.done() for f in futures.values())
+    # taken over, not fetched beside it: no byte of the blob asked for twice
+    spans = sorted(src.counting.ranges)
+    assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(spans)), spans
 
 
 def test_recorder_sees_cached_and_fetched_reads(tmp_path: Path) -> None:
@@ -259,12 +261,12 @@ def _many_small(n: int = 600) -> tuple[bytes, list[str], dict[str, bytes]]:
 def test_neighbour_window_grows_while_neighbours_are_read(tmp_path: Path) -> None:
     tar, names, files = _many_small()
     reader, src, _ = make(tmp_path, "zstd:chunked", tar=tar)
-    reader.neighbor_bytes = reader.neighbor_window = 32 << 10
-    reader.neighbor_max_bytes = 1 << 20
+    reader.windows.neighbor_bytes = reader.windows.neighbor_window = 32 << 10
+    reader.windows.neighbor_max_bytes = 1 << 20
     reader.fetcher.plan = lambda fn: None        # no follow-ahead: only misses fetch
     for name in names:
         assert read_all(reader, name) == files[name]
-    assert reader.neighbor_window == 1 << 20
+    assert reader.windows.neighbor_window == 1 << 20
     # a fixed 32 KiB window would take one request per ~5 files; the grown one far fewer
     assert src.counting.requests < len(names) / 20
 
@@ -272,13 +274,13 @@ def test_neighbour_window_grows_while_neighbours_are_read(tmp_path: Path) -> Non
 def test_neighbour_window_shrinks_when_neighbours_are_not_read(tmp_path: Path) -> None:
     tar, names, files = _many_small()
     reader, _, _ = make(tmp_path, "zstd:chunked", tar=tar)
-    reader.neighbor_bytes = 32 << 10
-    reader.neighbor_window = 512 << 10           # grown earlier
+    reader.windows.neighbor_bytes = 32 << 10
+    reader.windows.neighbor_window = 512 << 10  # grown earlier
     reader.fetcher.plan = lambda fn: None
     for name in names[::60]:                     # far apart: no neighbour is ever read
         assert read_all(reader, name) == files[name]
     # back to the configured window, not below it
-    assert reader.neighbor_window == 32 << 10
+    assert reader.windows.neighbor_window == 32 << 10
 
 
 def test_ranges_without_a_landmark_prefetch_those_chunks(tmp_path: Path) -> None:
@@ -286,13 +288,13 @@ def test_ranges_without_a_landmark_prefetch_those_chunks(tmp_path: Path) -> None
     annotation alone names the chunks to fetch at mount."""
     tree = metadata_tar()
     reader, _, _ = make(tmp_path, "zstd:chunked", tar=tree.tar)
-    assert not reader.layer.toc.prefetch and not reader.wants_prefetch
+    assert not reader.layer.toc.prefetch and not reader.prefetcher.wanted
     big = reader.layer.resolve("usr/lib/big.so")
     sudo = reader.layer.resolve("usr/bin/sudo").chunks[0]
     wanted = [big.chunks[2], sudo]
-    reader.prefetch_ranges = sorted((c.offset, c.end_offset) for c in wanted)
-    assert reader.wants_prefetch
-    assert reader.prefetch() > 0
+    reader.prefetcher.ranges = sorted((c.offset, c.end_offset) for c in wanted)
+    assert reader.prefetcher.wanted
+    assert reader.prefetcher.prefetch() > 0
     assert reader.cache is not None
     assert all(c.digest in reader.cache for c in wanted)
     assert big.chunks[0].digest not in reader.cache
@@ -306,17 +308,17 @@ def test_touched_chunks_match_a_scan_of_the_whole_layer(tmp_path: Path) -> None:
     tree = metadata_tar()
     reader, _, _ = make(tmp_path, "zstd:chunked", tar=tree.tar,
                         prefetch=["usr/lib/big.so", "etc/os-release"])
-    every = reader._unique_chunks()
-    front = reader._unique_chunks(reader.layer.toc.prefetch)
+    every = unique_chunks(reader.layer)
+    front = unique_chunks(reader.layer, reader.layer.toc.prefetch)
     span = max(c.end_offset for c in front)
     rng = random.Random(5)
     for trial in range(40):
         pool = front if trial % 2 == 0 else every     # within the span, then anywhere
         picked = sorted(rng.sample(pool, min(len(pool), rng.randint(1, 6))),
                         key=lambda c: c.offset)
-        reader.prefetch_ranges = [(c.offset, c.end_offset) for c in picked]
-        want = [c for c in every if reader._touched(c)]
-        assert reader._touched_chunks() == want
+        reader.prefetcher.ranges = [(c.offset, c.end_offset) for c in picked]
+        want = [c for c in every if reader.prefetcher._touched(c)]
+        assert reader.prefetcher._touched_chunks() == want
         if trial % 2 == 0:
             assert all(c.end_offset <= span for c in want)
 
@@ -326,8 +328,8 @@ def test_a_fill_that_does_not_fit_in_the_cache_is_skipped_and_says_why(tmp_path:
     small = ChunkCache(tmp_path / "small", max_bytes=64 << 10)    # the layer holds more
     fetcher = ChunkFetcher(small, concurrency=2, request_timeout=5.0)
     reader, src, _ = make(tmp_path, "zstd:chunked", tar=tree.tar, fetcher=fetcher)
-    reader.background_rate = 1 << 40
-    assert reader.fetch_rest() == 0 and src.counting.requests == 0
+    reader.fill.rate = 1 << 40
+    assert reader.fill.fetch_rest() == 0 and src.counting.requests == 0
     assert "does not fit in the chunk cache" in reader.stats.last_error
 
 
@@ -353,10 +355,10 @@ def test_the_fill_of_an_indexed_gzip_layer_reads_each_span_once(
     fetcher = ChunkFetcher(ChunkCache(tmp_path / "cache", max_bytes=1 << 30), concurrency=4,
                            max_coalesce_bytes=16 << 20, request_timeout=5.0)
     reader = LayerReader(digest, layer, src, fetcher, read_deadline=10.0)
-    monkeypatch.setattr(reader_module, "BACKGROUND_REQUEST", 4 << 10)   # cuts every span
-    reader.background_rate = 1 << 40
+    monkeypatch.setattr(fill_module, "BACKGROUND_REQUEST", 4 << 10)   # cuts every span
+    reader.fill.rate = 1 << 40
     src.counting.reset()
-    reader.fetch_rest()
+    reader.fill.fetch_rest()
     stats = reader.stats.as_dict()
     assert stats["state"] == "complete"
     assert stats["local_bytes"] == stats["total_bytes"] <= len(blob)
@@ -384,13 +386,13 @@ def test_the_fill_completes_a_span_handed_out_before_whose_pieces_were_evicted(
     first = layer.resolve("pkg/m000.py").chunks[0]
     read_all(reader, "pkg/m000.py")                 # its span is spread: all pieces cached
     cache.flush()
-    others = [c for c in reader._unique_chunks()
+    others = [c for c in unique_chunks(reader.layer)
               if c.offset == first.offset and c.digest != first.digest][:3]
     assert others and all(c.digest in cache for c in others)
     for c in others:
         cache.remove(c.digest)
-    reader.background_rate = 1 << 40
-    reader.fetch_rest()
+    reader.fill.rate = 1 << 40
+    reader.fill.fetch_rest()
     stats = reader.stats.as_dict()
     assert stats["state"] == "complete", stats
     assert all(c.digest in cache for c in others)
@@ -426,9 +428,9 @@ def test_an_indexed_layer_prefetches_the_spans_its_index_names(tmp_path: Path) -
     fetcher = ChunkFetcher(ChunkCache(tmp_path / "cache", max_bytes=1 << 30), concurrency=2,
                            max_coalesce_bytes=16 << 20, request_timeout=5.0)
     reader = LayerReader(digest, layer, src, fetcher, read_deadline=10.0)
-    assert reader.wants_prefetch and reader.prefetch_ranges == list(named.prefetch_ranges)
+    assert reader.prefetcher.wanted and reader.prefetcher.ranges == list(named.prefetch_ranges)
     src.counting.reset()
-    assert reader.prefetch() > 0
+    assert reader.prefetcher.prefetch() > 0
     order: list[int] = []
     for f in recorded.files:
         for c in layer.toc.entries[f.path].chunks:
@@ -477,10 +479,10 @@ def test_an_indexed_prefetch_spreads_its_spans_later_without_fetching_them_again
     assert len(spans) >= 2 and any(need[s] < whole[s] for s in spans)
     src.counting.reset()
     limits.clear()
-    assert reader.prefetch() > 0
+    assert reader.prefetcher.prefetch() > 0
     requests = src.counting.requests
     assert requests == len(spans)
-    others = [c for c in reader._unique_chunks() if c.offset in spans
+    others = [c for c in unique_chunks(reader.layer) if c.offset in spans
               and c.owner not in {f.path for f in recorded.files}]
     assert len(others) > 10
     deadline = time.monotonic() + 10
@@ -522,13 +524,14 @@ def test_a_deferred_spread_of_a_layer_no_longer_served_is_dropped(
     reader = LayerReader(layer.index.layer, layer, src, fetcher, read_deadline=10.0)
     try:
         fetcher.note_read()              # a start-up reading: spreads wait QUIET_SECONDS
-        assert reader.prefetch() > 0
+        assert reader.prefetcher.prefetch() > 0
         assert fetcher._deferred > 0     # held
         reader.close()                   # unmounted
         closed = time.monotonic()
         read = {f.path for f in recorded.files}
         spans = {c.offset for f in recorded.files for c in layer.toc.entries[f.path].chunks}
-        others = [c for c in reader._unique_chunks() if c.offset in spans and c.owner not in read]
+        others = [c for c in unique_chunks(reader.layer)
+                  if c.offset in spans and c.owner not in read]
         assert len(others) > 10
         assert fetcher.wait_deferred(timeout=15)
         # given back at once, not once the node is quiet
@@ -560,7 +563,7 @@ def test_the_fill_after_an_indexed_prefetch_fetches_no_span_twice(
                            max_coalesce_bytes=16 << 20, request_timeout=5.0)
     try:
         reader = LayerReader(digest, layer, src, fetcher, read_deadline=10.0)
-        reader.background_rate = 1 << 40
+        reader.fill.rate = 1 << 40
         src.counting.reset()
         reader.prefetch_then_rest()
         assert reader.stats.as_dict()["state"] == "complete"
@@ -582,9 +585,9 @@ def test_a_multi_range_prefetch_that_fails_leaves_its_chunks_to_reads(tmp_path: 
     reader, _, _ = make(tmp_path, "zstd:chunked", tar=tree.tar,
                         prefetch=["usr/lib/big.so"], source=Failing)
     big = reader.layer.resolve("usr/lib/big.so")
-    reader.prefetch_ranges = [(big.chunks[0].offset, big.chunks[0].end_offset),
+    reader.prefetcher.ranges = [(big.chunks[0].offset, big.chunks[0].end_offset),
                               (big.chunks[5].offset, big.chunks[5].end_offset)]
-    reader.prefetch()                       # logged and counted, not raised; nothing waits
+    reader.prefetcher.prefetch()            # logged and counted, not raised; nothing waits
     assert reader.cache is not None and big.chunks[0].digest not in reader.cache
     assert reader.stats.as_dict()["errors"]
     assert read_all(reader, "usr/lib/big.so") == tree.files["usr/lib/big.so"]
@@ -606,8 +609,8 @@ def test_housekeeping_waits_for_the_prefetch_and_a_pause_in_the_reads(tmp_path: 
     tree = metadata_tar()
     reader, src, _ = make(tmp_path, "zstd:chunked", tar=tree.tar,
                           prefetch=["usr/lib/big.so", "etc/os-release"])
-    reader.background_rate = 0
-    assert reader.wants_prefetch
+    reader.fill.rate = 0
+    assert reader.prefetcher.wanted
     src.gate.clear()                        # the prefetch's requests wait
     returned: list[float] = []
     waiter = threading.Thread(
@@ -628,7 +631,7 @@ def test_housekeeping_waits_for_the_prefetch_and_a_pause_in_the_reads(tmp_path: 
     for stage, after in (("the first wait", 30.0), ("the prefetch", 0.0), ("the reads", 0.0)):
         layer, gated, _ = make(tmp_path / stage.replace(" ", "-"), "zstd:chunked",
                                tar=tree.tar, prefetch=["usr/lib/big.so"])
-        layer.background_rate = 0
+        layer.fill.rate = 0
         gated.gate.clear()
         results: list[bool] = []
         t = threading.Thread(target=lambda r=layer, a=after, out=results: out.append(
@@ -665,7 +668,7 @@ def test_a_layer_restored_after_a_restart_is_compacted_at_once(tmp_path: Path) -
     for a prefetch (none ran here) or a pause in the reads."""
     tree = metadata_tar()
     reader, _, _ = make(tmp_path, "zstd:chunked", tar=tree.tar, prefetch=["usr/lib/big.so"])
-    assert reader.wants_prefetch
+    assert reader.prefetcher.wanted
     assert reader.layer.toc.entries._index is not None        # not compacted yet
     started = time.monotonic()
     # in a thread of its own, as the server runs it: it nices the thread that calls it

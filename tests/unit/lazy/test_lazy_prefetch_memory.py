@@ -18,9 +18,10 @@ from coldstart.cache import chunks as chunks_module
 from coldstart.cache.chunks import _Encoded
 from coldstart.errors import Unavailable
 from coldstart.format.toc import Chunk
+from coldstart.lazyfs.batches import Landing
 from coldstart.lazyfs.fetcher import PREFETCH, ChunkFetcher
 from coldstart.lazyfs.pagecache import PageCacheWarmer
-from coldstart.lazyfs.reader import LayerReader, _Landing
+from coldstart.lazyfs.reader import LayerReader
 from tests.integration.lazy.lazy_helpers import SourceTree, metadata_tar
 from tests.unit.lazy.test_lazy_cache import wait_until
 from tests.unit.lazy.test_lazy_reader import FORMATS, GatedSource, make, read_all
@@ -98,7 +99,7 @@ def test_prefetched_chunks_wait_for_the_disk_compressed_and_read_ones_decoded(
     pushed = warm(reader, tmp_path / "mnt", [BIG], {BIG: len(tree.files[BIG])})
     decodes = count_decodes(reader, monkeypatch)
     open_gate = hold_writes(cache, monkeypatch)
-    assert reader.prefetch() > 0
+    assert reader.prefetcher.prefetch() > 0
     assert reader.page_cache is not None and reader.page_cache.join(10)
     assert bytes(pushed[BIG]) == tree.files[BIG]         # the page cache has it decoded
     big = reader.layer.resolve(BIG)
@@ -134,12 +135,12 @@ def test_a_prefetch_nobody_reads_is_written_from_its_compressed_bytes(
     tree, reader, _, _, cache = start_up(tmp_path)
     decodes = count_decodes(reader, monkeypatch)
     open_gate = hold_writes(cache, monkeypatch)
-    assert reader.prefetch() > 0
+    assert reader.prefetcher.prefetch() > 0
     big = reader.layer.resolve(BIG)
     assert all(isinstance(pending(cache, c), int) for c in big.chunks)
     # a second start-up of the image before the writes: its prefetch finds the chunks
     # pending and hands them to the page cache, still encoded
-    assert reader.prefetch() == 0
+    assert reader.prefetcher.prefetch() == 0
     assert reader.page_cache is not None and reader.page_cache.join(10)
     assert all(isinstance(pending(cache, c), int) for c in big.chunks)
     assert all(decodes[c] == 2 for c in big.chunks)       # the fetch's, the second start's
@@ -163,7 +164,7 @@ def test_a_prefetch_the_page_cache_does_not_get_waits_decoded(
         assert reader.page_cache is not None
         reader.page_cache.enabled = lambda: False
     hold_writes(cache, monkeypatch)
-    assert reader.prefetch() > 0
+    assert reader.prefetcher.prefetch() > 0
     big = reader.layer.resolve(BIG)
     assert all(pending(cache, c) == b"decoded" for c in big.chunks)
 
@@ -174,7 +175,7 @@ def test_a_prefetched_chunk_a_read_waited_for_stays_decoded(
     hold_writes(cache, monkeypatch)
     big = reader.layer.resolve(BIG)
     src.gate.clear()                      # the prefetch's requests wait
-    prefetch = threading.Thread(target=reader.prefetch)
+    prefetch = threading.Thread(target=reader.prefetcher.prefetch)
     prefetch.start()
     assert wait_until(lambda: all(cache.contains(c.digest) or fetcher.inflight() > 0
                                   for c in big.chunks[:1]))
@@ -231,7 +232,7 @@ def test_a_landing_says_which_chunks_came_without_keeping_them() -> None:
                     digest="", owner=f"f{i}") for i in range(3)]
     futures: dict[Chunk, Future[bytes]] = {c: Future() for c in chunks}
     refs = [weakref.ref(f) for f in futures.values()]
-    landing = _Landing(futures)
+    landing = Landing(futures)
     futures[chunks[0]].set_result(b"x" * 100)
     futures[chunks[1]].set_exception(Unavailable("registry down"))
     assert landing.wait(0.05) == [chunks[0]]         # timed out: the third is still out

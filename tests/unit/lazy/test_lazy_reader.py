@@ -174,7 +174,7 @@ def test_prefetch_fetches_the_landmarked_files(tmp_path: Path) -> None:
     reader, src, _fetcher = make(tmp_path, "zstd:chunked", tar=tree.tar,
                                 prefetch=["usr/bin/sudo", "etc/os-release"])
     assert set(reader.layer.toc.prefetch) >= {"usr/bin/sudo", "etc/os-release"}
-    assert reader.prefetch() > 0
+    assert reader.prefetcher.prefetch() > 0
     assert reader.stats.prefetch_done
     before = src.counting.requests
     assert read_all(reader, "usr/bin/sudo") == tree.files["usr/bin/sudo"]

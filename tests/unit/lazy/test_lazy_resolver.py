@@ -97,7 +97,7 @@ def test_open_verifies_the_toc_and_reads_through_the_registry(fmt: str) -> None:
     reader = resolver(reg, read_deadline=3.0, background_rate=5).open(spec)
     assert reader.digest == spec.digest and reader.layer.toc_digest == toc
     assert reader.layer.format == ("estargz" if fmt == "estargz" else "zstd:chunked")
-    assert reader.background_rate == 5
+    assert reader.fill.rate == 5
     # footer and TOC by range requests, each with the configured request deadline
     assert reg.ranges and all(t == 7.5 for _, _, t in reg.ranges)
 

@@ -9,6 +9,7 @@ import pytest
 
 from coldstart.format.toc import Entry
 from coldstart.lazyfs import reader as reader_mod
+from coldstart.lazyfs import streams as streams_mod
 from coldstart.lazyfs.fetcher import ChunkFetcher
 from coldstart.lazyfs.reader import LayerReader
 from tests.integration.lazy.lazy_helpers import metadata_tar
@@ -25,11 +26,11 @@ def _streaming_reader(tmp: Path, monkeypatch: pytest.MonkeyPatch
     big = reader.layer.resolve(BIG)
     assert len(big.chunks) >= 12
     step = big.chunks[1].chunk_offset
-    monkeypatch.setattr(reader_mod, "STREAM_MIN_FILE", 0)
-    monkeypatch.setattr(reader_mod, "STREAM_TRIGGER", 3 * step)
-    monkeypatch.setattr(reader_mod, "STREAM_SLACK", 0)
-    monkeypatch.setattr(reader_mod, "STREAM_REQUEST", 3 * step)
-    reader.readahead_bytes = 1                        # on (it gates the stream too)
+    monkeypatch.setattr(reader_mod, "STREAM_MIN_FILE", 0)     # (checked by the reader)
+    monkeypatch.setattr(streams_mod, "STREAM_TRIGGER", 3 * step)
+    monkeypatch.setattr(streams_mod, "STREAM_SLACK", 0)
+    monkeypatch.setattr(streams_mod, "STREAM_REQUEST", 3 * step)
+    reader.sequential.readahead_bytes = 1           # on (it gates the stream too)
     return reader, src, fetcher, big, step
 
 
@@ -40,7 +41,7 @@ def test_two_interleaved_sequential_runs_both_get_read_ahead(
     big = reader.layer.resolve(BIG)
     n = len(big.chunks)
     assert n >= 12
-    reader.readahead_bytes = max(c.compressed_size for c in big.chunks)
+    reader.sequential.readahead_bytes = max(c.compressed_size for c in big.chunks)
     asked: list[int] = []
     monkeypatch.setattr(fetcher, "plan", lambda fn: fn())
     monkeypatch.setattr(fetcher, "request",
@@ -67,7 +68,7 @@ def test_a_long_run_streams_the_rest_of_the_file_once(
     for k in range(mid, mid + 3):
         off = big.chunks[k].chunk_offset
         assert reader.read(big, off, step) == tree.files[BIG][off:off + step]
-    assert BIG in reader._streamed
+    assert BIG in reader.sequential._streamed
     cache = fetcher.cache
     assert cache is not None
     _wait(lambda: all(c.zeros or c.digest in cache for c in big.chunks))
@@ -85,7 +86,7 @@ def test_scattered_reads_of_a_big_file_do_not_stream_it(
     n = len(big.chunks)
     for k in range(0, n, 2):                          # every other chunk: runs of one chunk
         reader.read(big, big.chunks[k].chunk_offset, step // 2)
-    assert BIG not in reader._streamed
+    assert BIG not in reader.sequential._streamed
     _wait(lambda: fetcher.inflight() == 0)
     cache = fetcher.cache
     assert cache is not None
@@ -100,9 +101,9 @@ def test_one_stream_at_a_time_on_the_node(tmp_path: Path,
     assert fetcher.stream_slot.acquire(blocking=False)
     for k in range(0, 3):
         reader.read(big, big.chunks[k].chunk_offset, step)
-    assert BIG not in reader._streamed
+    assert BIG not in reader.sequential._streamed
     fetcher.stream_slot.release()
     reader.read(big, big.chunks[3].chunk_offset, step)
-    assert BIG in reader._streamed
+    assert BIG in reader.sequential._streamed
     _wait(lambda: fetcher.stream_slot.acquire(blocking=False))   # released when it ends
     fetcher.stream_slot.release()

@@ -1,0 +1,196 @@
+"""The background fill: the rest of a layer fetched after its start-up, so the node ends with
+the whole layer local (DESIGN, "Hybrid fill").
+
+Once the start-up prefetch (:mod:`~coldstart.lazyfs.prefetch`) has ended, :class:`BackgroundFill`
+fetches every other chunk of the layer: the prefetch set first (what it left), then the small
+files' chunks, then the big files' (:meth:`BackgroundFill.fill_order`, each part in blob order),
+in large requests, at a bounded rate, yielding to on-demand reads, so a start-up that reads
+widely waits on few round trips and a complete layer never touches the network again.
+
+Everything about when and how the fill runs is here: :meth:`BackgroundFill.after_start_up`
+(its thread niced, then waiting for a pause in the reads and for the prefetch's deferred spreads)
+and :meth:`BackgroundFill.fetch_rest` (its order, batches, window of requests and pacing). The
+thread is the one the FUSE server starts after a mount
+(:meth:`~coldstart.lazyfs.reader.LayerReader.prefetch_then_rest`, after the prefetch); its
+requests run in the fetcher's low-priority ``fill`` pool
+(:meth:`~coldstart.lazyfs.fetcher.ChunkFetcher.request`, ``background=True``), which holds them
+while on-demand fetches are in flight. The :class:`~coldstart.lazyfs.reader.LayerReader` owns
+one per layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from coldstart.config import FetchConfig
+from coldstart.errors import ColdstartError
+from coldstart.format.layer import SeekableLayer
+from coldstart.format.toc import Chunk
+from coldstart.lazyfs.batches import (
+    Landing,
+    batches,
+    first_per_range,
+    fits_in_cache,
+    is_local,
+    range_bytes,
+    ranges,
+    unique_chunks,
+)
+from coldstart.lazyfs.fetcher import FILL, ChunkFetcher, FetchTarget, lower_priority
+
+__all__ = ["BACKGROUND_DEPTH", "BACKGROUND_REQUEST", "BackgroundFill"]
+
+log = logging.getLogger(__name__)
+
+#: the fill's defaults, from the one config tree (CONVENTIONS §9)
+_DEFAULTS = FetchConfig()
+
+#: Compressed bytes per request of the background fetch of the rest of a layer: large enough
+#: that requests are few, small enough that a read waiting on one is not held up long.
+BACKGROUND_REQUEST = 4 << 20
+#: The background fetch keeps this many requests outstanding.
+BACKGROUND_DEPTH = 2
+
+
+class BackgroundFill:
+    """The background fill of one layer (see the module docstring).
+
+    ``rate``: compressed bytes a second at most (0: no fill). ``small_file_bytes``: files up to
+    this size are filled before the big ones (the reader's small-file limit)."""
+
+    def __init__(self, target: FetchTarget, fetcher: ChunkFetcher, *, small_file_bytes: int,
+                 read_deadline: float, rate: int = _DEFAULTS.background_rate) -> None:
+        self.target = target
+        self.layer: SeekableLayer = target.layer
+        self.fetcher = fetcher
+        self.cache = fetcher.cache
+        self.small_file_bytes = small_file_bytes
+        self.read_deadline = read_deadline
+        self.rate = max(0, rate)
+
+    def after_start_up(self) -> None:
+        """The fill as the FUSE server runs it, in the mount's thread once the prefetch has
+        ended: the rest is background work, so this thread yields the CPU from here on, and
+        plans the fill (every entry of the TOC) only once the start-up pauses; the spans the
+        prefetch holds are spread first (the fill would fetch them again). Nothing at rate 0.
+        """
+        if self.rate <= 0:
+            return
+        lower_priority()
+        self.fetcher.wait_quiet()
+        self.fetcher.wait_deferred(stop=self.target.stopped)
+        self.fetch_rest()
+
+    def fill_order(self) -> list[Chunk]:
+        """Every chunk of the layer in the order the fill fetches it: the prefetch set first,
+        then the small files' chunks, then the big files' (each part in blob order)."""
+        first = unique_chunks(self.layer, self.layer.toc.prefetch)
+        taken = {(c.offset, c.inner_offset) for c in first}
+        big = {(c.offset, c.inner_offset) for e in self.layer.toc.entries.values()
+               if e.type == "reg" and e.size > self.small_file_bytes for c in e.chunks}
+        small: list[Chunk] = []
+        large: list[Chunk] = []
+        for c in unique_chunks(self.layer):
+            k = (c.offset, c.inner_offset)
+            if k in taken:
+                continue
+            (large if k in big else small).append(c)
+        return first + small + large
+
+    def fetch_rest(self, *, clock: Callable[[], float] = time.monotonic,
+                   sleep: Callable[[float], object] = time.sleep) -> int:
+        """The hybrid fill: fetch every chunk not yet local, in :meth:`fill_order`, at most
+        ``rate`` bytes a second (0: do nothing); blocks, returns the compressed bytes fetched.
+
+        Requests are ``BACKGROUND_REQUEST`` bytes, ``BACKGROUND_DEPTH`` outstanding, run in
+        the fetcher's low-priority (niced) thread and wait while on-demand fetches are in
+        flight: a read jumps the queue and is never starved. A read that needs a chunk
+        already in one of them joins that fetch (single flight) instead of asking again.
+        Errors are logged and counted; the chunks they concern are simply left for on-demand
+        reads. When every chunk is local the layer's state becomes ``complete``.
+        """
+        rate = self.rate
+        if rate <= 0:
+            return 0
+        stats = self.target.stats
+        stop = self.target.stopped
+        cache = self.cache
+        todo = self.fill_order()
+        total = range_bytes(todo)
+        if not fits_in_cache(self.target, cache, todo):
+            return 0
+        with stats._lock:
+            stats.state = "filling"
+            stats.total_bytes = total
+        fetched = 0
+        local = 0       # compressed bytes known local: found cached, or fetched by the fill
+        counted: set[tuple[int, int]] = set()      # their ranges (a range is counted once)
+        start = clock()
+
+        def count(done: Iterable[tuple[int, int]]) -> None:
+            nonlocal local
+            for r in done:
+                if r not in counted:
+                    counted.add(r)
+                    local += r[1] - r[0]
+            with stats._lock:
+                stats.local_bytes = local
+
+        def settle(nbytes: int, landing: Landing) -> int:
+            count(ranges(landing.wait(self.read_deadline * 4)))
+            return nbytes
+
+        def run(planned: list[list[Chunk]], one_per_span: bool) -> bool:
+            """Fetch ``planned`` paced at ``rate``; False if stopped or a request failed."""
+            nonlocal fetched
+            window: list[tuple[int, Landing]] = []
+            ok = True
+            for batch in planned:
+                if stop.is_set():
+                    ok = False
+                    break
+                want = [c for c in batch if not is_local(cache, c)]
+                wanted = ranges(want)
+                count(r for r in ranges(batch) if r not in wanted)
+                if not want:
+                    continue
+                if one_per_span:
+                    want = first_per_range(want)
+                try:
+                    landing = Landing(self.fetcher.request(self.target, want, background=True,
+                                                           max_bytes=BACKGROUND_REQUEST,
+                                                           kind=FILL))
+                except ColdstartError:
+                    ok = False
+                    break
+                window.append((range_bytes(want), landing))
+                if len(window) >= BACKGROUND_DEPTH:
+                    nbytes, oldest = window.pop(0)
+                    fetched += settle(nbytes, oldest)
+                    # token bucket with no burst: never ahead of rate x elapsed
+                    ahead = fetched / rate - (clock() - start)
+                    if ahead > 0:
+                        sleep(ahead)
+            for nbytes, landing in window:
+                fetched += settle(nbytes, landing)
+            return ok
+
+        spreads = self.layer.spreads
+        # where decoding one piece of a span caches the others (an indexed gzip layer), one
+        # piece per span is asked for; a span handed out before in this mount (its pieces since
+        # evicted), or a piece whose digest another fetch had in flight, leaves pieces
+        # missing: those are then asked for one by one
+        if run(batches(todo, BACKGROUND_REQUEST), spreads) and spreads:
+            left = [c for c in todo if not is_local(cache, c)]
+            if left:
+                run(batches(left, BACKGROUND_REQUEST), False)
+        complete = not stop.is_set() and all(is_local(cache, c) for c in todo)
+        with stats._lock:
+            stats.background_done = True
+            stats.local_bytes = total if complete else stats.local_bytes
+            stats.state = "complete" if complete else "on-demand"
+        log.info("layer %s: background fill %s, %d bytes in %.1f s", self.target.digest,
+                 "complete" if complete else "stopped", fetched, clock() - start)
+        return fetched
