@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from coldstart.benchmark import images
+from coldstart.benchmark import imagecontent, images
+from coldstart.benchmark.imagelayers import MTIME
 from coldstart.benchmark.images import BUILTIN, BenchImage, build_image, load_image
 from coldstart.errors import InvalidArgument
 from coldstart.oci.layout import OciLayout
@@ -89,7 +90,7 @@ def test_tiny_is_a_valid_gzip_oci_layout(tiny: BenchImage, cache: Path) -> None:
     assert members["app/start.sh"].mode == 0o755
     assert members["app/lib/libbig.so"].size == 48 << 20
     assert sum(n.endswith(".py") for n in members) == 2000
-    assert {m.mtime for m in members.values()} == {images.MTIME}
+    assert {m.mtime for m in members.values()} == {MTIME}
     recipe = json.loads((tiny.layout / "recipe.json").read_text())
     assert recipe["recipe_version"] >= 1
     assert recipe["image"]["command"] == tiny.command
@@ -169,12 +170,12 @@ def test_default_cache_dir_honours_the_environment(monkeypatch: pytest.MonkeyPat
 # -- the model server (server_app.py), on this host's Python -------------------------------------
 
 def _write_checkpoint(path: Path) -> None:
-    tensors = images._llama_tensors(64, 128, range(2), 100, embed=True, head=True)
-    pool = images._bf16_pool(1, 1 << 16)
+    tensors = imagecontent.llama_tensors(64, 128, range(2), 100, embed=True, head=True)
+    pool = imagecontent.bf16_pool(1, 1 << 16)
     with open(path, "wb") as f:
-        for chunk in images._safetensors_chunks(tensors, pool, 2):
+        for chunk in imagecontent.safetensors_chunks(tensors, pool, 2):
             f.write(chunk)
-    assert path.stat().st_size == images._safetensors_size(tensors)
+    assert path.stat().st_size == imagecontent.safetensors_size(tensors)
 
 
 @pytest.mark.parametrize("loader", ["safetensors", "coldstart"])

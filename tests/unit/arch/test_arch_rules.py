@@ -86,7 +86,7 @@ RULES: dict[str, Rule] = {
     # (a probe of the app, as probe.sinks' POST is a report; blobs go through remote and oci)
     "benchmark": rule(_BELOW_BENCH + " stack",
                       "httpx@benchmark.ready matplotlib@benchmark.results "
-                      "numpy@benchmark.images torch@benchmark.server_app "
+                      "numpy@benchmark.imagecontent torch@benchmark.server_app "
                       "safetensors@benchmark.server_app"),
     "cli": rule("*", "click"),
     "commands": rule("*", "click rich@commands.bench rich@commands._progress "
