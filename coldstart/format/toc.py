@@ -14,6 +14,7 @@ import threading
 from array import array
 from collections.abc import Callable, ItemsView, Iterator, Mapping, ValuesView
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from coldstart.errors import FormatError
 
@@ -26,6 +27,7 @@ __all__ = [
     "WHITEOUT_PREFIX",
     "Chunk",
     "Entry",
+    "Stat",
     "TOCEntries",
     "normalize_name",
 ]
@@ -101,6 +103,28 @@ class Entry:
         return self.name.rpartition("/")[0]
 
 
+class Stat(NamedTuple):
+    """What a file system shows of an entry without its contents: the fields of
+    :class:`Entry` that ``stat`` and a directory listing need (no chunks, digests, names or
+    extended attributes). ``size`` is a regular file's (0 for every other type), as in
+    :class:`Entry`."""
+
+    type: str
+    mode: int
+    uid: int
+    gid: int
+    size: int
+    mtime_ns: int
+    link_name: str
+    dev_major: int
+    dev_minor: int
+
+    @classmethod
+    def of(cls, e: Entry) -> Stat:
+        return cls(e.type, e.mode, e.uid, e.gid, e.size, e.mtime_ns, e.link_name, e.dev_major,
+                   e.dev_minor)
+
+
 def normalize_name(raw: str, *, what: str = "entry") -> str:
     """Normalize a path from a tar header or TOC; refuse one that could escape the layer.
 
@@ -138,15 +162,16 @@ class TOCEntries(Mapping[str, Entry]):
     """
 
     __slots__ = ("_any_xattrs", "_built", "_compact", "_compact_lock", "_index", "_keep",
-                 "_lock", "_made", "_make", "_order", "_small_chunks", "_sorted", "names",
-                 "types")
+                 "_lock", "_made", "_make", "_order", "_small_chunks", "_sorted", "_stat",
+                 "names", "types")
 
     def __init__(self, names: list[str], make: Callable[[int], Entry],
                  types: list[str] | None = None, *, index: dict[str, int] | None = None,
                  built: list[Entry | None] | None = None, keep: int = KEEP_ENTRIES,
                  compact: Callable[[], None] | None = None,
                  small_chunks: Callable[[int], list[tuple[int, int, int, int]]] | None = None,
-                 any_xattrs: bool | None = None) -> None:
+                 any_xattrs: bool | None = None,
+                 stat: Callable[[int], Stat] | None = None) -> None:
         #: every name, by position (the inode order of the FUSE layer)
         self.names = names
         self._index: dict[str, int] | None = (
@@ -157,6 +182,7 @@ class TOCEntries(Mapping[str, Entry]):
         self._compact = compact
         self._small_chunks = small_chunks
         self._any_xattrs = any_xattrs
+        self._stat = stat
         self._compact_lock = threading.Lock()
         self._make = make
         self._built = built
@@ -216,6 +242,30 @@ class TOCEntries(Mapping[str, Entry]):
         if self._any_xattrs is None:
             self._any_xattrs = any(e.xattrs for e in self.values())
         return self._any_xattrs
+
+    def stat(self, i: int) -> Stat:
+        """What a listing shows of the entry at position ``i``, read from the builder's
+        columns where it has them (``stat``), without making the entry: a ``find`` over a
+        200,000-file layer lists every entry once and reads no file."""
+        e = self._made.get(i) if self._built is None else self._built[i]
+        if e is None and self._stat is not None:
+            if not 0 <= i < len(self.names):
+                raise IndexError(i)
+            return self._stat(i)
+        return Stat.of(e if e is not None else self.at(i))
+
+    def made(self, i: int) -> Entry:
+        """The entry at position ``i``, made afresh and not kept (one kept already is given
+        as it is): a pass over every entry (the background fill's plan) leaves the entries
+        the file system asked for in the cache."""
+        if self._built is not None:
+            return self._built[i]  # type: ignore[return-value]
+        e = self._made.get(i)
+        if e is None:
+            if not 0 <= i < len(self.names):
+                raise IndexError(i)
+            e = self._make(i)
+        return e
 
     def at(self, i: int) -> Entry:
         """The entry at position ``i``."""

@@ -25,9 +25,12 @@ from collections.abc import Callable, Sequence
 from operator import attrgetter
 from typing import Any, Protocol
 
-from coldstart.format.toc import MODE_PERM_MASK, Chunk, Entry
+from coldstart.format.toc import MODE_PERM_MASK, Chunk, Entry, Stat
 
 __all__ = ["RawEntry", "TOCColumns"]
+
+#: what a directory the parser synthesized (a missing parent) shows
+_SYNTH_DIR = Stat("dir", 0o755, 0, 0, 0, 0, "", 0, 0)
 
 
 class RawEntry(Protocol):
@@ -133,6 +136,23 @@ class TOCColumns:
     def entry(self, i: int) -> Entry:
         """The entry at position ``i``."""
         return self._make(i)
+
+    def stat(self, i: int) -> Stat:
+        """The :class:`~coldstart.format.toc.Stat` of the entry at position ``i`` (its
+        fields as :meth:`entry` makes them), with no entry, chunk or digest made."""
+        if i >= self._m:
+            return _SYNTH_DIR
+        raws = self._raws
+        t = self._types[i]
+        if raws is not None:
+            r = raws[i]
+            return Stat(t, r.mode & MODE_PERM_MASK, r.uid, r.gid, r.size if t == "reg" else 0,
+                        self._mtimes[r.modtime], self._links.get(i, r.linkName), r.devMajor,
+                        r.devMinor)
+        major, minor = self._dev.get(i, (0, 0))
+        return Stat(t, self._mode[i], self._uid[i], self._gid[i],
+                    self._size[i] if t == "reg" else 0, self._mtime[i], self._links.get(i, ""),
+                    major, minor)
 
     def _next_start(self, offset: int) -> int:
         """eStargz has no endOffset: a member ends where the next distinct member starts."""

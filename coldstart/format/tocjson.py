@@ -546,7 +546,7 @@ def _parse_fast(raws: list[_RawEntry], format: str, data_end: int,
                          starts=starts, data_end=data_end, exact_frames=exact_frames)
     return TOC(format, TOCEntries(all_names, columns.entry, etypes, index=index,
                                   compact=columns.compact, small_chunks=columns.small_chunks,
-                                  any_xattrs=any(xattrs.values())),
+                                  any_xattrs=any(xattrs.values()), stat=columns.stat),
                enames, prefetch,
                total_size=total)
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from coldstart.errors import FormatError
-from coldstart.format.toc import ENTRY_TYPES, TOC, normalize_name
+from coldstart.format.toc import ENTRY_TYPES, TOC, Stat, normalize_name
 from coldstart.format.tocjson import (
     _TYPED,
     _clean_names,
@@ -202,6 +202,27 @@ def test_the_small_chunks_read_from_columns_are_those_of_the_entries(tmp_path: P
         assert sorted(fast.entries.small_chunks(limit)) == want       # from the columns
         multi = multi or any(k > 0 for _, _, _, k in want)
     assert multi == (limit > 8192)        # app/big.bin's several chunks, once it is small
+
+
+def test_a_listing_reads_from_columns_what_the_entries_say(tmp_path: Path) -> None:
+    """``TOCEntries.stat`` (what readdir and getattr show, read without making entries) holds
+    each entry's own fields, from the decoder's objects and from the columns once compacted,
+    and ``made`` makes the entry without keeping it."""
+    kinds: set[str] = set()
+    for c in _layers(tmp_path):
+        fast, strict = _both(c, toc_doc(c))
+        assert fast is not None and isinstance(strict, TOC)
+        want = [Stat.of(e) for e in strict.entries.values()]
+        kinds |= {s.type for s in want}
+        assert [strict.entries.stat(i) for i in range(len(want))] == want
+        for _ in range(2):
+            es = fast.entries
+            assert [es.stat(i) for i in range(len(want))] == want
+            assert [es.made(i) for i in range(len(want))] == list(strict.entries.values())
+            fast.compact()
+        with pytest.raises(IndexError):
+            fast.entries.stat(len(want))
+    assert kinds >= {"reg", "dir", "symlink", "char", "hardlink"}, kinds
 
 
 @pytest.mark.parametrize(("names", "clean"), [
