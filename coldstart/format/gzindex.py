@@ -58,6 +58,7 @@ from coldstart.errors import FormatError, IntegrityError
 from coldstart.format.footer import Footer
 from coldstart.format.layer import MAX_DECODE, SeekableLayer
 from coldstart.format.readat import ReadAt
+from coldstart.format.tarread import HeaderLog, checked_members, entry_from, member_reader
 from coldstart.format.toc import Chunk, normalize_name
 from coldstart.format.tocjson import (
     MAX_TOC_SIZE,
@@ -66,7 +67,6 @@ from coldstart.format.tocjson import (
     entry_json,
     parse_toc,
 )
-from coldstart.format.writer import _entry_from, _HeaderLog, _members, _reader
 
 __all__ = [
     "ARTIFACT_TYPE",
@@ -587,7 +587,7 @@ def build_index(read_at: Callable[[int, int], bytes], points: Sequence[Checkpoin
     file, a name twice (containerd would apply the later one; a TOC cannot say that).
     """
     stream = _Spans(read_at, points, size, usize)
-    headers = _HeaderLog()
+    headers = HeaderLog()
     try:
         tf = tarfile.open(None, "r|", fileobj=io.BufferedReader(stream, 1 << 20),  # noqa: SIM115
                           encoding="utf-8", errors="surrogateescape", tarinfo=headers.tarinfo)
@@ -597,7 +597,7 @@ def build_index(read_at: Callable[[int, int], bytes], points: Sequence[Checkpoin
     seen: set[str] = set()
     outs = [p.out for p in points]
     with tf:
-        for info in _members(tf, headers):
+        for info in checked_members(tf, headers):
             name = normalize_name(info.name, what="tar entry")
             if name in seen:
                 raise FormatError(f"layer {layer}: {name!r} appears twice (a TOC cannot say "
@@ -605,13 +605,13 @@ def build_index(read_at: Callable[[int, int], bytes], points: Sequence[Checkpoin
             seen.add(name)
             if info.issparse():
                 raise FormatError(f"layer {layer}: {name!r} is a sparse file")
-            entry = _entry_from(info, name)
+            entry = entry_from(info, name)
             rec = entry_json(entry)
             entries.append(rec)
             if entry.type != "reg":
                 continue
             fhash = hashlib.sha256()
-            read = _reader(tf, info) if entry.size else None
+            read = member_reader(tf, info) if entry.size else None
             first = True
             for i, off, n in _pieces(outs, info.offset_data, entry.size):
                 assert read is not None

@@ -8,7 +8,8 @@ Layout: tar headers and padding go into their own frames (gzip members for eStar
 of a regular file (``chunk_size`` bytes, the last one shorter; a profiled conversion also
 starts chunks at given offsets, :func:`chunk_starts`) is one frame holding exactly that chunk,
 so a reader can fetch and verify any chunk alone. Compression runs in a bounded thread
-pool (zlib and zstandard release the GIL), output is written strictly in order.
+pool (zlib and zstandard release the GIL), output is written strictly in order. The input is
+read through :mod:`coldstart.format.tarread` (plain, gzip or zstd, every header checked).
 
 Entry handling:
 
@@ -32,16 +33,15 @@ import hashlib
 import io
 import os
 import queue
-import re
 import shutil
 import tarfile
 import tempfile
 import threading
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO, Any, BinaryIO, Literal, Self, cast
+from typing import IO, Any, BinaryIO, Literal, cast
 
 import zstandard
 
@@ -63,15 +63,19 @@ from coldstart.format.layer import (
     ZSTD_CHUNKED_MANIFEST_POSITION,
     ZSTD_CHUNKED_TARSPLIT_POSITION,
 )
-from coldstart.format.tarheader import parse_block
-from coldstart.format.tarsplit import TarSplitWriter
-from coldstart.format.toc import (
-    MODE_PERM_MASK,
-    NO_PREFETCH_LANDMARK,
-    PREFETCH_LANDMARK,
-    Entry,
-    normalize_name,
+from coldstart.format.tarread import (
+    BLOCK,
+    TAR_PARSE_ERRORS,
+    XATTR_PREFIX,
+    Counted,
+    HeaderLog,
+    checked_members,
+    entry_from,
+    member_reader,
+    open_tar_stream,
 )
+from coldstart.format.tarsplit import TarSplitWriter
+from coldstart.format.toc import NO_PREFETCH_LANDMARK, PREFETCH_LANDMARK, Entry, normalize_name
 from coldstart.format.tocjson import encode_toc, entry_json
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "FORMATS", "LayerResult", "convert_layer"]
@@ -84,16 +88,8 @@ __all__ = ["DEFAULT_CHUNK_SIZE", "FORMATS", "LayerResult", "convert_layer"]
 #: matches ctr-remote's eStargz chunking, so chunk digests (the cache key) agree across both.
 DEFAULT_CHUNK_SIZE = 4 << 20
 FORMATS = ("zstd:chunked", "estargz")
-_TYPES = {
-    tarfile.REGTYPE: "reg", tarfile.AREGTYPE: "reg", tarfile.CONTTYPE: "reg",
-    tarfile.GNUTYPE_SPARSE: "reg", tarfile.DIRTYPE: "dir", tarfile.SYMTYPE: "symlink",
-    tarfile.LNKTYPE: "hardlink", tarfile.CHRTYPE: "char", tarfile.BLKTYPE: "block",
-    tarfile.FIFOTYPE: "fifo",
-}
-_XATTR = "SCHILY.xattr."
 #: Entries that belong to the eStargz format itself; dropped from input, written afresh.
 _ARTIFACTS = frozenset({"stargz.index.json", PREFETCH_LANDMARK, NO_PREFETCH_LANDMARK})
-_BLOCK = 512
 
 
 @dataclass(frozen=True)
@@ -106,173 +102,6 @@ class LayerResult:
     toc_digest: str
     media_type: str
     annotations: dict[str, str]
-
-
-class _Prefixed(io.RawIOBase):
-    """A stream with some already-read bytes put back in front (for magic sniffing)."""
-
-    def __init__(self, head: bytes, rest: IO[bytes]) -> None:
-        self._head = head
-        self._rest = rest
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        if self._head:
-            n = min(len(view), len(self._head))
-            view[:n] = self._head[:n]
-            self._head = self._head[n:]
-            return n
-        data = self._rest.read(len(view))
-        view[: len(data)] = data
-        return len(data)
-
-
-class _ZstdFrames(io.RawIOBase):
-    """Decompress concatenated zstd frames; a stream that stops inside a frame is an error.
-
-    (zstandard's stream_reader returns a clean EOF for a truncated frame, which would let a
-    cut-off layer convert into a shorter, valid-looking one.)
-    """
-
-    def __init__(self, src: IO[bytes]) -> None:
-        self._src = src
-        self._dctx = zstandard.ZstdDecompressor()
-        self._obj = self._dctx.decompressobj()
-        self._in_frame = False
-        self._buf = b""
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        while not self._buf:
-            data = self._src.read(1 << 20)
-            if not data:
-                if self._in_frame:
-                    raise FormatError("input is truncated: zstd stream ends inside a frame")
-                return 0
-            while data:
-                self._in_frame = True
-                try:
-                    self._buf += self._obj.decompress(data)  # one refill, then sliced out
-                except zstandard.ZstdError as exc:
-                    raise FormatError(f"input is corrupt: {exc}") from None
-                if not self._obj.eof:
-                    break
-                data = self._obj.unused_data
-                self._obj = self._dctx.decompressobj()
-                self._in_frame = False
-        n = min(len(view), len(self._buf))
-        view[:n] = self._buf[:n]
-        self._buf = self._buf[n:]
-        return n
-
-
-class _Readahead(io.RawIOBase):
-    """Decompress the input in a background thread (zlib/zstd release the GIL), 1 MiB ahead.
-
-    Errors raised there are re-raised in the reader; ``close`` stops and joins the thread.
-    """
-
-    _BLOCK = 1 << 20
-
-    def __init__(self, inner: IO[bytes], depth: int = 8) -> None:
-        self._inner = inner
-        self._q: queue.Queue[bytes | BaseException] = queue.Queue(depth)
-        self._stop = threading.Event()
-        self._cur = memoryview(b"")
-        self._eof = False
-        self._thread = threading.Thread(target=self._run, name="convert-read", daemon=True)
-        self._thread.start()
-
-    def _put(self, item: bytes | BaseException) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _run(self) -> None:
-        try:
-            while True:
-                data = self._inner.read(self._BLOCK)
-                if not self._put(data) or not data:
-                    return
-        except BaseException as exc:  # handed to the reading thread
-            self._put(exc)
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        while not self._cur and not self._eof:
-            item = self._q.get()
-            if isinstance(item, BaseException):
-                self._eof = True
-                raise item
-            if not item:
-                self._eof = True
-            self._cur = memoryview(item)
-        n = min(len(view), len(self._cur))
-        view[:n] = self._cur[:n]
-        self._cur = self._cur[n:]
-        return n
-
-    def close(self) -> None:
-        # Join, so that nothing reads the caller's stream once convert_layer has returned
-        # (a caller may go on reading it, e.g. to hash the rest).
-        self._stop.set()
-        self._thread.join()
-        super().close()
-
-
-class _Counted(io.RawIOBase):
-    """Counts the bytes read through it (to tell a finished tar from a truncated one).
-
-    Past the end, a few empty reads are answered (tarfile looks for the end-of-archive
-    blocks); then EOFError: tarfile's stream mode skips a member's data by reading it, and a
-    header claiming exabytes on a truncated input would have it read nothing forever."""
-
-    #: empty reads answered past the end before EOFError
-    EMPTY_READS = 64
-
-    def __init__(self, inner: IO[bytes]) -> None:
-        self._inner = inner
-        self.count = 0
-        self._empty = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        data = self._inner.read(len(view))
-        if not data and len(view):
-            self._empty += 1
-            if self._empty > self.EMPTY_READS:
-                raise EOFError("the input ends inside a member's data (its header claims "
-                               "more bytes than there are)")
-        view[: len(data)] = data
-        self.count += len(data)
-        return len(data)
-
-
-def _open_tar_stream(src: IO[bytes]) -> IO[bytes]:
-    head = src.read(4)
-    raw = io.BufferedReader(_Prefixed(head, src), 1 << 20)
-    if head[:2] == b"\x1f\x8b":
-        return cast(IO[bytes], _Readahead(cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="rb"))))
-    if head == b"\x28\xb5\x2f\xfd":
-        return cast(IO[bytes], _Readahead(io.BufferedReader(_ZstdFrames(raw), 1 << 20)))
-    return cast(IO[bytes], _Readahead(raw))
-
 
 class _Sink:
     """The output: counts and hashes what is written."""
@@ -465,63 +294,11 @@ class _Writer:
             if not (whole and self.gzip):
                 chunk["chunkSize"] = n
             self._submit(data, chunk, whole)
-        self.add_meta(bytes(-entry.size % _BLOCK))
+        self.add_meta(bytes(-entry.size % BLOCK))
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.hasher.join()
-
-
-def _entry_from(info: tarfile.TarInfo, name: str) -> Entry:
-    etype = _TYPES.get(info.type)
-    if etype is None:
-        raise FormatError(f"entry {info.name!r}: unsupported tar entry type {info.type!r}")
-    xattrs = {k[len(_XATTR):]: v.encode("utf-8", "surrogateescape")
-              for k, v in info.pax_headers.items() if k.startswith(_XATTR)}
-    link = info.linkname
-    if etype == "hardlink":
-        link = normalize_name(link, what=f"hardlink {name!r} target")
-    entry = Entry(
-        name=name, type=etype, size=info.size if etype == "reg" else 0,
-        mode=info.mode & MODE_PERM_MASK, uid=info.uid, gid=info.gid, uname=info.uname,
-        gname=info.gname,
-        mtime_ns=_mtime_ns(info),
-        link_name=link, dev_major=info.devmajor if etype in ("char", "block") else 0,
-        dev_minor=info.devminor if etype in ("char", "block") else 0, xattrs=xattrs,
-    )
-    # a PAX path, linkpath, uname or gname may carry NUL bytes (a record's length that runs
-    # into the padding); no file system name holds one, and Go's archive/tar refuses them
-    for key, text in (("name", info.name), ("link name", info.linkname),
-                      ("user name", info.uname), ("group name", info.gname)):
-        if "\x00" in text:
-            raise FormatError(f"entry {info.name!r:.80}: a NUL byte in its {key}")
-    # tarfile reads "-1" from an octal field or a PAX record as -1; a TOC may not hold it
-    for key, value in (("size", entry.size), ("uid", entry.uid), ("gid", entry.gid),
-                       ("devmajor", entry.dev_major), ("devminor", entry.dev_minor)):
-        if value < 0:
-            raise FormatError(f"entry {info.name!r}: negative {key} ({value})")
-    return entry
-
-
-_DIGITS = re.compile(r"[0-9]+")
-
-
-def _mtime_ns(info: tarfile.TarInfo) -> int:
-    # The PAX record is exact; going through tarfile's float would round nanoseconds.
-    text = info.pax_headers.get("mtime")
-    if text is None:
-        return int(info.mtime) * 1_000_000_000
-    neg = text.startswith("-")
-    whole, _, frac = text.lstrip("-+").partition(".")
-    # ASCII digits only (str.isdigit() takes "²", int() does not), and few enough for a year
-    # below 10000 (int() refuses over 4300 digits)
-    if not _DIGITS.fullmatch(whole) or (frac and not _DIGITS.fullmatch(frac)):
-        raise FormatError(f"entry {info.name!r}: PAX mtime {text!r:.40} is not a number")
-    if len(whole) > 20:
-        raise FormatError(f"entry {info.name!r}: PAX mtime {text!r:.40} is out of range")
-    ns = int(whole) * 1_000_000_000 + int(frac[:9].ljust(9, "0") or "0")
-    return -ns if neg else ns
-
 
 def _out_info(info: tarfile.TarInfo, entry: Entry) -> tarfile.TarInfo:
     """The header we write: normalized name, sparse files expanded, only xattr PAX records."""
@@ -535,7 +312,7 @@ def _out_info(info: tarfile.TarInfo, entry: Entry) -> tarfile.TarInfo:
     out.linkname = entry.link_name if entry.type == "hardlink" else info.linkname
     out.devmajor, out.devminor = entry.dev_major, entry.dev_minor
     out.pax_headers = {k: v for k, v in info.pax_headers.items()
-                       if k.startswith(_XATTR) or k == "mtime"}
+                       if k.startswith(XATTR_PREFIX) or k == "mtime"}
     return out
 
 
@@ -547,83 +324,6 @@ def _landmark(name: str) -> tuple[tarfile.TarInfo, Entry]:
 
 
 #: Headers whose contents tarfile reads into memory at once (PAX records, GNU long names).
-_SPECIAL_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
-                  tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
-#: Their largest size: Go's archive/tar (containerd's, Docker's) refuses more than 1 MiB too.
-MAX_SPECIAL_SIZE = 1 << 20
-
-
-class _HeaderLog:
-    """The last header block tarfile parsed (``tarinfo`` is the TarInfo class that logs it,
-    and refuses a PAX or long-name header over :data:`MAX_SPECIAL_SIZE`: tarfile would read
-    all it claims into memory).
-
-    tarfile ends an archive at the first block that is not a valid header, whatever it holds;
-    :meth:`check_end` refuses an archive that ended so at anything but an end-of-archive block
-    (zeros), where it would drop every member after a corrupt header without a word.
-    """
-
-    def __init__(self) -> None:
-        self.block = b""
-        log = self
-
-        class _Logged(tarfile.TarInfo):
-            @classmethod
-            def frombuf(cls, buf: bytes | bytearray, encoding: str, errors: str) -> Self:
-                log.block = bytes(buf)
-                info = parse_block(cls, buf, encoding, errors) or \
-                    super().frombuf(buf, encoding, errors)
-                if info.size < 0:      # tarfile would read it as "to the end" (Go refuses)
-                    raise FormatError(f"input: a header with a negative size ({info.size})")
-                if info.type in _SPECIAL_TYPES and info.size > MAX_SPECIAL_SIZE:
-                    raise FormatError(f"input: a {info.type.decode()!r} header of {info.size} "
-                                      f"bytes, over the {MAX_SPECIAL_SIZE} byte limit")
-                return info
-
-        self.tarinfo: type[tarfile.TarInfo] = _Logged
-
-    def check_end(self) -> None:
-        """FormatError unless the archive ended at a zero block (or at a short one: the
-        truncation check of :func:`convert_layer` refuses that)."""
-        if len(self.block) == _BLOCK and self.block.count(0) != _BLOCK:
-            raise FormatError("input is not a valid tar stream: a corrupt header ends it "
-                              "before its end-of-archive marker")
-
-
-#: What tarfile raises, beside TarError, on a malformed header (a GNU sparse map or PAX number
-#: that is not one: ValueError; one too large for a file offset: OverflowError).
-_TAR_PARSE_ERRORS = (ValueError, OverflowError)
-
-
-def _members(tf: tarfile.TarFile, headers: _HeaderLog) -> Iterator[tarfile.TarInfo]:
-    try:
-        for info in tf:
-            if info.size < 0:       # a PAX size record (the header's is checked as parsed)
-                raise FormatError(f"entry {info.name!r}: a negative size ({info.size})")
-            yield info
-    except tarfile.TarError as exc:
-        raise FormatError(f"input is not a valid tar stream: {exc}") from None
-    except (EOFError, zlib.error, zstandard.ZstdError, gzip.BadGzipFile) as exc:
-        raise FormatError(f"input is truncated or corrupt: {exc}") from None
-    except _TAR_PARSE_ERRORS as exc:
-        raise FormatError(f"input is not a valid tar stream: {exc}") from None
-    headers.check_end()
-
-
-def _reader(tf: tarfile.TarFile, info: tarfile.TarInfo) -> Callable[[int], bytes]:
-    f = tf.extractfile(info)
-    if f is None:
-        raise FormatError(f"entry {info.name!r}: no data")
-
-    def read(n: int) -> bytes:
-        try:
-            return f.read(n)
-        except (tarfile.TarError, EOFError, zlib.error, zstandard.ZstdError,
-                gzip.BadGzipFile, OSError) as exc:
-            raise FormatError(f"entry {info.name!r}: cannot read data: {exc}") from None
-    return read
-
-
 def convert_layer(src: BinaryIO, dst: BinaryIO, *, format: str = "zstd:chunked",
                   chunk_size: int = DEFAULT_CHUNK_SIZE, prefetch: Sequence[str] | None = None,
                   level: int | None = None, threads: int | None = None,
@@ -659,8 +359,8 @@ def convert_layer(src: BinaryIO, dst: BinaryIO, *, format: str = "zstd:chunked",
     w = _Writer(dst, format, chunk_size, level, nthreads, cuts)
     tar_stream: IO[bytes] | None = None
     try:
-        tar_stream = _open_tar_stream(src)
-        counted = _Counted(tar_stream)
+        tar_stream = open_tar_stream(src)
+        counted = Counted(tar_stream)
         stream = cast(IO[bytes], counted)
         if prefetch:
             with tempfile.TemporaryFile() as spool:
@@ -675,7 +375,7 @@ def convert_layer(src: BinaryIO, dst: BinaryIO, *, format: str = "zstd:chunked",
             end = _convert_entries(w, stream, "r|", None if prefetch is None else [])
             total = counted.count
         # tarfile accepts a stream that stops at a header boundary; a layer must not.
-        if total < end + _BLOCK:
+        if total < end + BLOCK:
             raise FormatError("input tar ends without its end-of-archive marker (truncated?)")
         return _finish(w, legacy_footer)
     finally:
@@ -687,7 +387,7 @@ def convert_layer(src: BinaryIO, dst: BinaryIO, *, format: str = "zstd:chunked",
 def _convert_entries(w: _Writer, stream: IO[bytes], mode: Literal["r:", "r|"],
                      prefetch: list[str] | None) -> int:
     """Emit every entry; return the input offset where the tar's end marker should be."""
-    headers = _HeaderLog()
+    headers = HeaderLog()
     try:
         tf = tarfile.open(  # noqa: SIM115 (closed by the with below)
             None, mode, fileobj=stream, encoding="utf-8", errors="surrogateescape",
@@ -696,7 +396,7 @@ def _convert_entries(w: _Writer, stream: IO[bytes], mode: Literal["r:", "r|"],
         raise FormatError(f"input is not a valid tar stream: {exc}") from None
     except (EOFError, zlib.error, zstandard.ZstdError, gzip.BadGzipFile) as exc:
         raise FormatError(f"input is truncated or corrupt: {exc}") from None
-    except _TAR_PARSE_ERRORS as exc:
+    except TAR_PARSE_ERRORS as exc:
         raise FormatError(f"input is not a valid tar stream: {exc}") from None
     seen: set[str] = set()
 
@@ -729,9 +429,9 @@ def _convert_entries(w: _Writer, stream: IO[bytes], mode: Literal["r:", "r|"],
         if name in seen:
             raise FormatError(f"entry {name!r} appears twice in the tar stream")
         seen.add(name)
-        entry = _entry_from(info, name)
+        entry = entry_from(info, name)
         check(entry)
-        read = _reader(tf, info) if entry.type == "reg" and entry.size else None
+        read = member_reader(tf, info) if entry.type == "reg" and entry.size else None
         w.add_entry(_out_info(info, entry), entry, read)
 
     def landmark(name: str) -> None:
@@ -744,10 +444,10 @@ def _convert_entries(w: _Writer, stream: IO[bytes], mode: Literal["r:", "r|"],
         if not prefetch:
             if prefetch is not None:
                 landmark(NO_PREFETCH_LANDMARK)
-            for info in _members(tf, headers):
+            for info in checked_members(tf, headers):
                 emit(info)
             return tf.offset
-        members = list(_members(tf, headers))
+        members = list(checked_members(tf, headers))
         by_name: dict[str, tarfile.TarInfo] = {}
         for info in members:
             by_name.setdefault(normalize_name(info.name, what="tar entry"), info)
@@ -793,7 +493,7 @@ def _finish(w: _Writer, legacy_footer: bool) -> LayerResult:
         toc_json = encode_toc(w.toc)
         ti.size = len(toc_json)
         tar_tail = (ti.tobuf(tarfile.USTAR_FORMAT, "utf-8", "strict") + toc_json
-                    + bytes(-len(toc_json) % _BLOCK) + bytes(2 * _BLOCK))
+                    + bytes(-len(toc_json) % BLOCK) + bytes(2 * BLOCK))
         w.diff.update(tar_tail)
         w.usize += len(tar_tail)
         c = zlib.compressobj(w.level, zlib.DEFLATED, 31)
@@ -803,7 +503,7 @@ def _finish(w: _Writer, legacy_footer: bool) -> LayerResult:
         annotations = {ESTARGZ_TOC_DIGEST: toc_digest, ESTARGZ_UNCOMPRESSED_SIZE: str(w.usize)}
         media_type = MEDIA_TYPE_GZIP
     else:
-        w.add_meta(bytes(2 * _BLOCK))
+        w.add_meta(bytes(2 * BLOCK))
         w.flush_meta()
         w.drain()
         w.finish_hashes()

@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import IO
 
 from coldstart.errors import FormatError
+from coldstart.format.tarread import HeaderLog, checked_members, mtime_ns
 from coldstart.format.toc import OPAQUE_WHITEOUT, WHITEOUT_PREFIX, normalize_name
-from coldstart.format.writer import _HeaderLog, _members, _mtime_ns
 
 __all__ = ["Applied", "apply_tar"]
 
@@ -167,13 +167,13 @@ def _bound(ns: int) -> int:
 
 
 def _times(info: tarfile.TarInfo) -> tuple[int, int]:
-    mtime = _mtime_ns(info)
+    mtime = mtime_ns(info)
     atime = mtime
     if "atime" in info.pax_headers:
         probe = tarfile.TarInfo(info.name)
         probe.pax_headers = {"mtime": info.pax_headers["atime"]}
         try:
-            atime = max(mtime, _mtime_ns(probe))
+            atime = max(mtime, mtime_ns(probe))
         except FormatError:
             atime = mtime
     return _bound(atime), _bound(mtime)
@@ -269,7 +269,7 @@ def apply_tar(stream: IO[bytes], root: Path, *, lowers: Sequence[Path] = (),
     disk...) as raised. Either way ``root`` holds a partial tree: the caller removes it."""
     hashed = _Forward(stream)
     try:
-        headers = _HeaderLog()
+        headers = HeaderLog()
         tree = _Tree(root, lowers)
         entries = 0
         file_bytes = 0
@@ -285,7 +285,7 @@ def apply_tar(stream: IO[bytes], root: Path, *, lowers: Sequence[Path] = (),
                                   "corrupt)") from None
             raise FormatError(f"{what}: not a tar stream: {exc}") from None
         with tf:
-            for info in _members(tf, headers):
+            for info in checked_members(tf, headers):
                 if info.type == tarfile.XGLTYPE:
                     continue
                 name = normalize_name(info.name, what="tar entry")
