@@ -27,8 +27,8 @@ from concurrent.futures import Future
 from coldstart.cache import ChunkStore
 from coldstart.format.layer import SeekableLayer
 from coldstart.format.toc import Chunk
-from coldstart.lazyfs.fetcher import FetchTarget
 from coldstart.lazyfs.pagecache import PageCacheWarmer
+from coldstart.lazyfs.target import FetchTarget
 
 __all__ = [
     "Landing",

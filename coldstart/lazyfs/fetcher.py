@@ -15,11 +15,17 @@ the decoder's :class:`FormatError`). Unverified bytes are never served or cached
 Background work (the fill; the deferred spread of the spans an indexed gzip layer's prefetch
 inflated only in part) run in niced threads of their own and wait while on-demand fetches are in
 flight, so it never delays a read that a process is blocked on.
+
+What the fetcher is handed and reports through is in :mod:`~coldstart.lazyfs.target` (the layer
+as a :class:`~coldstart.lazyfs.target.FetchTarget`, its
+:class:`~coldstart.lazyfs.target.LayerStats`, the :class:`~coldstart.lazyfs.target.FetchTelemetry`
+hooks); which chunks share a request is planned by :mod:`~coldstart.lazyfs.coalesce`. Here: the
+in-flight table (one ``_Flight`` per chunk being fetched, joined by every other caller that wants
+it), the pools, the requests themselves, decoding, verifying, caching, and the deferred spreads.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import functools
 import logging
@@ -28,71 +34,26 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from coldstart.cache import ChunkStore
 from coldstart.config import FetchConfig
 from coldstart.errors import ColdstartError, DeadlineExceeded, FormatError, Unavailable
-from coldstart.format.layer import SeekableLayer
 from coldstart.format.toc import Chunk
-from coldstart.remote import Source
-from coldstart.remote import coalesce as coalesce_ranges
+from coldstart.lazyfs.coalesce import MAX_GAP, MULTI_BYTES, MULTI_PARTS, coalesce, pack_runs
+from coldstart.lazyfs.target import DEMAND, PREFETCH, FetchTarget, FetchTelemetry
 from coldstart.remote.source import ManyRangeSource, read_many
 
-__all__ = [
-    "DEMAND",
-    "FETCH_KINDS",
-    "FILL",
-    "PREFETCH",
-    "ChunkFetcher",
-    "FetchTelemetry",
-    "LayerStats",
-    "Span",
-    "coalesce",
-    "lower_priority",
-]
+__all__ = ["QUIET_SECONDS", "ChunkFetcher", "Span", "lower_priority"]
 
 log = logging.getLogger(__name__)
 
 #: the fetch defaults, from the one config tree (CONVENTIONS §9)
 _DEFAULTS = FetchConfig()
 
-#: Missing chunks this close in the blob share a request (the gap is fetched and dropped):
-#: between two small files lie only their tar header frames.
-MAX_GAP = 32 << 10
 #: Times a chunk whose fetched bytes fail to decode or verify is fetched again (in a request of
 #: its own, bounded by ``request_timeout`` like any): more would only delay a read's EIO when
 #: the registry itself holds wrong bytes.
 REFETCHES = 1
-#: A prefetch from a source that reads several ranges in one request (an HTTP multi-range
-#: GET) asks the runs of its chunks ``MAX_GAP`` apart in requests of up to this many
-#: compressed bytes and ``MULTI_PARTS`` ranges: the untouched bytes between the runs are not
-#: sent, and the requests are few.
-MULTI_BYTES = 16 << 20
-MULTI_PARTS = 32
-
-
-class FetchTelemetry(Protocol):
-    """Hooks the fetcher and reader report through (metrics live outside the data path)."""
-
-    def fetched(self, layer: str, nbytes: int, kind: str = ...) -> None: ...
-
-    def cache_hit(self, nbytes: int) -> None: ...
-
-    def cache_miss(self, nbytes: int) -> None: ...
-
-    def error(self, kind: str) -> None: ...
-
-    def read_done(self, seconds: float) -> None: ...
-
-
-#: what a fetch is for (counted apart in each layer's stats)
-DEMAND = "demand"          # a read waits for it (with the neighbours and read-ahead it brings)
-PREFETCH = "prefetch"      # the start-up set before the prefetch landmark, at mount
-FILL = "fill"              # the rest of the layer, in the background
-FETCH_KINDS = (DEMAND, PREFETCH, FILL)
-
 #: niceness of the background fill's thread: the start-up's processes get the CPU first
 FILL_NICENESS = 19
 #: the fill sends nothing until no FUSE read was served for this long
@@ -101,136 +62,6 @@ QUIET_SECONDS = 0.25
 #: layer's: the prefetch inflates a span only as far as the start-up's pieces reach and caches
 #: the span's other files later, when the node is quiet); past it a span is spread at once
 DEFERRED_SPREAD_BYTES = 256 << 20
-
-
-@dataclass
-class LayerStats:
-    """Per-layer counters shown by the FUSE server's status (CONVENTIONS §12).
-
-    ``state``: ``on-demand`` (no prefetch or fill running), ``prefetching``, ``filling``,
-    ``complete`` (every chunk local: the layer never touches the network again)."""
-
-    fetched_bytes: int = 0
-    requests: int = 0
-    chunks_fetched: int = 0
-    #: chunks fetched again after their first bytes failed to decode or verify
-    refetched_chunks: int = 0
-    errors: int = 0
-    last_error: str = ""
-    last_error_at: float = 0.0
-    prefetch_done: bool = False
-    background_done: bool = False
-    state: str = "on-demand"
-    bytes_by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FETCH_KINDS, 0))
-    requests_by_kind: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(FETCH_KINDS, 0))
-    #: compressed bytes of the layer's chunks, and of those known local (set by the fill)
-    total_bytes: int = 0
-    local_bytes: int = 0
-    #: bytes of prefetched chunks handed to the kernel's page cache
-    page_cache_bytes: int = 0
-    #: FUSE reads of the layer's files (counted by the FUSE loop alone: no lock)
-    fuse_reads: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def record_error(self, message: str) -> None:
-        with self._lock:
-            self.errors += 1
-            self.last_error = message
-            self.last_error_at = time.time()
-
-    def as_dict(self) -> dict[str, object]:
-        with self._lock:
-            return {
-                "fetched_bytes": self.fetched_bytes,
-                "requests": self.requests,
-                "chunks_fetched": self.chunks_fetched,
-                "refetched_chunks": self.refetched_chunks,
-                "errors": self.errors,
-                "last_error": self.last_error,
-                "last_error_at": self.last_error_at,
-                "prefetch_done": self.prefetch_done,
-                "background_done": self.background_done,
-                "state": self.state,
-                "prefetched_bytes": self.bytes_by_kind[PREFETCH],
-                "filled_bytes": self.bytes_by_kind[FILL],
-                "on_demand_bytes": self.bytes_by_kind[DEMAND],
-                "requests_by_kind": dict(self.requests_by_kind),
-                "total_bytes": self.total_bytes,
-                "local_bytes": self.local_bytes,
-                "page_cache_bytes": self.page_cache_bytes,
-                "fuse_reads": self.fuse_reads,
-            }
-
-
-@dataclass
-class FetchTarget:
-    """One layer as the fetcher sees it (``stopped``: set once the layer is no longer served;
-    work held for later, such as a deferred spread, is then dropped)."""
-
-    digest: str
-    layer: SeekableLayer
-    source: Source
-    stats: LayerStats
-    stopped: threading.Event = field(default_factory=threading.Event)
-
-
-def coalesce(chunks: Iterable[Chunk], max_bytes: int, max_gap: int = 0) -> list[list[Chunk]]:
-    """Group chunks into runs fetched by one range request each, each ≤ ``max_bytes``.
-
-    Chunks whose compressed ranges touch (or are at most ``max_gap`` bytes apart: the tar
-    header frames between two files' data) share a run. Chunks sharing one gzip member
-    (eStargz small files) share its range. The byte ranges are merged by
-    :func:`coldstart.remote.coalesce` (the one range coalescer); each chunk then joins the run
-    that holds its range.
-
-    >>> a = Chunk(0, 10, 0, 5, "d1"); b = Chunk(10, 20, 0, 5, "d2"); c = Chunk(30, 40, 0, 5, "d3")
-    >>> [[x.offset for x in g] for g in coalesce([c, a, b], 100)]
-    [[0, 10], [30]]
-    >>> [[x.offset for x in g] for g in coalesce([c, a, b], 100, max_gap=10)]
-    [[0, 10, 30]]
-    """
-    ordered = sorted(chunks, key=lambda c: (c.offset, c.inner_offset))
-    runs = coalesce_ranges([(c.offset, c.compressed_size) for c in ordered], max_gap, max_bytes)
-    starts = [off for off, _ in runs]
-    groups: list[list[Chunk]] = [[] for _ in runs]
-    strays: list[list[Chunk]] = []
-    for c in ordered:
-        # the last run starting at or before the chunk: ranges are merged in this order, so
-        # it is the run that took the chunk's range (or one at the same offset holding it)
-        i = bisect.bisect_right(starts, c.offset) - 1
-        if i >= 0 and c.end_offset <= runs[i][0] + runs[i][1]:
-            groups[i].append(c)
-        else:   # an empty range, which the range coalescer drops: a request of its own
-            strays.append([c])
-    out = [g for g in groups if g] + strays
-    if strays:
-        out.sort(key=lambda g: (g[0].offset, g[0].inner_offset))
-    return out
-
-
-def pack_runs(runs: list[list[Chunk]], max_bytes: int, max_parts: int) -> list[list[list[Chunk]]]:
-    """Consecutive runs (from :func:`coalesce`, in blob order) packed into requests of up to
-    ``max_bytes`` compressed bytes and ``max_parts`` runs each; a larger run goes alone.
-
-    >>> runs = [[Chunk(0, 10, 0, 5, "a")], [Chunk(50, 60, 0, 5, "b")], [Chunk(90, 99, 0, 5, "c")]]
-    >>> [[[c.offset for c in r] for r in p] for p in pack_runs(runs, 20, 8)]
-    [[[0], [50]], [[90]]]
-    """
-    packs: list[list[list[Chunk]]] = []
-    size = 0
-    for run in runs:
-        n = max(c.end_offset for c in run) - run[0].offset
-        # (an empty range, a stray of coalesce's, goes alone: a multi-range request names
-        # no empty range)
-        if packs and n > 0 and size > 0 and len(packs[-1]) < max_parts \
-                and size + n <= max_bytes:
-            packs[-1].append(run)
-            size += n
-        else:
-            packs.append([run])
-            size = n
-    return packs
 
 
 def _key(target: FetchTarget, c: Chunk) -> str:

@@ -38,7 +38,8 @@ from coldstart.lazyfs.batches import (
     ranges,
     unique_chunks,
 )
-from coldstart.lazyfs.fetcher import FILL, ChunkFetcher, FetchTarget, lower_priority
+from coldstart.lazyfs.fetcher import ChunkFetcher, lower_priority
+from coldstart.lazyfs.target import FILL, FetchTarget
 
 __all__ = ["BACKGROUND_DEPTH", "BACKGROUND_REQUEST", "BackgroundFill"]
 

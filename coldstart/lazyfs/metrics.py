@@ -1,6 +1,6 @@
 """Prometheus metrics of the FUSE server: names defined once, here (CONVENTIONS §12).
 
-The data path reports through the :class:`~coldstart.lazyfs.fetcher.FetchTelemetry`
+The data path reports through the :class:`~coldstart.lazyfs.target.FetchTelemetry`
 hooks; :class:`FuseMetrics` implements them on its own registry, served over HTTP when the
 server is given a metrics address.
 """

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 from coldstart.format.toc import Chunk
 
 if TYPE_CHECKING:
-    from coldstart.lazyfs.fetcher import LayerStats
+    from coldstart.lazyfs.target import LayerStats
 
 __all__ = ["PageCacheWarmer"]
 

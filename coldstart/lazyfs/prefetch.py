@@ -30,8 +30,9 @@ from coldstart.lazyfs.batches import (
     unique_chunks,
     warms,
 )
-from coldstart.lazyfs.fetcher import PREFETCH, ChunkFetcher, FetchTarget
+from coldstart.lazyfs.fetcher import ChunkFetcher
 from coldstart.lazyfs.pagecache import PageCacheWarmer
+from coldstart.lazyfs.target import PREFETCH, FetchTarget
 
 __all__ = ["PREFETCH_FIRST", "PREFETCH_GROWTH", "PREFETCH_REQUEST", "Prefetcher"]
 
@@ -47,7 +48,7 @@ PREFETCH_GROWTH = 4
 #: the untouched chunks between them are fetched and dropped): fewer round trips. A source
 #: that reads several ranges in one request (a registry answering multi-range requests)
 #: is asked the runs apart instead, the bytes between them left out
-#: (:data:`~coldstart.lazyfs.fetcher.MULTI_BYTES`).
+#: (:data:`~coldstart.lazyfs.coalesce.MULTI_BYTES`).
 PREFETCH_GAP = 1 << 20
 
 

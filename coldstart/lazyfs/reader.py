@@ -8,7 +8,7 @@ read raises :class:`DeadlineExceeded` (the FUSE layer answers ``EIO``) instead o
 :class:`LayerReader` is one served layer: it holds the on-demand read path (the FUSE loop's
 :meth:`~LayerReader.read_cached`, a worker's :meth:`~LayerReader.read`) and owns the parts that
 fetch ahead of the reads, each an object of its own with its own state and lock, built here
-from the layer's :class:`~coldstart.lazyfs.fetcher.FetchTarget` and the fetcher. Round trips
+from the layer's :class:`~coldstart.lazyfs.target.FetchTarget` and the fetcher. Round trips
 are what cost on a cold start, so:
 
 - a small file (``SMALL_FILE_BYTES``) is fetched whole on its first read, together with the
@@ -43,7 +43,7 @@ from coldstart.config import FetchConfig
 from coldstart.errors import ColdstartError, FormatError
 from coldstart.format.layer import SeekableLayer
 from coldstart.format.toc import Chunk, Entry
-from coldstart.lazyfs.fetcher import ChunkFetcher, FetchTarget, LayerStats, Span
+from coldstart.lazyfs.fetcher import ChunkFetcher, Span
 from coldstart.lazyfs.fill import BackgroundFill
 from coldstart.lazyfs.pagecache import PageCacheWarmer
 from coldstart.lazyfs.prefetch import Prefetcher
@@ -53,6 +53,7 @@ from coldstart.lazyfs.streams import (
     STREAM_MIN_FILE,
     SequentialReads,
 )
+from coldstart.lazyfs.target import FetchTarget, LayerStats
 from coldstart.lazyfs.windows import NEIGHBOR_BYTES, NEIGHBOR_MAX_BYTES, SmallFileWindows
 from coldstart.prefetch.recorder import AccessRecorder
 from coldstart.remote import Source

@@ -29,8 +29,9 @@ import threading
 from coldstart.errors import ColdstartError
 from coldstart.format.toc import Chunk, Entry
 from coldstart.lazyfs.batches import Landing, fits_in_cache, is_local, settle
-from coldstart.lazyfs.fetcher import ChunkFetcher, FetchTarget
+from coldstart.lazyfs.fetcher import ChunkFetcher
 from coldstart.lazyfs.pagecache import PageCacheWarmer
+from coldstart.lazyfs.target import FetchTarget
 
 __all__ = ["READAHEAD_BYTES", "READAHEAD_MAX_BYTES", "STREAM_MIN_FILE", "SequentialReads"]
 

@@ -27,7 +27,8 @@ from coldstart.errors import ColdstartError
 from coldstart.format.layer import SeekableLayer
 from coldstart.format.toc import Chunk, Entry
 from coldstart.lazyfs.batches import is_local
-from coldstart.lazyfs.fetcher import ChunkFetcher, FetchTarget
+from coldstart.lazyfs.fetcher import ChunkFetcher
+from coldstart.lazyfs.target import FetchTarget
 
 __all__ = ["NEIGHBOR_BYTES", "NEIGHBOR_MAX_BYTES", "SmallChunks", "SmallFileWindows"]
 

@@ -23,7 +23,7 @@ from coldstart.containerd import Containerd
 from coldstart.containerd.pull import chain_ids
 from coldstart.format import BytesReadAt, open_layer
 from coldstart.format.layer import TAIL_READ
-from coldstart.lazyfs.fetcher import MAX_GAP
+from coldstart.lazyfs.coalesce import MAX_GAP
 from coldstart.oci.manifest import Descriptor
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient

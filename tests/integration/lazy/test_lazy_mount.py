@@ -21,7 +21,7 @@ from coldstart.errors import NotFound
 from coldstart.format.layer import open_layer
 from coldstart.format.readat import BytesReadAt
 from coldstart.lazyfs import handover
-from coldstart.lazyfs.fetcher import MAX_GAP
+from coldstart.lazyfs.coalesce import MAX_GAP
 from coldstart.lazyfs.metrics import (
     CACHE_HITS,
     FETCHED_BYTES,

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from coldstart.format.toc import Chunk
-from coldstart.lazyfs.fetcher import LayerStats
 from coldstart.lazyfs.pagecache import PAGE, PageCacheWarmer
+from coldstart.lazyfs.target import LayerStats
 from coldstart.prefetch.recorder import AccessRecorder
 from tests.integration.lazy.lazy_helpers import metadata_tar
 from tests.unit.lazy.test_lazy_reader import make

@@ -18,18 +18,12 @@ from coldstart.format.toc import Chunk
 from coldstart.lazyfs import batches as batching
 from coldstart.lazyfs import fill as fill_module
 from coldstart.lazyfs.batches import unique_chunks
-from coldstart.lazyfs.fetcher import (
-    DEMAND,
-    FILL,
-    MAX_GAP,
-    PREFETCH,
-    QUIET_SECONDS,
-    ChunkFetcher,
-    pack_runs,
-)
+from coldstart.lazyfs.coalesce import MAX_GAP, pack_runs
+from coldstart.lazyfs.fetcher import QUIET_SECONDS, ChunkFetcher
 from coldstart.lazyfs.layers import COMPACT_AFTER, _index_then_trim
 from coldstart.lazyfs.prefetch import PREFETCH_GROWTH
 from coldstart.lazyfs.reader import LayerReader
+from coldstart.lazyfs.target import DEMAND, FILL, PREFETCH
 from coldstart.prefetch.profile import LayerProfile
 from coldstart.prefetch.recorder import AccessRecorder
 from tests.integration.lazy.lazy_helpers import metadata_tar

@@ -19,9 +19,10 @@ from coldstart.cache.chunks import _Encoded
 from coldstart.errors import Unavailable
 from coldstart.format.toc import Chunk
 from coldstart.lazyfs.batches import Landing
-from coldstart.lazyfs.fetcher import PREFETCH, ChunkFetcher
+from coldstart.lazyfs.fetcher import ChunkFetcher
 from coldstart.lazyfs.pagecache import PageCacheWarmer
 from coldstart.lazyfs.reader import LayerReader
+from coldstart.lazyfs.target import PREFETCH
 from tests.integration.lazy.lazy_helpers import SourceTree, metadata_tar
 from tests.unit.lazy.test_lazy_cache import wait_until
 from tests.unit.lazy.test_lazy_reader import FORMATS, GatedSource, make, read_all

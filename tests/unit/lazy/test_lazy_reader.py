@@ -12,7 +12,8 @@ from coldstart.cache import ChunkCache
 from coldstart.errors import DeadlineExceeded, FormatError, IntegrityError
 from coldstart.format.layer import SeekableLayer, open_layer
 from coldstart.format.readat import BytesReadAt, CountingReadAt
-from coldstart.lazyfs.fetcher import ChunkFetcher, coalesce
+from coldstart.lazyfs.coalesce import coalesce
+from coldstart.lazyfs.fetcher import ChunkFetcher
 from coldstart.lazyfs.reader import LayerReader
 from coldstart.remote import ReadAtSource
 from tests.integration.lazy.lazy_helpers import convert, metadata_tar, realistic_bytes
