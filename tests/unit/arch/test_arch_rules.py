@@ -65,8 +65,9 @@ RULES: dict[str, Rule] = {
     "unpack": rule("errors config format oci files", "isal rapidgzip zstandard"),
     "lazyfs": rule("errors config format remote oci cache prefetch unixsock files unpack",
                    "trio prometheus_client"),
-    "snapshotter": rule("errors config files lazyfs.spec lazyfs.client lazyfs.control unixsock "
-                        "_proto",
+    # lazyfs.mountsys: the mount table (which connection a lazily mounted layer is bound from)
+    "snapshotter": rule("errors config files lazyfs.spec lazyfs.client lazyfs.control "
+                        "lazyfs.mountsys unixsock _proto",
                         "grpc google prometheus_client"),
     "containerd": rule("errors config format oci remote lazyfs.spec progress _proto",
                        "grpc google"),
