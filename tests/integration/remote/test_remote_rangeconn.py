@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import time
 from http.server import BaseHTTPRequestHandler
 
@@ -64,24 +65,35 @@ def test_a_redirect_elsewhere_carries_only_the_range() -> None:
 
 
 def test_a_dribbling_server_is_cut_off_at_the_deadline() -> None:
+    """A byte every 0.2 s: each ``recv`` alone would not time out, but the call's deadline
+    (1 s) ends it while the server is still sending (it would go on for 30 s, then close)."""
+    sent = {"bytes": 0, "done": False}
+
     def dribble(h: BaseHTTPRequestHandler) -> None:
         h.send_response(206)
         h.send_header("Content-Range", f"bytes 0-9999/{len(BLOB)}")
         h.send_header("Content-Length", "10000")
         h.end_headers()
-        for i in range(10000):      # a byte every 0.2 s: each recv alone would not time out
-            h.wfile.write(BLOB[i:i + 1])
-            h.wfile.flush()
-            time.sleep(0.2)
+        try:
+            for i in range(150):        # a byte every 0.2 s, until the test ends (30 s at most)
+                h.wfile.write(BLOB[i:i + 1])
+                h.wfile.flush()
+                sent["bytes"] += 1
+                if srv.stop.wait(0.2):
+                    return
+        except OSError:
+            return                      # the client hung up: what the deadline does
+        sent["done"] = True             # dribbled all it would: nobody cut it off
+        h.close_connection = True
 
     pool = RangeConnections()
     try:
         with scripted_server(dribble) as srv:
-            t0 = time.monotonic()
-            with pytest.raises(DeadlineExceeded):
+            with pytest.raises(DeadlineExceeded, match="within the deadline"):
                 pool.get(f"http://{srv.host}/blob", 0, 10000, headers={},
                          deadline=time.monotonic() + 1.0, what="t")
-            assert time.monotonic() - t0 < 2.0
+            # cut off mid-body, while the server was still dribbling
+            assert not sent["done"] and sent["bytes"] >= 1, sent
     finally:
         pool.close()
 
@@ -90,7 +102,13 @@ def test_a_dribbling_server_is_cut_off_at_the_deadline() -> None:
 def test_a_stall_longer_than_the_limit_fails_early_for_a_retry(where: str) -> None:
     """``stall``: a server silent for longer (before its answer, or in the middle of its body)
     fails the call with Unavailable after about that long, not at the deadline: the caller's
-    retries get the rest of it."""
+    retries get the rest of it.
+
+    The server stays silent until the test ends (30 s at most, past the call's 10 s deadline):
+    an Unavailable that is no DeadlineExceeded, while the server is still silent, came from
+    the stall limit (0.5 s), neither from the deadline nor from waiting the silence out."""
+    silence = {"ran_out": False}
+
     def stall(h: BaseHTTPRequestHandler) -> None:
         if where == "body":
             h.send_response(206)
@@ -99,16 +117,24 @@ def test_a_stall_longer_than_the_limit_fails_early_for_a_retry(where: str) -> No
             h.end_headers()
             h.wfile.write(BLOB[:100])
             h.wfile.flush()
-        time.sleep(3.0)
+        silence["ran_out"] = not srv.stop.wait(30)
 
     pool = RangeConnections()
     try:
         with scripted_server(stall) as srv:
             t0 = time.monotonic()
-            with pytest.raises(Unavailable):
+            with pytest.raises(Unavailable) as err:
                 pool.get(f"http://{srv.host}/blob", 0, 10000, headers={},
                          deadline=time.monotonic() + 10.0, what="t", stall=0.5)
-            assert 0.4 < time.monotonic() - t0 < 2.0
+            waited = time.monotonic() - t0
+            assert not isinstance(err.value, DeadlineExceeded), err.value   # not the deadline
+            assert not silence["ran_out"]               # nor the server's end of its silence
+            assert re.fullmatch(r"t: no answer within 0\.5 s" if where == "answer" else
+                                r"t: connection lost after \d+ of 10000 bytes: TimeoutError: "
+                                r"timed out", str(err.value)), err.value
+            # it did wait out the limit first: a lower bound, which a busy machine only makes
+            # longer (the socket's timeout never fires early)
+            assert waited >= 0.5, waited
     finally:
         pool.close()
 

@@ -17,10 +17,11 @@ from coldstart.format.gzindex import GzipIndex, IndexedLayer
 from coldstart.format.toc import Chunk
 from coldstart.lazyfs import batches as batching
 from coldstart.lazyfs import fill as fill_module
+from coldstart.lazyfs import layers as layers_module
 from coldstart.lazyfs.batches import unique_chunks
 from coldstart.lazyfs.coalesce import MAX_GAP, pack_runs
 from coldstart.lazyfs.fetcher import QUIET_SECONDS, ChunkFetcher
-from coldstart.lazyfs.layers import COMPACT_AFTER, _index_then_trim
+from coldstart.lazyfs.layers import _index_then_trim
 from coldstart.lazyfs.prefetch import PREFETCH_GROWTH
 from coldstart.lazyfs.reader import LayerReader
 from coldstart.lazyfs.target import DEMAND, FILL, PREFETCH
@@ -149,7 +150,7 @@ def test_a_source_that_reads_several_ranges_at_once_gets_the_touched_runs_in_one
 def test_fill_order_is_profile_then_small_then_big(tmp_path: Path) -> None:
     tree = metadata_tar()
     reader, _, _ = make(tmp_path, "zstd:chunked", tar=tree.tar, prefetch=["etc/shadow"])
-    order = reader.fill.fill_order()
+    order = list(reader.fill.fill_order())
     shadow = reader.layer.resolve("etc/shadow").chunks
     big = reader.layer.resolve("usr/lib/big.so")
     assert order[:len(shadow)] == shadow
@@ -505,12 +506,13 @@ def test_a_deferred_spread_of_a_layer_no_longer_served_is_dropped(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A span held for a deferred spread whose layer is unmounted (its reader closed) before
     the node is quiet is let go: its other files are not cached (the unmount's reclaim would
-    miss them), and the held bytes are given back at once."""
-    import time
+    miss them), and the held bytes are given back at once.
 
+    Quiet takes an hour here (``QUIET_SECONDS``): the spans are let go within the minute the
+    test waits only if the unmount lets them go, not the node's quiet."""
     from coldstart.lazyfs import fetcher as fetcher_module
 
-    monkeypatch.setattr(fetcher_module, "QUIET_SECONDS", 3.0)
+    monkeypatch.setattr(fetcher_module, "QUIET_SECONDS", 3600.0)
     recorded, _, src, layer = _profiled(tmp_path, ("pkg/m000.py", "pkg/m390.py", "pkg/after"))
     cache = ChunkCache(tmp_path / "cache", max_bytes=1 << 30)
     fetcher = ChunkFetcher(cache, concurrency=2, max_coalesce_bytes=16 << 20,
@@ -521,15 +523,13 @@ def test_a_deferred_spread_of_a_layer_no_longer_served_is_dropped(
         assert reader.prefetcher.prefetch() > 0
         assert fetcher._deferred > 0     # held
         reader.close()                   # unmounted
-        closed = time.monotonic()
         read = {f.path for f in recorded.files}
         spans = {c.offset for f in recorded.files for c in layer.toc.entries[f.path].chunks}
         others = [c for c in unique_chunks(reader.layer)
                   if c.offset in spans and c.owner not in read]
         assert len(others) > 10
-        assert fetcher.wait_deferred(timeout=15)
-        # given back at once, not once the node is quiet
-        assert time.monotonic() - closed < fetcher_module.QUIET_SECONDS
+        # given back at once, not once the node is quiet (an hour away)
+        assert fetcher.wait_deferred(timeout=60), "the held spans wait for the node's quiet"
         cache.flush()
         assert not any(c.digest in cache for c in others)
         assert all(c.digest in cache for f in recorded.files
@@ -599,7 +599,7 @@ def test_runs_are_packed_by_bytes_and_parts_and_an_empty_range_goes_alone() -> N
 def test_housekeeping_waits_for_the_prefetch_and_a_pause_in_the_reads(tmp_path: Path) -> None:
     """wait_start_up (what the TOC's compaction waits for after a mount) returns only once
     the prefetch has ended and no read was served for QUIET_SECONDS; closing the layer ends
-    the wait at once, in any of its stages."""
+    the wait at once, in any of its stages (each of which would last an hour here)."""
     tree = metadata_tar()
     reader, src, _ = make(tmp_path, "zstd:chunked", tar=tree.tar,
                           prefetch=["usr/lib/big.so", "etc/os-release"])
@@ -620,16 +620,19 @@ def test_housekeeping_waits_for_the_prefetch_and_a_pause_in_the_reads(tmp_path: 
     prefetch.join(10)
     waiter.join(10)
     assert not prefetch.is_alive() and not waiter.is_alive()
-    assert returned and returned[0] - read_at >= QUIET_SECONDS - 0.05
+    # a lower bound, which a busy machine only makes longer: the quiet is counted from the
+    # read, which came after read_at
+    assert returned and returned[0] - read_at >= QUIET_SECONDS
 
-    for stage, after in (("the first wait", 30.0), ("the prefetch", 0.0), ("the reads", 0.0)):
+    for stage, after in (("the first wait", 3600.0), ("the prefetch", 0.0),
+                         ("the reads", 0.0)):
         layer, gated, _ = make(tmp_path / stage.replace(" ", "-"), "zstd:chunked",
                                tar=tree.tar, prefetch=["usr/lib/big.so"])
         layer.fill.rate = 0
         gated.gate.clear()
         results: list[bool] = []
         t = threading.Thread(target=lambda r=layer, a=after, out=results: out.append(
-            r.wait_start_up(a, 30.0)))
+            r.wait_start_up(a, 3600.0)), daemon=True)
         if stage == "the reads":
             layer._prefetched.set()           # the prefetch ended; the reads go on
             keep_reading = threading.Event()
@@ -646,29 +649,33 @@ def test_housekeeping_waits_for_the_prefetch_and_a_pause_in_the_reads(tmp_path: 
         try:
             time.sleep(0.4)
             assert not results, stage
-            closed_at = time.monotonic()
             layer.close()
-            t.join(10)
+            t.join(60)
+            assert not t.is_alive(), f"closing the layer did not end {stage}"
         finally:
             if stage == "the reads":
                 keep_reading.set()
             gated.gate.set()
         assert results == [False], stage
-        assert time.monotonic() - closed_at < 3.0, stage
 
 
-def test_a_layer_restored_after_a_restart_is_compacted_at_once(tmp_path: Path) -> None:
+def test_a_layer_restored_after_a_restart_is_compacted_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No start-up waits on a layer the server restored: its TOC is compacted without waiting
-    for a prefetch (none ran here) or a pause in the reads."""
+    for a prefetch (none ran here) or a pause in the reads (each an hour long here)."""
+    monkeypatch.setattr(layers_module, "COMPACT_AFTER", 3600.0)
+    monkeypatch.setattr(layers_module, "COMPACT_WAIT", 3600.0)
     tree = metadata_tar()
     reader, _, _ = make(tmp_path, "zstd:chunked", tar=tree.tar, prefetch=["usr/lib/big.so"])
     assert reader.prefetcher.wanted
     assert reader.layer.toc.entries._index is not None        # not compacted yet
-    started = time.monotonic()
     # in a thread of its own, as the server runs it: it nices the thread that calls it
-    t = threading.Thread(target=_index_then_trim, args=(reader,), kwargs={"at_once": True})
+    t = threading.Thread(target=_index_then_trim, args=(reader,), kwargs={"at_once": True},
+                         daemon=True)
     t.start()
-    t.join(10)
-    assert not t.is_alive()
+    try:
+        t.join(60)
+        assert not t.is_alive(), "the restored layer waits for a start-up"
+    finally:
+        reader.close()                  # ends such a wait
     assert reader.layer.toc.entries._index is None            # compacted
-    assert time.monotonic() - started < COMPACT_AFTER
