@@ -32,7 +32,7 @@ from coldstart.errors import AlreadyExists, ColdstartError, FailedPrecondition, 
 from coldstart.format.gzindex import INDEX_FORMAT
 from coldstart.format.toc import TOC
 from coldstart.lazyfs.fetcher import lower_priority
-from coldstart.lazyfs.fusefs import FuseFS, LayerTree, build_tree
+from coldstart.lazyfs.fusefs import FuseFS
 from coldstart.lazyfs.memory import give_back_freed_memory
 from coldstart.lazyfs.mountstate import MountRecord, MountState
 from coldstart.lazyfs.mountsys import bind_mount, is_mountpoint, lazy_unmount
@@ -41,6 +41,7 @@ from coldstart.lazyfs.reader import LayerReader
 from coldstart.lazyfs.reclaim import reclaim_layer
 from coldstart.lazyfs.resolver import LayerResolver
 from coldstart.lazyfs.spec import LayerSpec
+from coldstart.lazyfs.tree import LayerTree, build_tree
 from coldstart.prefetch.recorder import AccessRecorder
 
 __all__ = ["LayerTable"]
@@ -148,7 +149,7 @@ class LayerTable:
         predecessor whose connection we took over served it; the bind at ``mountpoint`` is
         then that predecessor's and still good (kept), and ``plain`` says which connection
         it is from. A new layer goes to the plain connection when it shows no extended
-        attribute (:meth:`~coldstart.lazyfs.fusefs.LayerTree.shows_xattrs`)."""
+        attribute (:meth:`~coldstart.lazyfs.tree.LayerTree.shows_xattrs`)."""
         if self._stopping:
             raise FailedPrecondition("the FUSE server is shutting down")
         taken_over = restoring and key is not None and base is not None

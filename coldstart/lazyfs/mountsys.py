@@ -1,7 +1,9 @@
 """mount(2)/umount2(2) for the FUSE server: bind a layer directory onto a mountpoint.
 
 Called from worker threads only: binding ``<root>/fuse/<key>`` makes the kernel look the path up
-in our own FUSE file system, which the server's trio loop must be free to answer.
+in our own FUSE file system, which the server's trio loop must be free to answer. Also the one
+reader of the mount table (:func:`mount_table`), and the FUSE mount's read-ahead
+(:func:`set_read_ahead`), set through it.
 """
 
 from __future__ import annotations
@@ -9,12 +11,16 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import logging
 import os
 from typing import NamedTuple
 
 from coldstart.errors import ColdstartError, FailedPrecondition, InvalidArgument, NotFound
 
-__all__ = ["bind_mount", "is_mountpoint", "lazy_unmount", "mount", "mounted_paths"]
+__all__ = ["bind_mount", "is_mountpoint", "lazy_unmount", "mount", "mounted_paths",
+           "set_read_ahead"]
+
+log = logging.getLogger(__name__)
 
 MS_RDONLY = 1
 MS_NOATIME = 1024
@@ -96,6 +102,25 @@ def is_mountpoint(path: str) -> bool:
     parent, name = os.path.split(os.path.abspath(path))
     target = os.path.join(os.path.realpath(parent), name)
     return any(p == target for p, _ in mounted_paths())
+
+
+def set_read_ahead(mountpoint: str, read_ahead_kb: int) -> bool:
+    """Set the FUSE mount's bdi ``read_ahead_kb`` (found via /proc/self/mountinfo, no stat:
+    a stat of our own mount from the serving thread would deadlock)."""
+    target = os.path.abspath(mountpoint)
+    try:
+        devs = [m.dev for m in mount_table() if m.point == target]
+    except OSError:
+        return False
+    if not devs:
+        return False
+    try:
+        with open(f"/sys/class/bdi/{devs[-1]}/read_ahead_kb", "w") as f:
+            f.write(str(read_ahead_kb))
+    except OSError as exc:
+        log.warning("could not set read_ahead_kb on %s: %s", mountpoint, exc)
+        return False
+    return True
 
 
 def _unescape(path: str) -> str:

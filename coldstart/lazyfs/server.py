@@ -44,13 +44,13 @@ from coldstart.lazyfs import control, handover
 from coldstart.lazyfs.control import error_payload
 from coldstart.lazyfs.fetcher import ChunkFetcher
 from coldstart.lazyfs.fileshare import FileShare
-from coldstart.lazyfs.fusefs import FuseFS, fuse_adopt, fuse_mount, set_read_ahead
+from coldstart.lazyfs.fusefs import FuseFS, fuse_adopt, fuse_mount
 from coldstart.lazyfs.indexes import IndexFinder
 from coldstart.lazyfs.layers import LayerTable
 from coldstart.lazyfs.memory import keep_freed_memory
 from coldstart.lazyfs.metrics import FuseMetrics
 from coldstart.lazyfs.mountstate import MountRecord, MountState
-from coldstart.lazyfs.mountsys import is_mountpoint, lazy_unmount
+from coldstart.lazyfs.mountsys import is_mountpoint, lazy_unmount, set_read_ahead
 from coldstart.lazyfs.resolver import LayerResolver
 from coldstart.lazyfs.spec import FUSE_DIR, PLAIN_FUSE_DIR, LayerSpec
 from coldstart.oci.keychain import Keychain

@@ -16,9 +16,10 @@ from coldstart.errors import NotFound
 from coldstart.format.layer import open_layer
 from coldstart.format.readat import BytesReadAt
 from coldstart.lazyfs.fetcher import ChunkFetcher
-from coldstart.lazyfs.fusefs import INTERNAL_ERROR, FuseFS, LayerTree, build_tree
+from coldstart.lazyfs.fusefs import INTERNAL_ERROR, FuseFS
 from coldstart.lazyfs.fusewire import FuseError, Later
 from coldstart.lazyfs.reader import LayerReader
+from coldstart.lazyfs.tree import LayerTree, build_tree
 from coldstart.remote import ReadAtSource
 from tests.integration.lazy.lazy_helpers import SourceTree, convert, metadata_tar
 

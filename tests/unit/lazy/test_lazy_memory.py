@@ -21,9 +21,10 @@ from coldstart.format.readat import BytesReadAt
 from coldstart.format.toc import Chunk, Entry, TOCEntries
 from coldstart.format.writer import convert_layer
 from coldstart.lazyfs import fusefs
+from coldstart.lazyfs import tree as tree_module
 from coldstart.lazyfs.fetcher import ChunkFetcher
-from coldstart.lazyfs.fusefs import LayerTree, build_tree
 from coldstart.lazyfs.reader import LayerReader
+from coldstart.lazyfs.tree import LayerTree, build_tree
 from coldstart.remote import ReadAtSource
 
 FILES = 20_000
@@ -123,7 +124,7 @@ def _reader(tmp: Path, blob: bytes, annotations: dict[str, str]) -> LayerReader:
 def test_walking_every_directory_keeps_a_bounded_set_of_answers(
         tmp_path: Path, many: tuple[bytes, dict[str, str]],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fusefs, "KEEP_ANSWERS", 500)
+    monkeypatch.setattr(tree_module, "KEEP_ANSWERS", 500)
     tree: LayerTree = build_tree("k", 10, _reader(tmp_path, *many))
     fs = fusefs.FuseFS()
     seen = 0

@@ -16,9 +16,9 @@ from coldstart.format.readat import BytesReadAt
 from coldstart.format.toc import Entry, TOCEntries
 from coldstart.lazyfs.client import _error
 from coldstart.lazyfs.fetcher import ChunkFetcher
-from coldstart.lazyfs.fusefs import LayerTree, build_tree
 from coldstart.lazyfs.reader import LayerReader
 from coldstart.lazyfs.server import error_payload
+from coldstart.lazyfs.tree import LayerTree, build_tree
 from coldstart.remote import ReadAtSource
 from tests.integration.lazy.lazy_helpers import convert, metadata_tar
 
