@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 
 from coldstart.cache import ChunkStore
@@ -37,6 +37,7 @@ __all__ = [
     "fits_in_cache",
     "growing_batches",
     "is_local",
+    "iter_batches",
     "range_bytes",
     "ranges",
     "settle",
@@ -53,16 +54,17 @@ def is_local(cache: ChunkStore | None, c: Chunk) -> bool:
     return c.zeros or (bool(c.digest) and cache is not None and c.digest in cache)
 
 
-def fits_in_cache(target: FetchTarget, cache: ChunkStore | None, todo: list[Chunk],
+def fits_in_cache(target: FetchTarget, cache: ChunkStore | None, todo: Iterable[Chunk] | int,
                   what: str = "background fill") -> bool:
-    """Whether ``todo`` (a layer's or a file's chunks) fits in the cache at all: a fill (or a
+    """Whether ``todo`` (a layer's or a file's chunks, or their decoded bytes) fits in the
+    cache at all: a fill (or a
     file's stream) that does not would evict its own chunks and never end (it is skipped,
     and the layer's status says why). Older chunks of other layers are evicted as usual
     (LRU)."""
     limit = getattr(cache, "max_bytes", None)
     if cache is None or not isinstance(limit, int):
         return True
-    total = sum(c.chunk_size for c in todo if not c.zeros)
+    total = todo if isinstance(todo, int) else sum(c.chunk_size for c in todo if not c.zeros)
     if total <= limit:
         return True
     log.warning("layer %s: %s skipped: its %d bytes do not fit in the chunk cache "
@@ -103,26 +105,38 @@ def growing_batches(chunks: list[Chunk], first: int, limit: int, *, growth: int,
     chunks that share one compressed range (an indexed gzip layer's span holds many files'
     pieces) count it once and stay in one batch: a cut between them would fetch that range
     once per batch."""
-    out: list[list[Chunk]] = []
+    return list(iter_batches(chunks, first, limit, growth=growth, within=within))
+
+
+def iter_batches(chunks: Iterable[Chunk], first: int, limit: int, *, growth: int = 1,
+                 within: bool = True) -> Iterator[list[Chunk]]:
+    """:func:`growing_batches` as it goes: each batch once it is cut (the background fill's
+    order is made as it is fetched, never held whole)."""
+    batch: list[Chunk] = []
     size = want = 0
+    cut = False
     last = (-1, -1)
     for c in chunks:
         here = (c.offset, c.end_offset)
         if here != last:
             full = size + c.compressed_size > want if within else size >= want
-            if not out or (size and full):
-                want = first if not out else min(limit, want * growth)
-                out.append([])
+            if not cut or (size and full):
+                if batch:
+                    yield batch
+                want = first if not cut else min(limit, want * growth)
+                cut = True
+                batch = []
                 size = 0
             size += c.compressed_size
             last = here
-        out[-1].append(c)
-    return out
+        batch.append(c)
+    if batch:
+        yield batch
 
 
 def batches(chunks: list[Chunk], limit: int) -> list[list[Chunk]]:
     """Batches of at most ``limit`` compressed bytes each (see :func:`growing_batches`,
-    ``within``): the fill's, and a scattered prefetch set's (one range each)."""
+    ``within``): a scattered prefetch set's (one range each)."""
     return growing_batches(chunks, limit, limit, growth=1, within=True)
 
 

@@ -440,7 +440,7 @@ class ChunkFetcher:
                     if now >= give_up:
                         return True
                     wait = min(wait, give_up - now)
-                self._idle.wait(wait)
+                self._idle.wait(min(wait, 1.0))   # re-checked each second at least
             return False
 
     def _release_locked(self, target: FetchTarget, c: Chunk, fl: _Flight) -> None:

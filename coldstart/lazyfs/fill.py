@@ -4,8 +4,10 @@ the whole layer local (DESIGN, "Hybrid fill").
 Once the start-up prefetch (:mod:`~coldstart.lazyfs.prefetch`) has ended, :class:`BackgroundFill`
 fetches every other chunk of the layer: the prefetch set first (what it left), then the small
 files' chunks, then the big files' (:meth:`BackgroundFill.fill_order`, each part in blob order),
-in large requests, at a bounded rate, yielding to on-demand reads, so a start-up that reads
-widely waits on few round trips and a complete layer never touches the network again.
+in large requests, at a bounded rate, yielding to on-demand reads and to the node's metadata
+requests (a start-up's lookups, a ``find``), so a start-up that reads widely waits on few
+round trips and a complete layer never touches the network again. Its plan is made as it is
+fetched, so its memory does not grow with the layer's files.
 
 Everything about when and how the fill runs is here: :meth:`BackgroundFill.after_start_up`
 (its thread niced, then waiting for a pause in the reads and for the prefetch's deferred spreads)
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from coldstart.config import FetchConfig
 from coldstart.errors import ColdstartError
@@ -30,10 +32,10 @@ from coldstart.format.layer import SeekableLayer
 from coldstart.format.toc import Chunk
 from coldstart.lazyfs.batches import (
     Landing,
-    batches,
     first_per_range,
     fits_in_cache,
     is_local,
+    iter_batches,
     range_bytes,
     ranges,
     unique_chunks,
@@ -53,6 +55,9 @@ _DEFAULTS = FetchConfig()
 BACKGROUND_REQUEST = 4 << 20
 #: The background fetch keeps this many requests outstanding.
 BACKGROUND_DEPTH = 2
+#: Regular files the fill's plan makes between two waits for a pause in the FUSE requests
+#: (a few milliseconds of making entries).
+PLAN_STEP = 1024
 
 
 class BackgroundFill:
@@ -84,21 +89,57 @@ class BackgroundFill:
         self.fetcher.wait_deferred(stop=self.target.stopped)
         self.fetch_rest()
 
-    def fill_order(self) -> list[Chunk]:
-        """Every chunk of the layer in the order the fill fetches it: the prefetch set first,
-        then the small files' chunks, then the big files' (each part in blob order)."""
+    def fill_order(self) -> Iterator[Chunk]:
+        """Every chunk of the layer in the order the fill fetches it, each once (a chunk is
+        one file's; the prefetch set's are not repeated): the prefetch set first (in blob
+        order), then the small files' chunks, then the big files' (each part in the layer's
+        order, the blob's in the formats read here).
+
+        Made as it is fetched, an entry at a time (:meth:`~coldstart.format.toc.TOCEntries.made`,
+        not kept): a plan held whole was every chunk of the layer as objects, some 200 MB
+        for 200,000 files. Every ``PLAN_STEP`` entries it waits for a pause in the node's
+        FUSE requests (:meth:`~coldstart.lazyfs.fetcher.ChunkFetcher.wait_quiet`), so making
+        it never holds the GIL while a start-up looks its files up or lists its directories.
+        """
+        entries = self.layer.toc.entries
         first = unique_chunks(self.layer, self.layer.toc.prefetch)
+        yield from first
         taken = {(c.offset, c.inner_offset) for c in first}
-        big = {(c.offset, c.inner_offset) for e in self.layer.toc.entries.values()
-               if e.type == "reg" and e.size > self.small_file_bytes for c in e.chunks}
-        small: list[Chunk] = []
-        large: list[Chunk] = []
-        for c in unique_chunks(self.layer):
-            k = (c.offset, c.inner_offset)
-            if k in taken:
+        big: list[int] = []
+        made = 0
+        for i, kind in enumerate(entries.types):
+            if kind != "reg":
                 continue
-            (large if k in big else small).append(c)
-        return first + small + large
+            made += 1
+            if not made % PLAN_STEP:
+                self._pause()
+            e = entries.made(i)
+            if e.size > self.small_file_bytes:
+                big.append(i)
+                continue
+            yield from (c for c in e.chunks
+                        if not c.zeros and (c.offset, c.inner_offset) not in taken)
+        for n, i in enumerate(big, 1):
+            if not n % PLAN_STEP:
+                self._pause()
+            yield from (c for c in entries.made(i).chunks
+                        if not c.zeros and (c.offset, c.inner_offset) not in taken)
+
+    def _pause(self) -> None:
+        self.fetcher.wait_quiet(stop=self.target.stopped)
+
+    def _measure(self) -> tuple[int, int]:
+        """(compressed bytes, decoded bytes) of :meth:`fill_order`'s chunks; a compressed
+        range that several chunks in a row share is counted once."""
+        compressed = decoded = 0
+        last = (-1, -1)
+        for c in self.fill_order():
+            decoded += c.chunk_size
+            here = (c.offset, c.end_offset)
+            if here != last:
+                compressed += c.compressed_size
+                last = here
+        return compressed, decoded
 
     def fetch_rest(self, *, clock: Callable[[], float] = time.monotonic,
                    sleep: Callable[[float], object] = time.sleep) -> int:
@@ -107,10 +148,11 @@ class BackgroundFill:
 
         Requests are ``BACKGROUND_REQUEST`` bytes, ``BACKGROUND_DEPTH`` outstanding, run in
         the fetcher's low-priority (niced) thread and wait while on-demand fetches are in
-        flight: a read jumps the queue and is never starved. A read that needs a chunk
-        already in one of them joins that fetch (single flight) instead of asking again.
-        Errors are logged and counted; the chunks they concern are simply left for on-demand
-        reads. When every chunk is local the layer's state becomes ``complete``.
+        flight or the node's FUSE requests have not paused: a read jumps the queue and is
+        never starved. A read that needs a chunk already in one of them joins that fetch
+        (single flight) instead of asking again. Errors are logged and counted; the chunks
+        they concern are simply left for on-demand reads. When every chunk is local the
+        layer's state becomes ``complete``.
         """
         rate = self.rate
         if rate <= 0:
@@ -118,32 +160,29 @@ class BackgroundFill:
         stats = self.target.stats
         stop = self.target.stopped
         cache = self.cache
-        todo = self.fill_order()
-        total = range_bytes(todo)
-        if not fits_in_cache(self.target, cache, todo):
+        total, decoded = self._measure()
+        if not fits_in_cache(self.target, cache, decoded):
             return 0
         with stats._lock:
             stats.state = "filling"
             stats.total_bytes = total
         fetched = 0
         local = 0       # compressed bytes known local: found cached, or fetched by the fill
-        counted: set[tuple[int, int]] = set()      # their ranges (a range is counted once)
         start = clock()
 
         def count(done: Iterable[tuple[int, int]]) -> None:
+            # a batch holds every chunk of the ranges it touches (iter_batches): each range
+            # is counted in one batch only
             nonlocal local
-            for r in done:
-                if r not in counted:
-                    counted.add(r)
-                    local += r[1] - r[0]
-            with stats._lock:
-                stats.local_bytes = local
+            local += sum(b - a for a, b in done)
+            with stats._lock:       # a span's pieces fetched again one by one: at most all
+                stats.local_bytes = min(local, total)
 
         def settle(nbytes: int, landing: Landing) -> int:
             count(ranges(landing.wait(self.read_deadline * 4)))
             return nbytes
 
-        def run(planned: list[list[Chunk]], one_per_span: bool) -> bool:
+        def run(planned: Iterable[list[Chunk]], one_per_span: bool) -> bool:
             """Fetch ``planned`` paced at ``rate``; False if stopped or a request failed."""
             nonlocal fetched
             window: list[tuple[int, Landing]] = []
@@ -178,16 +217,20 @@ class BackgroundFill:
                 fetched += settle(nbytes, landing)
             return ok
 
+        def planned(chunks: Iterable[Chunk]) -> Iterator[list[Chunk]]:
+            return iter_batches(chunks, BACKGROUND_REQUEST, BACKGROUND_REQUEST)
+
+        def missing() -> Iterator[Chunk]:
+            return (c for c in self.fill_order() if not is_local(cache, c))
+
         spreads = self.layer.spreads
         # where decoding one piece of a span caches the others (an indexed gzip layer), one
         # piece per span is asked for; a span handed out before in this mount (its pieces since
         # evicted), or a piece whose digest another fetch had in flight, leaves pieces
         # missing: those are then asked for one by one
-        if run(batches(todo, BACKGROUND_REQUEST), spreads) and spreads:
-            left = [c for c in todo if not is_local(cache, c)]
-            if left:
-                run(batches(left, BACKGROUND_REQUEST), False)
-        complete = not stop.is_set() and all(is_local(cache, c) for c in todo)
+        if run(planned(self.fill_order()), spreads) and spreads:
+            run(planned(missing()), False)
+        complete = not stop.is_set() and next(missing(), None) is None
         with stats._lock:
             stats.background_done = True
             stats.local_bytes = total if complete else stats.local_bytes

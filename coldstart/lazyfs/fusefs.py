@@ -238,7 +238,7 @@ class FuseFS:
         if a is not None:
             return a
         i = inode - tree.base
-        e = tree.entry(i)
+        e = tree.stat(i)
         a = Attr()
         a.st_ino = inode
         a.generation = 0
@@ -302,6 +302,7 @@ class FuseFS:
         if inode == ROOT_INODE:
             return self._root_attr
         tree = self._tree(inode)
+        tree.reader.fetcher.note_read()     # busy: see lookup
         return self._attr(tree, inode)
 
     def readlink(self, inode: int) -> bytes:
@@ -331,6 +332,7 @@ class FuseFS:
                 yield os.fsencode(key), self._attr(tree, tree.root), i + 1
             return
         tree = self._tree(inode)
+        tree.reader.fetcher.note_read()     # busy: see lookup (a find lists, looks nothing up)
         items = tree.listing_of(inode)
         for i in range(start, len(items)):
             name, ino = items[i]

@@ -32,6 +32,7 @@ from coldstart.format.toc import (
     PREFETCH_LANDMARK,
     WHITEOUT_PREFIX,
     Entry,
+    Stat,
 )
 from coldstart.lazyfs.filewire import FILE_XATTR, TOKEN_SUFFIXES
 from coldstart.lazyfs.fusewire import ROOT_INODE, Attr
@@ -192,6 +193,18 @@ class LayerTree:
             e = self._synth[slot] = Entry(name=real, type="char", mode=0, uid=0, gid=0,
                                           mtime_ns=marker.mtime_ns, dev_major=0, dev_minor=0)
         return e
+
+    def stat(self, slot: int) -> Stat:
+        """What :meth:`entry` shows at ``slot``, read without making the entry (a listing
+        asks it of every entry it shows)."""
+        entries = self.toc.entries
+        if slot == 0:
+            return entries.stat(entries.position("") or 0)
+        if not 0 < slot < self._size:
+            raise IndexError(slot)
+        if slot in self._whiteouts:
+            return Stat("char", 0, 0, 0, 0, entries.stat(slot - 1).mtime_ns, "", 0, 0)
+        return entries.stat(slot - 1)
 
     def _shown_name(self, slot: int) -> str:
         return self._whiteouts.get(slot) or (self._names[slot - 1] if slot else "")
