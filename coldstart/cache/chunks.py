@@ -91,6 +91,10 @@ _DIGEST_RE = re.compile(r"^sha256:([0-9a-f]{64})$")
 # server's CPU faulting it in; with these, 325 MB, and the read ran 23-35 % faster (an mmap
 # reader 31-50 %), torch's on-demand start-up 0.8 s sooner (bench/published/pending-2026-12-05).
 _MAX_PENDING = 160 << 20
+# ... and while this many chunks wait: a layer of small files fills the backlog with chunks
+# of a few hundred bytes, whose dict, key and object cost more than their bytes (200,000
+# waiting chunks held some 150 MB that the byte count did not see)
+_MAX_PENDING_CHUNKS = 32768
 # below this many pending bytes (and a quarter of max_bytes) the writer waits for
 # ``write_gate`` (the node's reads to pause) before it writes; above it, it writes at once
 _GATED_PENDING = 96 << 20
@@ -532,7 +536,8 @@ class ChunkCache:
             while True:
                 if hexd in self._ix.sizes or hexd in self._pending:
                     return
-                if self._pending_bytes <= _MAX_PENDING or self._closed:
+                if (self._pending_bytes <= _MAX_PENDING
+                        and len(self._pending) < _MAX_PENDING_CHUNKS) or self._closed:
                     break
                 self._pending_cv.wait(1.0)  # (another thread may queue it meanwhile)
             self._pending[hexd] = pending
@@ -553,14 +558,16 @@ class ChunkCache:
         with contextlib.suppress(OSError, AttributeError):   # Linux: per thread
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
         gated = min(_GATED_PENDING, self.max_bytes // 4)
-        waited_out = False      # this backlog waited its longest at the gate already
+        # chunks of a backlog that waited its longest at the gate already: written without
+        # waiting again (chunks queued after them, a fill's, wait at the gate again)
+        ungated = 0
         while True:
             touch: Path | None = None
             hexd = ""
             pending: bytes | _Encoded = b""
             with self._lock:
                 while not self._queue and not self._touches:
-                    waited_out = False
+                    ungated = 0
                     if self._closed or not self._pending_cv.wait(5.0):
                         self._writer = None
                         return
@@ -572,10 +579,13 @@ class ChunkCache:
                     if got is None:     # dropped meanwhile (it no longer decoded)
                         continue
                     pending = got
-                gate = (self.write_gate if not waited_out and self._pending_bytes < gated
+                gate = (self.write_gate if not ungated and not self._backlog_full_locked(gated)
                         and not self._flushing and not self._closed else None)
+                ungated = max(0, ungated - 1)
             if gate is not None and touch is None:
-                waited_out = not self._wait_at_gate(gate, gated)
+                if not self._wait_at_gate(gate, gated):
+                    with self._lock:
+                        ungated = len(self._queue)
                 with self._lock:    # a read at that time may have decoded it already
                     pending = self._pending.get(hexd, pending)
             if touch is not None:
@@ -615,7 +625,7 @@ class ChunkCache:
                 log.exception("chunk cache: write gate failed")
                 return False
             with self._lock:
-                if self._pending_bytes >= gated or self._flushing or self._closed:
+                if self._backlog_full_locked(gated) or self._flushing or self._closed:
                     return False
 
     def _count_write_error(self) -> None:
@@ -646,6 +656,29 @@ class ChunkCache:
         more = f" ({unlogged} more failed writes not logged)" if unlogged else ""
         log.warning("chunk cache %s: writing sha256:%s failed: %s; not cached, served from "
                     "the registry%s", self.dir, hexd, exc, more)
+
+    def _backlog_full_locked(self, gated: int) -> bool:
+        """Past this, the writer writes at once (the gate's limits: bytes, and chunks)."""
+        return self._pending_bytes >= gated or len(self._pending) >= _MAX_PENDING_CHUNKS // 2
+
+    def backlog(self) -> tuple[int, int]:
+        """(bytes, chunks) waiting for the writer thread."""
+        with self._lock:
+            return self._pending_bytes, len(self._pending)
+
+    def wait_backlog(self, most_bytes: int, most_chunks: int, timeout: float,
+                     stop: threading.Event | None = None) -> bool:
+        """Block while more than ``most_bytes`` or ``most_chunks`` wait for the writer (a
+        background fill lets the writer catch up before it fetches more: the room above is
+        the on-demand reads'), at most ``timeout`` seconds; False if still over then."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._pending_bytes > most_bytes or len(self._pending) > most_chunks:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed or (stop is not None and stop.is_set()):
+                    return False
+                self._pending_cv.wait(min(left, 0.5))
+        return True
 
     def flush(self, timeout: float = 60.0) -> bool:
         """Wait until every :meth:`put_async` chunk is on disk; False on timeout."""

@@ -48,10 +48,16 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def is_local(cache: ChunkStore | None, c: Chunk) -> bool:
+def is_local(cache: ChunkStore | None, c: Chunk, *, indexed: bool = False) -> bool:
     """Whether chunk ``c`` is local: a hole, or in ``cache``, also if another process stored
-    it (may ``stat``: worker and background threads only, never the FUSE loop)."""
-    return c.zeros or (bool(c.digest) and cache is not None and c.digest in cache)
+    it (may ``stat``: worker and background threads only, never the FUSE loop). ``indexed``:
+    as the cache's in-memory index knows it, no I/O (the background fill asks it of every
+    chunk of a layer: a ``stat`` each was most of the time its plan took)."""
+    if c.zeros:
+        return True
+    if not c.digest or cache is None:
+        return False
+    return cache.contains(c.digest) if indexed else c.digest in cache
 
 
 def fits_in_cache(target: FetchTarget, cache: ChunkStore | None, todo: Iterable[Chunk] | int,
@@ -109,9 +115,10 @@ def growing_batches(chunks: list[Chunk], first: int, limit: int, *, growth: int,
 
 
 def iter_batches(chunks: Iterable[Chunk], first: int, limit: int, *, growth: int = 1,
-                 within: bool = True) -> Iterator[list[Chunk]]:
+                 within: bool = True, most: int = 0) -> Iterator[list[Chunk]]:
     """:func:`growing_batches` as it goes: each batch once it is cut (the background fill's
-    order is made as it is fetched, never held whole)."""
+    order is made as it is fetched, never held whole). ``most``: a batch also ends at the
+    first range past this many chunks (0: no such limit)."""
     batch: list[Chunk] = []
     size = want = 0
     cut = False
@@ -120,7 +127,7 @@ def iter_batches(chunks: Iterable[Chunk], first: int, limit: int, *, growth: int
         here = (c.offset, c.end_offset)
         if here != last:
             full = size + c.compressed_size > want if within else size >= want
-            if not cut or (size and full):
+            if not cut or (size and (full or 0 < most <= len(batch))):
                 if batch:
                     yield batch
                 want = first if not cut else min(limit, want * growth)

@@ -333,11 +333,14 @@ class ChunkFetcher:
                 out[c] = fl.future
         # A chunk not in flight may have been cached since the caller looked (a fetch stores
         # its chunks before it leaves the in-flight table): serve those from the cache.
+        # (a background request's chunks were chosen from the index: only the index is asked,
+        # not the disk, a miss of which costs an open(2) each)
         new: dict[Chunk, _Flight] = {}
+        cache = self.cache
         for c, fl in mine.items():
             data = None
-            if c.digest and self.cache is not None:
-                data = self.cache.get(c.digest, expected_size=c.chunk_size, keep=not unread)
+            if c.digest and cache is not None and (not background or cache.contains(c.digest)):
+                data = cache.get(c.digest, expected_size=c.chunk_size, keep=not unread)
             if data is None:
                 new[c] = fl
                 continue

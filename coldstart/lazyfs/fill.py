@@ -43,7 +43,7 @@ from coldstart.lazyfs.batches import (
 from coldstart.lazyfs.fetcher import ChunkFetcher, lower_priority
 from coldstart.lazyfs.target import FILL, FetchTarget
 
-__all__ = ["BACKGROUND_DEPTH", "BACKGROUND_REQUEST", "BackgroundFill"]
+__all__ = ["BACKGROUND_CHUNKS", "BACKGROUND_DEPTH", "BACKGROUND_REQUEST", "BackgroundFill"]
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +55,17 @@ _DEFAULTS = FetchConfig()
 BACKGROUND_REQUEST = 4 << 20
 #: The background fetch keeps this many requests outstanding.
 BACKGROUND_DEPTH = 2
+#: Chunks per request at most: a layer of small files puts thousands in 4 MiB, whose
+#: decoding, hashing and caching then hold the GIL for a second in one go; with this many, a
+#: request is some tens of milliseconds of that, between two looks at the node's FUSE requests.
+BACKGROUND_CHUNKS = 1024
 #: Regular files the fill's plan makes between two waits for a pause in the FUSE requests
 #: (a few milliseconds of making entries).
 PLAN_STEP = 1024
+#: The fill fetches more only while the chunk cache's writer has at most this much left to
+#: write (bytes, chunks): it never runs ahead of the disk, and the rest of the backlog's room
+#: stays the on-demand reads'.
+FILL_BACKLOG = (32 << 20, 4096)
 
 
 class BackgroundFill:
@@ -126,7 +134,14 @@ class BackgroundFill:
                         if not c.zeros and (c.offset, c.inner_offset) not in taken)
 
     def _pause(self) -> None:
-        self.fetcher.wait_quiet(stop=self.target.stopped)
+        """Wait for a pause in the node's FUSE requests, and for the chunk cache's writer to
+        be within ``FILL_BACKLOG``."""
+        stop = self.target.stopped
+        self.fetcher.wait_quiet(stop=stop)
+        wait_backlog = getattr(self.cache, "wait_backlog", None)
+        if wait_backlog is not None:
+            while not stop.is_set() and not wait_backlog(*FILL_BACKLOG, 1.0, stop):
+                self.fetcher.wait_quiet(stop=stop)
 
     def _measure(self) -> tuple[int, int]:
         """(compressed bytes, decoded bytes) of :meth:`fill_order`'s chunks; a compressed
@@ -191,7 +206,8 @@ class BackgroundFill:
                 if stop.is_set():
                     ok = False
                     break
-                want = [c for c in batch if not is_local(cache, c)]
+                self._pause()
+                want = [c for c in batch if not is_local(cache, c, indexed=True)]
                 wanted = ranges(want)
                 count(r for r in ranges(batch) if r not in wanted)
                 if not want:
@@ -218,10 +234,11 @@ class BackgroundFill:
             return ok
 
         def planned(chunks: Iterable[Chunk]) -> Iterator[list[Chunk]]:
-            return iter_batches(chunks, BACKGROUND_REQUEST, BACKGROUND_REQUEST)
+            return iter_batches(chunks, BACKGROUND_REQUEST, BACKGROUND_REQUEST,
+                                most=BACKGROUND_CHUNKS)
 
         def missing() -> Iterator[Chunk]:
-            return (c for c in self.fill_order() if not is_local(cache, c))
+            return (c for c in self.fill_order() if not is_local(cache, c, indexed=True))
 
         spreads = self.layer.spreads
         # where decoding one piece of a span caches the others (an indexed gzip layer), one

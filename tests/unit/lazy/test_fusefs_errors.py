@@ -127,3 +127,29 @@ def test_the_ordinary_errnos_are_unchanged(
         fs.getattr(tree.end + 1000)
     assert exc.value.errno == errno.ESTALE
     assert fs.internal_errors == 0 and counted == []
+
+
+def test_listings_and_getattr_count_as_busy_and_show_the_entries(
+        fs_tree: tuple[FuseFS, LayerTree, list[str]]) -> None:
+    """A find lists directories and looks nothing up: readdir and getattr mark the node busy
+    (the fill and the cache's writes wait for a pause), and what a listing shows of each
+    entry (read without making it) is what the entry says."""
+    import stat as stat_module
+
+    fs, tree, _ = fs_tree
+    fetcher = tree.reader.fetcher
+    fetcher.last_read = 0.0
+    doc = _ino(tree, "usr/share/doc")
+    listed = list(fs.readdir(doc, 0))
+    assert fetcher.last_read > 0
+    fetcher.last_read = 0.0
+    fs.getattr(_ino(tree, NAME))
+    assert fetcher.last_read > 0
+    assert len(listed) > 10
+    for name, attr, _ in listed:
+        e = tree.entry(attr.st_ino - tree.base)
+        assert e.basename == name.decode()
+        assert stat_module.S_IMODE(attr.st_mode) == e.mode & 0o7777
+        assert (attr.st_uid, attr.st_gid, attr.st_mtime_ns) == (e.uid, e.gid, max(0, e.mtime_ns))
+        assert attr.st_size == (e.size if e.type == "reg" else 4096 if e.type == "dir" else
+                                len(e.link_name.encode()) if e.type == "symlink" else 0)

@@ -74,3 +74,56 @@ def test_counting_wrapper_is_what_make_uses(tmp_path: Path) -> None:
     _, src, _ = make(tmp_path, "estargz")
     assert isinstance(src.counting, CountingReadAt)
     assert isinstance(src.counting.inner, BytesReadAt)
+
+
+def test_the_fill_plan_is_made_as_it_is_fetched(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan makes one entry at a time, not kept (a layer's chunks are never held as one
+    list): the first chunk comes after a few entries are made, and no pass over the layer
+    leaves entries in the TOC's cache."""
+    from coldstart.format.toc import TOCEntries
+
+    tree = metadata_tar()
+    reader, _, _ = make(tmp_path, "zstd:chunked", tar=tree.tar)
+    made: list[int] = []
+    real = TOCEntries.made
+    monkeypatch.setattr(TOCEntries, "made", lambda self, i: made.append(i) or real(self, i))
+    order = reader.fill.fill_order()
+    next(order)
+    assert 0 < len(made) <= 3
+    rest = list(order)
+    regs = sum(1 for t in reader.layer.toc.entries.types if t == "reg")
+    assert len(rest) > 100 and regs <= len(made) <= regs + 10
+    assert not reader.layer.toc.entries._made        # nothing kept
+
+
+def test_the_fill_waits_while_the_node_lists_and_stats(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Metadata requests (a find's listings and getattrs) count as the node being busy: the
+    fill fetches nothing while they come, and goes on once they pause."""
+    import threading
+
+    from coldstart.lazyfs import fetcher as fetcher_module
+
+    monkeypatch.setattr(fetcher_module, "QUIET_SECONDS", 3.0)
+    tree = metadata_tar()
+    reader, src, fetcher = make(tmp_path, "zstd:chunked", tar=tree.tar)
+    reader.fill.rate = 1 << 40
+    busy, tick = threading.Event(), threading.Event()
+    busy.set()
+
+    def lister() -> None:               # FuseFS.readdir / getattr call note_read
+        while busy.is_set():
+            fetcher.note_read()
+            tick.wait(0.05)
+    t = threading.Thread(target=lister, daemon=True)
+    t.start()
+    done = threading.Thread(target=reader.fill.fetch_rest, daemon=True)
+    done.start()
+    done.join(1.5)
+    assert done.is_alive() and src.counting.requests == 0      # held the whole time
+    busy.clear()
+    t.join(10)
+    done.join(60)
+    assert not done.is_alive() and src.counting.requests > 0
+    assert reader.stats.as_dict()["state"] == "complete"

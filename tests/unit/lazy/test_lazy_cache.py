@@ -349,3 +349,74 @@ def test_put_async_waits_for_the_disk_once_the_backlog_is_full(
     assert c.flush(30)
     other.close()
     c.close()
+
+
+def test_small_chunks_are_bounded_by_their_count_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a layer of small files: the byte count stays far below _MAX_PENDING while each waiting
+    # chunk costs more than its bytes; past half _MAX_PENDING_CHUNKS the writer writes at
+    # once, past it each put_async waits for the disk
+    from coldstart.cache import chunks as chunks_module
+
+    monkeypatch.setattr(chunks_module, "_MAX_PENDING_CHUNKS", 40)
+    c = ChunkCache(tmp_path / "c", max_bytes=1 << 30)
+    open_gate = held_gate(c, monkeypatch)
+    chunks = [blob(i, 200) for i in range(300)]
+    most = 0
+    for ch in chunks:
+        c.put_async(dg(ch), ch, verified=True)
+        most = max(most, c.backlog()[1])
+    assert most <= 40
+    assert c.backlog()[0] <= 40 * max(map(len, chunks))
+    assert all(c.get(dg(ch)) == ch for ch in chunks)
+    open_gate()
+    assert c.flush(30) and c.backlog() == (0, 0)
+    c.close()
+
+
+def test_wait_backlog_blocks_until_the_writer_catches_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    c = ChunkCache(tmp_path / "c", max_bytes=1 << 30)
+    open_gate = held_gate(c, monkeypatch)
+    chunks = [blob(i, 500) for i in range(20)]
+    for ch in chunks:
+        c.put_async(dg(ch), ch, verified=True)
+    assert c.backlog() == (sum(map(len, chunks)), 20)
+    assert not c.wait_backlog(1 << 20, 5, timeout=0.2)       # held at the gate: still over
+    stop = threading.Event()
+    stop.set()
+    assert not c.wait_backlog(1 << 20, 5, timeout=600, stop=stop)   # stopped: at once
+    open_gate()
+    assert c.wait_backlog(1 << 20, 5, timeout=60)
+    assert c.backlog()[1] <= 5
+    c.close()
+
+
+def test_chunks_queued_after_a_backlog_that_waited_out_wait_at_the_gate_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the node never pauses: a backlog that waited _GATE_WAIT is written; chunks a fill
+    # queues afterwards wait at the gate again instead of being written while the node reads
+    import time
+
+    from coldstart.cache import chunks as chunks_module
+
+    monkeypatch.setattr(chunks_module, "_GATE_WAIT", 0.3)
+    c = ChunkCache(tmp_path / "c", max_bytes=1 << 30)
+    c.write_gate = lambda step: time.sleep(step) or False      # never quiet
+    first = [blob(i, 300) for i in range(5)]
+    for ch in first:
+        c.put_async(dg(ch), ch, verified=True)
+    other = ChunkCache(tmp_path / "c", max_bytes=1 << 30)
+    deadline = time.monotonic() + 60
+    while not all(dg(ch) in other for ch in first):          # written once it waited out
+        assert time.monotonic() < deadline, "the waited-out backlog was never written"
+        time.sleep(0.05)
+    late = blob(99, 300)
+    c.put_async(dg(late), late, verified=True)
+    time.sleep(0.1)                                          # well within _GATE_WAIT
+    assert c.backlog()[1] == 1                               # waits at the gate again
+    assert c.flush(30) and dg(late) in ChunkCache(tmp_path / "c", max_bytes=1 << 30)
+    other.close()
+    c.close()

@@ -59,6 +59,13 @@ def test_chunks_sharing_one_range_stay_in_one_batch() -> None:
     assert [len({c.offset for c in b}) for b in batching.batches(chunks, 2000)] == [2, 2, 2]
     assert [len({c.offset for c in b}) for b in batching.batches(chunks, 500)] == [1] * 6
     assert batching.batches([], 10) == []
+    # the fill's: also at most ``most`` chunks, cut at a range's start only (a span whole)
+    got = list(batching.iter_batches(iter(chunks), 1 << 20, 1 << 20, most=10))
+    assert [c for b in got for c in b] == chunks
+    assert [len(b) for b in got] == [14, 14, 14]        # two spans of 7: the cut after 10
+    small = [Chunk(i * 10, i * 10 + 10, 0, 10, f"s{i}") for i in range(25)]
+    assert [len(b) for b in batching.iter_batches(small, 1 << 20, 1 << 20, most=10)] == \
+        [10, 10, 5]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
