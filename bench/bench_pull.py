@@ -11,19 +11,27 @@ containerd + ``coldstart snapshotter`` (with its FUSE server) and times, through
   Prepare -> the FUSE server fetches, verifies and parses the TOC -> bind mount);
 * ``full``: the gzip image through containerd's overlayfs snapshotter (download + unpack).
 
-Prints medians (min-max), the ratio, and µs per TOC entry of the lazy pull; writes JSON to
-``bench/results/bench_pull-<time>.json``. ``--spy DIR`` records the FUSE server with py-spy
-during each lazy pull (folded stacks, for flamegraph.pl or speedscope), to see where the time
-goes. The torch image's pull next to stargz's ``ctr-remote image rpull`` is ``coldstart bench
-builtin:torch --embedded --mode coldstart,stargz`` (its ``pull`` phase). Needs root; take the
-bench lock when others measure::
+After each lazy pull (and ``SETTLE`` seconds), the FUSE server's memory, then ``find -ls``
+over the mounted layer (every entry listed and stat'ed, as a user's check does): its time and
+the memory after it. ``--fill on,off`` (default both): with the product's background fill
+(``fetch.background_rate`` left at its default, as a user runs it) and without it.
+``--before DIR``: the same rounds with the code of checkout DIR too (``git worktree add DIR
+<commit>``; copy ``coldstart/_proto`` into it), each arm in a child process of its own, arms
+alternated, so before and after are measured in one run. Prints medians (min-max) per arm;
+writes JSON to ``bench/results/bench_pull-<time>.json``. ``--spy DIR`` records the FUSE server
+with py-spy during each lazy pull (folded stacks, for flamegraph.pl or speedscope), to see
+where the time goes. The torch image's pull next to stargz's ``ctr-remote image rpull`` is
+``coldstart bench builtin:torch --embedded --mode coldstart,stargz`` (its ``pull`` phase).
+Needs root; take the bench lock when others measure::
 
     flock /tmp/cs-bench.lock .venv/bin/python bench/bench_pull.py [--files 200000] [--rounds 3]
+        [--fill on,off] [--before /tmp/cs-before] [--lazy-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import hashlib
 import io
@@ -40,7 +48,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+# --before runs each round of that arm in a child process with this set to that checkout: its
+# coldstart (and the daemons the stack starts from it) is measured, with this script's rounds
+sys.path.insert(0, os.environ.get("COLDSTART_BENCH_CODE", str(REPO)))
 
 from coldstart.containerd.client import Containerd  # noqa: E402
 from coldstart.containerd.pull import pull_image  # noqa: E402
@@ -140,20 +150,20 @@ def _fuse_mounts(base: Path) -> list[Path]:
     return out
 
 
-def _walk(root: Path) -> int:
-    """lstat every entry under ``root`` (what ``find -ls`` does); the number of entries."""
-    n = 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            os.lstat(os.path.join(dirpath, name))
-            n += 1
-    return n
+def _find(root: Path) -> int:
+    """``find ROOT -ls`` (every entry looked up and stat'ed, as a user's check does); the
+    number of entries."""
+    proc = subprocess.run(["find", str(root), "-mindepth", "1", "-ls"], capture_output=True,
+                          check=True, timeout=600)
+    return proc.stdout.count(b"\n")
 
 
 def one_round(host: str, refs: dict[str, str], spy_dir: Path | None, i: int,
-              full: bool = True) -> dict[str, float]:
+              fill: bool = True) -> dict[str, float]:
+    """One lazy pull of the big layer on a fresh node, with the product's background fill
+    (``fill``: ``fetch.background_rate`` left at its default) or without it (0)."""
     out: dict[str, float] = {}
-    with temp_local_stack(log_level="warning") as stack, \
+    with temp_local_stack(log_level="warning", background_rate=None if fill else 0) as stack, \
             RegistryClient(insecure_hosts=[host]) as reg, \
             Containerd(stack.address, "default", timeout=600) as ctd:
         spy = _spy(stack.snapshotter.fuse_pid,
@@ -178,14 +188,21 @@ def one_round(host: str, refs: dict[str, str], spy_dir: Path | None, i: int,
         out["fuse_rss_mb"], out["fuse_peak_mb"] = _memory(fuse_pid)
         out["grpc_rss_mb"], out["grpc_peak_mb"] = _memory(grpc_pid)
         mounts = _fuse_mounts(stack.snapshotter.base)
-        out["walked"] = float(sum(_walk(m) for m in mounts))
+        t0 = time.monotonic()
+        out["walked"] = float(sum(_find(m) for m in mounts))
+        out["find"] = time.monotonic() - t0
         out["fuse_rss_walk_mb"], out["fuse_peak_walk_mb"] = _memory(fuse_pid)
-        if not full:
-            return out
+    return out
+
+
+def full_round(host: str, refs: dict[str, str]) -> float:
+    """containerd's full pull and unpack of the gzip image, on a fresh node: seconds."""
+    with temp_local_stack(log_level="warning") as stack, \
+            RegistryClient(insecure_hosts=[host]) as reg, \
+            Containerd(stack.address, "default", timeout=600) as ctd:
         t0 = time.monotonic()
         pull_image(ctd, reg, refs["full"], snapshotter="overlayfs", timeout=600)
-        out["full"] = time.monotonic() - t0
-    return out
+        return time.monotonic() - t0
 
 
 def _push_zstd(host: str, repo: str, work: Path, meta: dict[str, Any], key: str) -> str:
@@ -214,7 +231,56 @@ def idle_round(host: str, refs: list[str]) -> dict[str, float]:
             "grpc_rss_mb": grpc[0], "grpc_peak_mb": grpc[1]}
 
 
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One configuration measured each round: whose code, with or without the fill."""
+
+    code: str           # "after" (this checkout) or "before" (--before DIR)
+    fill: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.code}, fill {'on' if self.fill else 'off'}"
+
+
+def run_arm(arm: Arm, before: Path | None, host: str, refs: dict[str, str], i: int,
+            spy: Path | None) -> dict[str, float]:
+    """One lazy round of ``arm`` in a child process (a fresh interpreter: no memory of the
+    other arms), with the code the arm names."""
+    env = dict(os.environ, COLDSTART_BENCH_CODE=str(before if arm.code == "before" else REPO))
+    job = json.dumps({"host": host, "refs": refs, "i": i, "fill": arm.fill,
+                      "spy": str(spy) if spy else None})
+    proc = subprocess.run([sys.executable, __file__, "--child", job], env=env, check=False,
+                          stdout=subprocess.PIPE, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"{arm.name}: round {i + 1} failed (exit {proc.returncode})")
+    return dict(json.loads(proc.stdout.decode().strip().splitlines()[-1]))
+
+
+def child(job: str) -> None:
+    j = json.loads(job)
+    r = one_round(j["host"], j["refs"], Path(j["spy"]) if j["spy"] else None, j["i"],
+                  fill=j["fill"])
+    print(json.dumps(r))
+
+
+def _stat(xs: list[float]) -> dict[str, float] | None:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)} if xs else None
+
+
+#: what each arm reports: (key, label, unit)
+FIGURES = (("lazy", "lazy pull", "s"), ("fuse_rss_mb", "FUSE server RSS, layer mounted", "MB"),
+           ("fuse_peak_mb", "FUSE server peak RSS (the TOC's parse)", "MB"),
+           ("find", "find -ls over the layer", "s"),
+           ("fuse_rss_walk_mb", "FUSE server RSS after the find", "MB"),
+           ("fuse_peak_walk_mb", "FUSE server peak RSS by then", "MB"),
+           ("grpc_rss_mb", "gRPC snapshotter RSS", "MB"))
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        child(sys.argv[2])
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--files", type=int, default=200_000)
     ap.add_argument("--rounds", type=int, default=3)
@@ -223,16 +289,30 @@ def main() -> None:
     ap.add_argument("--spy", type=Path, default=None, metavar="DIR",
                     help="record the FUSE server with py-spy during each lazy pull")
     ap.add_argument("--lazy-only", action="store_true", help="skip containerd's full pull")
+    ap.add_argument("--fill", default="on,off", metavar="on,off",
+                    help="the lazy rounds with the product's background fill (on), without it "
+                         "(off), or both (default %(default)s)")
+    ap.add_argument("--before", type=Path, default=None, metavar="DIR",
+                    help="also measure the code of this checkout (each arm alternated in the "
+                         "same rounds)")
     ap.add_argument("--idle-layers", type=int, default=0, metavar="N",
                     help="also: the FUSE server's memory with N layers mounted (default: skip)")
     ap.add_argument("--idle-files", type=int, default=10_000, metavar="K",
                     help="files in each of those layers (default %(default)s)")
     args = ap.parse_args()
+    fills = [f.strip() for f in args.fill.split(",") if f.strip()]
+    if not fills or any(f not in ("on", "off") for f in fills):
+        ap.error("--fill: on, off or on,off")
+    if args.before is not None and not (args.before / "coldstart" / "_proto").is_dir():
+        ap.error(f"--before {args.before}: no coldstart/_proto there (copy this checkout's)")
+    arms = [Arm(code, f == "on") for code in (["before"] if args.before else []) + ["after"]
+            for f in fills]
     meta = prepare(args.work, args.files)
     g = meta["gzip"]
     if args.spy:
         args.spy.mkdir(parents=True, exist_ok=True)
-    results: list[dict[str, float]] = []
+    results: dict[str, list[dict[str, float]]] = {a.name: [] for a in arms}
+    full_s: list[float] = []
     with tempfile.TemporaryDirectory(prefix="cs-bp-", dir="/tmp") as tmp, \
             start_registry(Path(tmp) / "registry", access_log=False) as registry:
         host = registry.host
@@ -255,51 +335,42 @@ def main() -> None:
                   f"(peak {idle['peak_mb']:.0f}); gRPC daemon {idle['grpc_rss_mb']:.0f} MB",
                   file=sys.stderr)
         for i in range(args.rounds):
-            r = one_round(host, refs, args.spy, i, full=not args.lazy_only)
-            full_s = f", full {r['full']:.2f} s" if "full" in r else ""
-            print(f"round {i + 1}/{args.rounds}: lazy {r['lazy']:.2f} s{full_s}; FUSE server "
-                  f"{r['fuse_idle_mb']:.0f} MB before, {r['fuse_small_mb']:.0f} MB with "
-                  f"{SMALL_FILES} files, {r['fuse_rss_mb']:.0f} MB mounted "
-                  f"(peak {r['fuse_peak_mb']:.0f}), "
-                  f"{r['fuse_rss_walk_mb']:.0f} MB after lstat of {r['walked']:,.0f} entries "
-                  f"(peak {r['fuse_peak_walk_mb']:.0f}); gRPC daemon {r['grpc_rss_mb']:.0f} MB "
-                  f"(peak {r['grpc_peak_mb']:.0f})", file=sys.stderr)
-            results.append(r)
+            for arm in arms if i % 2 == 0 else arms[::-1]:      # alternated
+                r = run_arm(arm, args.before, host, refs, i, args.spy)
+                results[arm.name].append(r)
+                print(f"round {i + 1}/{args.rounds}, {arm.name}: lazy {r['lazy']:.2f} s; FUSE "
+                      f"server {r['fuse_rss_mb']:.0f} MB mounted (peak "
+                      f"{r['fuse_peak_mb']:.0f}), find -ls of {r['walked']:,.0f} entries "
+                      f"{r['find']:.2f} s, then {r['fuse_rss_walk_mb']:.0f} MB (peak "
+                      f"{r['fuse_peak_walk_mb']:.0f})", file=sys.stderr)
+            if not args.lazy_only:
+                full_s.append(full_round(host, refs))
+                print(f"round {i + 1}/{args.rounds}: full pull {full_s[-1]:.2f} s",
+                      file=sys.stderr)
 
-    def stat(key: str) -> dict[str, float] | None:
-        xs = [r[key] for r in results if key in r]
-        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)} if xs else None
-
-    lazy, full = stat("lazy"), stat("full")
-    assert lazy is not None
-    memory = {k: stat(k) for k in ("fuse_idle_mb", "fuse_small_mb", "fuse_rss_mb", "fuse_peak_mb",
-                                   "fuse_rss_walk_mb",
-                                   "fuse_peak_walk_mb", "grpc_rss_mb", "grpc_peak_mb")}
-    summary = {"files": args.files, "rounds": results, "lazy": lazy, "full": full,
-               "memory_mb": memory, "idle": idle if idle_refs else None,
-               "ratio_full_over_lazy": full["median"] / lazy["median"] if full else None,
-               "us_per_entry_lazy": lazy["median"] / args.files * 1e6,
-               "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    print(f"| pull of 1 layer, {args.files:,} files | median | min-max |\n|---|---|---|")
-    for name, st in (("coldstart lazy pull", lazy), ("containerd full pull + unpack", full)):
-        if st is not None:
-            print(f"| {name} | {st['median']:.2f} s | {st['min']:.2f}-{st['max']:.2f} s |")
-    ratio = f"; full/lazy {summary['ratio_full_over_lazy']:.1f}x" if full else ""
-    print(f"lazy: {summary['us_per_entry_lazy']:.1f} µs per TOC entry{ratio}")
-    print("| daemon memory (MB, median of rounds) | RSS | peak |\n|---|---|---|")
-    for name, rss, peak in (("FUSE server, before the pull", "fuse_idle_mb", "fuse_idle_mb"),
-                            (f"FUSE server, a layer of {SMALL_FILES} files mounted",
-                             "fuse_small_mb", "fuse_small_mb"),
-                            ("FUSE server, layer mounted", "fuse_rss_mb", "fuse_peak_mb"),
-                            ("FUSE server, after lstat of every entry", "fuse_rss_walk_mb",
-                             "fuse_peak_walk_mb"),
-                            ("gRPC snapshotter", "grpc_rss_mb", "grpc_peak_mb")):
-        now, top = memory[rss], memory[peak]
-        assert now is not None and top is not None
-        print(f"| {name} | {now['median']:.0f} | {top['median']:.0f} |")
+    table = {name: {k: _stat([r[k] for r in rs if k in r]) for k, _, _ in FIGURES}
+             for name, rs in results.items()}
+    full = _stat(full_s)
+    print(f"| {args.files:,} files, median (min-max) of {args.rounds} | "
+          + " | ".join(a.name for a in arms) + " |")
+    print("|---|" + "---|" * len(arms))
+    for key, label, unit in FIGURES:
+        cells = []
+        for a in arms:
+            st = table[a.name][key]
+            fmt = ".2f" if unit == "s" else ".0f"
+            cells.append("-" if st is None else
+                         f"{st['median']:{fmt}} {unit} ({st['min']:{fmt}}-{st['max']:{fmt}})")
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    if full is not None:
+        print(f"containerd full pull + unpack: {full['median']:.2f} s "
+              f"({full['min']:.2f}-{full['max']:.2f})")
     if idle_refs:
         print(f"| FUSE server, {args.idle_layers} layers of {args.idle_files:,} files mounted "
               f"| {idle['rss_mb']:.0f} | {idle['peak_mb']:.0f} |")
+    summary = {"files": args.files, "rounds": results, "arms": table, "full": full,
+               "idle": idle if idle_refs else None, "before": str(args.before or ""),
+               "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
     results_dir = REPO / "bench" / "results"
     results_dir.mkdir(exist_ok=True)
     path = results_dir / f"bench_pull-{time.strftime('%Y%m%d-%H%M%S')}.json"
