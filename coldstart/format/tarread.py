@@ -18,6 +18,7 @@ xattrs, no NUL bytes or negative numbers). The layer converter (:mod:`.writer`),
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import queue
@@ -46,6 +47,7 @@ __all__ = [
     "member_reader",
     "mtime_ns",
     "open_tar_stream",
+    "tar_errors",
 ]
 
 BLOCK = 512
@@ -321,18 +323,26 @@ class HeaderLog:
 TAR_PARSE_ERRORS = (ValueError, OverflowError)
 
 
-def checked_members(tf: tarfile.TarFile, headers: HeaderLog) -> Iterator[tarfile.TarInfo]:
+@contextlib.contextmanager
+def tar_errors() -> Iterator[None]:
+    """What reading a tar stream raises, as FormatError (one mapping for opening and
+    reading)."""
     try:
-        for info in tf:
-            if info.size < 0:       # a PAX size record (the header's is checked as parsed)
-                raise FormatError(f"entry {info.name!r}: a negative size ({info.size})")
-            yield info
+        yield
     except tarfile.TarError as exc:
         raise FormatError(f"input is not a valid tar stream: {exc}") from None
     except (EOFError, zlib.error, zstandard.ZstdError, gzip.BadGzipFile) as exc:
         raise FormatError(f"input is truncated or corrupt: {exc}") from None
     except TAR_PARSE_ERRORS as exc:
         raise FormatError(f"input is not a valid tar stream: {exc}") from None
+
+
+def checked_members(tf: tarfile.TarFile, headers: HeaderLog) -> Iterator[tarfile.TarInfo]:
+    with tar_errors():
+        for info in tf:
+            if info.size < 0:       # a PAX size record (the header's is checked as parsed)
+                raise FormatError(f"entry {info.name!r}: a negative size ({info.size})")
+            yield info
     headers.check_end()
 
 

@@ -65,7 +65,6 @@ from coldstart.format.layer import (
 )
 from coldstart.format.tarread import (
     BLOCK,
-    TAR_PARSE_ERRORS,
     XATTR_PREFIX,
     Counted,
     HeaderLog,
@@ -73,6 +72,7 @@ from coldstart.format.tarread import (
     entry_from,
     member_reader,
     open_tar_stream,
+    tar_errors,
 )
 from coldstart.format.tarsplit import TarSplitWriter
 from coldstart.format.toc import NO_PREFETCH_LANDMARK, PREFETCH_LANDMARK, Entry, normalize_name
@@ -388,16 +388,10 @@ def _convert_entries(w: _Writer, stream: IO[bytes], mode: Literal["r:", "r|"],
                      prefetch: list[str] | None) -> int:
     """Emit every entry; return the input offset where the tar's end marker should be."""
     headers = HeaderLog()
-    try:
+    with tar_errors():
         tf = tarfile.open(  # noqa: SIM115 (closed by the with below)
             None, mode, fileobj=stream, encoding="utf-8", errors="surrogateescape",
             tarinfo=headers.tarinfo)
-    except tarfile.TarError as exc:
-        raise FormatError(f"input is not a valid tar stream: {exc}") from None
-    except (EOFError, zlib.error, zstandard.ZstdError, gzip.BadGzipFile) as exc:
-        raise FormatError(f"input is truncated or corrupt: {exc}") from None
-    except TAR_PARSE_ERRORS as exc:
-        raise FormatError(f"input is not a valid tar stream: {exc}") from None
     seen: set[str] = set()
 
     types: dict[str, str] = {}
