@@ -577,11 +577,13 @@ class ChunkCache:
                     hexd = self._queue.popleft()
                     got = self._pending.get(hexd)
                     if got is None:     # dropped meanwhile (it no longer decoded)
+                        ungated = max(0, ungated - 1)
                         continue
                     pending = got
                 gate = (self.write_gate if not ungated and not self._backlog_full_locked(gated)
                         and not self._flushing and not self._closed else None)
-                ungated = max(0, ungated - 1)
+                if touch is None:
+                    ungated = max(0, ungated - 1)
             if gate is not None and touch is None:
                 if not self._wait_at_gate(gate, gated):
                     with self._lock:
@@ -670,12 +672,15 @@ class ChunkCache:
                      stop: threading.Event | None = None) -> bool:
         """Block while more than ``most_bytes`` or ``most_chunks`` wait for the writer (a
         background fill lets the writer catch up before it fetches more: the room above is
-        the on-demand reads'), at most ``timeout`` seconds; False if still over then."""
+        the on-demand reads'), at most ``timeout`` seconds; False if still over then or
+        ``stop`` is set; True at once once the cache is closed."""
         deadline = time.monotonic() + timeout
         with self._lock:
             while self._pending_bytes > most_bytes or len(self._pending) > most_chunks:
+                if self._closed:        # nothing will be written: nothing to wait for
+                    return True
                 left = deadline - time.monotonic()
-                if left <= 0 or self._closed or (stop is not None and stop.is_set()):
+                if left <= 0 or (stop is not None and stop.is_set()):
                     return False
                 self._pending_cv.wait(min(left, 0.5))
         return True

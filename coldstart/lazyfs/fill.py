@@ -93,7 +93,7 @@ class BackgroundFill:
         if self.rate <= 0:
             return
         lower_priority()
-        self.fetcher.wait_quiet()
+        self.fetcher.wait_quiet(stop=self.target.stopped)
         self.fetcher.wait_deferred(stop=self.target.stopped)
         self.fetch_rest()
 
@@ -119,8 +119,8 @@ class BackgroundFill:
             if kind != "reg":
                 continue
             made += 1
-            if not made % PLAN_STEP:
-                self._pause()
+            if not made % PLAN_STEP and not self._pause():
+                return
             e = entries.made(i)
             if e.size > self.small_file_bytes:
                 big.append(i)
@@ -128,32 +128,37 @@ class BackgroundFill:
             yield from (c for c in e.chunks
                         if not c.zeros and (c.offset, c.inner_offset) not in taken)
         for n, i in enumerate(big, 1):
-            if not n % PLAN_STEP:
-                self._pause()
+            if not n % PLAN_STEP and not self._pause():
+                return
             yield from (c for c in entries.made(i).chunks
                         if not c.zeros and (c.offset, c.inner_offset) not in taken)
 
-    def _pause(self) -> None:
+    def _pause(self) -> bool:
         """Wait for a pause in the node's FUSE requests, and for the chunk cache's writer to
-        be within ``FILL_BACKLOG``."""
+        be within ``FILL_BACKLOG``; False once the layer is no longer served."""
         stop = self.target.stopped
         self.fetcher.wait_quiet(stop=stop)
         wait_backlog = getattr(self.cache, "wait_backlog", None)
         if wait_backlog is not None:
             while not stop.is_set() and not wait_backlog(*FILL_BACKLOG, 1.0, stop):
                 self.fetcher.wait_quiet(stop=stop)
+        return not stop.is_set()
 
     def _measure(self) -> tuple[int, int]:
         """(compressed bytes, decoded bytes) of :meth:`fill_order`'s chunks; a compressed
-        range that several chunks in a row share is counted once."""
+        range that several chunks share is counted once (in a row, or: an indexed gzip
+        layer's few spans, anywhere)."""
         compressed = decoded = 0
         last = (-1, -1)
+        seen: set[tuple[int, int]] | None = set() if self.layer.spreads else None
         for c in self.fill_order():
             decoded += c.chunk_size
             here = (c.offset, c.end_offset)
-            if here != last:
+            if here != last and (seen is None or here not in seen):
                 compressed += c.compressed_size
-                last = here
+                if seen is not None:
+                    seen.add(here)
+            last = here
         return compressed, decoded
 
     def fetch_rest(self, *, clock: Callable[[], float] = time.monotonic,
@@ -176,7 +181,7 @@ class BackgroundFill:
         stop = self.target.stopped
         cache = self.cache
         total, decoded = self._measure()
-        if not fits_in_cache(self.target, cache, decoded):
+        if stop.is_set() or not fits_in_cache(self.target, cache, decoded):
             return 0
         with stats._lock:
             stats.state = "filling"
@@ -185,15 +190,21 @@ class BackgroundFill:
         local = 0       # compressed bytes known local: found cached, or fetched by the fill
         start = clock()
 
+        # a range is counted once: a batch holds every chunk of the ranges it touches
+        # (iter_batches), but an indexed gzip layer's span holds pieces of files in several
+        # parts of the order (its few spans are remembered)
+        counted: set[tuple[int, int]] | None = set() if self.layer.spreads else None
+
         def count(done: Iterable[tuple[int, int]]) -> None:
-            # a batch holds every chunk of the ranges it touches (iter_batches): each range
-            # is counted in one batch only
             nonlocal local
+            if counted is not None:
+                done = [r for r in done if r not in counted]
+                counted.update(done)
             local += sum(b - a for a, b in done)
-            with stats._lock:       # a span's pieces fetched again one by one: at most all
+            with stats._lock:       # what a span's repeats still miscount: at most all
                 stats.local_bytes = min(local, total)
 
-        def settle(nbytes: int, landing: Landing) -> int:
+        def landed(nbytes: int, landing: Landing) -> int:
             count(ranges(landing.wait(self.read_deadline * 4)))
             return nbytes
 
@@ -206,7 +217,9 @@ class BackgroundFill:
                 if stop.is_set():
                     ok = False
                     break
-                self._pause()
+                if not self._pause():
+                    ok = False
+                    break
                 want = [c for c in batch if not is_local(cache, c, indexed=True)]
                 wanted = ranges(want)
                 count(r for r in ranges(batch) if r not in wanted)
@@ -224,13 +237,13 @@ class BackgroundFill:
                 window.append((range_bytes(want), landing))
                 if len(window) >= BACKGROUND_DEPTH:
                     nbytes, oldest = window.pop(0)
-                    fetched += settle(nbytes, oldest)
+                    fetched += landed(nbytes, oldest)
                     # token bucket with no burst: never ahead of rate x elapsed
                     ahead = fetched / rate - (clock() - start)
                     if ahead > 0:
                         sleep(ahead)
             for nbytes, landing in window:
-                fetched += settle(nbytes, landing)
+                fetched += landed(nbytes, landing)
             return ok
 
         def planned(chunks: Iterable[Chunk]) -> Iterator[list[Chunk]]:

@@ -13,12 +13,13 @@ import ctypes.util
 import errno
 import logging
 import os
+import re
 from typing import NamedTuple
 
 from coldstart.errors import ColdstartError, FailedPrecondition, InvalidArgument, NotFound
 
-__all__ = ["bind_mount", "is_mountpoint", "lazy_unmount", "mount", "mounted_paths",
-           "set_read_ahead"]
+__all__ = ["MountEntry", "bind_mount", "is_mountpoint", "lazy_unmount", "mount", "mount_table",
+           "mounted_paths", "set_read_ahead"]
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class MountEntry(NamedTuple):
     dev: str        # the file system's ``major:minor``
     root: str       # the directory of that file system shown there (``/`` but for binds)
     fstype: str
-    options: str    # the file system's own options (overlayfs: ``lowerdir=…,upperdir=…``)
+    options: tuple[str, ...]    # the file system's own (overlayfs: ``upperdir=…``), each whole
 
 
 def mount_table() -> list[MountEntry]:
@@ -86,8 +87,10 @@ def mount_table() -> list[MountEntry]:
             parts = left.split(" ")
             if len(parts) > 4:
                 fstype, _source, options = ([*right.split(" ", 2), "", ""])[:3]
+                # split before unescaping: a "," inside a path is escaped (\054)
                 out.append(MountEntry(_unescape(parts[4]), parts[2], _unescape(parts[3]),
-                                      fstype, _unescape(options.rstrip("\n"))))
+                                      fstype, tuple(_unescape(o) for o in
+                                                    options.rstrip("\n").split(",") if o)))
     return out
 
 
@@ -124,5 +127,9 @@ def set_read_ahead(mountpoint: str, read_ahead_kb: int) -> bool:
 
 
 def _unescape(path: str) -> str:
-    return (path.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n")
-            .replace("\\134", "\\"))
+    # the kernel escapes space, tab, newline and backslash in paths, and more (",", "=") in
+    # overlayfs's options: every \ooo
+    return _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), path)
+
+
+_OCTAL = re.compile(r"\\([0-7]{3})")

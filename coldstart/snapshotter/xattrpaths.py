@@ -70,4 +70,4 @@ def _about_to_start(upper: str, table: list[MountEntry]) -> bool:
     except FileNotFoundError:
         return True
     used = f"upperdir={upper}"
-    return not any(m.fstype == "overlay" and used in m.options.split(",") for m in table)
+    return not any(m.fstype == "overlay" and used in m.options for m in table)

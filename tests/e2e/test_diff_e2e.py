@@ -116,14 +116,13 @@ def _run(stack: LazyStack, snapshotter: str, namespace: str, ref: str, name: str
         assert said == "done", "the workload did not finish"
 
 
-def _rootfs_lowers(stack: LazyStack, container: str) -> list[str]:
+def _rootfs_lowers(namespace: str, container: str) -> list[str]:
     """The lower directories of ``container``'s rootfs overlay, as mounted at its start."""
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        if f"/{container}/rootfs " in line and " overlay " in line:
-            opts = line.split(" - ", 1)[1].split()[2]
-            lower = next(o for o in opts.split(",") if o.startswith("lowerdir="))
+    for m in mount_table():
+        if m.fstype == "overlay" and m.point.endswith(f"/{namespace}/{container}/rootfs"):
+            lower = next(o for o in m.options if o.startswith("lowerdir="))
             return lower.removeprefix("lowerdir=").split(":")
-    raise AssertionError(f"no rootfs overlay of {container} in the mount table")
+    raise AssertionError(f"no rootfs overlay of {namespace}/{container} in the mount table")
 
 
 @pytest.mark.parametrize("running", [True, False], ids=["running", "exited"])
@@ -142,7 +141,7 @@ def test_containerd_diff_on_coldstart_equals_overlayfs(
         if running:   # the start read its lower layers through the plain connection
             root = str(stack.snapshotter.root.resolve())
             plain = {m.dev for m in mount_table() if m.point == f"{root}/fuse-plain"}
-            lowers = _rootfs_lowers(stack, "c")
+            lowers = _rootfs_lowers(ns_cs, "c")
             assert len(lowers) == 2 and all(lo.startswith(f"{root}/snapshots/") for lo in lowers)
             seen = {m.point: m.dev for m in mount_table()}
             assert {seen[lo] for lo in lowers} == plain, (lowers, plain)

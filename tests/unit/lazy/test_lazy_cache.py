@@ -396,27 +396,49 @@ def test_wait_backlog_blocks_until_the_writer_catches_up(
 
 def test_chunks_queued_after_a_backlog_that_waited_out_wait_at_the_gate_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # the node never pauses: a backlog that waited _GATE_WAIT is written; chunks a fill
-    # queues afterwards wait at the gate again instead of being written while the node reads
+    """The node never pauses: a backlog that outgrew the gate's wait is written at once, but
+    a chunk queued while it is written (a fill's) waits at the gate again, instead of being
+    written while the node reads because the queue never ran empty."""
+    import threading
     import time
 
     from coldstart.cache import chunks as chunks_module
 
-    monkeypatch.setattr(chunks_module, "_GATE_WAIT", 0.3)
+    monkeypatch.setattr(chunks_module, "_GATE_WAIT", 600.0)      # never given up by time
+    monkeypatch.setattr(chunks_module, "_MAX_PENDING_CHUNKS", 8)  # the gate gives up at 4
     c = ChunkCache(tmp_path / "c", max_bytes=1 << 30)
-    c.write_gate = lambda step: time.sleep(step) or False      # never quiet
+    asked, released, asked_since = threading.Event(), threading.Event(), threading.Event()
+
+    def gate(step: float) -> bool:
+        asked.set()
+        if released.is_set():
+            asked_since.set()
+        time.sleep(step)
+        return False
+    c.write_gate = gate
     first = [blob(i, 300) for i in range(5)]
-    for ch in first:
+    held, hold = threading.Event(), threading.Event()
+    real_put = ChunkCache.put
+
+    def put(self: ChunkCache, digest: str, data: bytes, *, verified: bool = False) -> None:
+        if digest == dg(first[2]) and not hold.is_set():
+            held.set()
+            hold.wait(60)
+        real_put(self, digest, data, verified=verified)
+    monkeypatch.setattr(ChunkCache, "put", put)
+    c.put_async(dg(first[0]), first[0], verified=True)
+    assert asked.wait(60)                   # the first chunk waits at the gate
+    for ch in first[1:]:                    # the backlog outgrows the gate: written at once
         c.put_async(dg(ch), ch, verified=True)
-    other = ChunkCache(tmp_path / "c", max_bytes=1 << 30)
-    deadline = time.monotonic() + 60
-    while not all(dg(ch) in other for ch in first):          # written once it waited out
-        assert time.monotonic() < deadline, "the waited-out backlog was never written"
-        time.sleep(0.05)
+    assert held.wait(60)                    # ... and being written
     late = blob(99, 300)
     c.put_async(dg(late), late, verified=True)
-    time.sleep(0.1)                                          # well within _GATE_WAIT
-    assert c.backlog()[1] == 1                               # waits at the gate again
+    released.set()
+    hold.set()
+    assert asked_since.wait(60), "a chunk queued meanwhile was written without the gate"
+    assert c.backlog()[1] == 1 and c.contains(dg(late))    # it waits there
+    other = ChunkCache(tmp_path / "c", max_bytes=1 << 30)
+    assert all(dg(ch) in other for ch in first) and dg(late) not in other
     assert c.flush(30) and dg(late) in ChunkCache(tmp_path / "c", max_bytes=1 << 30)
     other.close()
     c.close()
