@@ -243,8 +243,11 @@ def test_transfer_takes_size_over_rate(upstream: Callable[[Handler], Upstream]) 
             elapsed = time.monotonic() - start
         server.join()
     assert got == size
+    # the link holds the transfer to its rate: never faster (a busy machine can only make it
+    # slower, so no upper bound here; the bucket's arithmetic is tested with a fake clock
+    # above, and bench/ measures how close to the rate the proxy gets)
     expected = link.transfer_seconds(size)  # 2.0 s
-    assert 0.8 * expected <= elapsed <= 1.2 * expected, (elapsed, expected)
+    assert elapsed >= 0.8 * expected, (elapsed, expected)
 
 
 def test_connections_share_the_link(upstream: Callable[[Handler], Upstream]) -> None:
@@ -289,7 +292,7 @@ def test_round_trips_cost_the_rtt(upstream: Callable[[Handler], Upstream]) -> No
         elapsed = time.monotonic() - start
     # a new connection pays the handshake's RTT before its first exchange
     assert first >= 2 * link.rtt_s * 0.9, first
-    assert exchanges * link.rtt_s * 0.9 <= elapsed < exchanges * link.rtt_s + 0.5, elapsed
+    assert elapsed >= exchanges * link.rtt_s * 0.9, elapsed   # each exchange pays the RTT
 
 
 def test_counters_match_the_bytes(upstream: Callable[[Handler], Upstream]) -> None:
