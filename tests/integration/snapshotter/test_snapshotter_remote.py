@@ -166,10 +166,12 @@ def test_removing_a_lazy_layer_unmounts_it_first(
                                                                                 chain))) \
         == grpc.StatusCode.ALREADY_EXISTS
     (view,) = snap.view("v", chain)
-    fs = view.source
-    assert is_mountpoint(fs)
+    # a view reads a plain layer through the connection that answers getxattr
+    # (<root>/fuse/<key>): the layer's own mountpoint is its snapshot's fs, bound by key
     fuse = FuseServerClient(str(coldstart_snapshotter.base / "f.sock"), 10.0)
-    assert fs in [m["mountpoint"] for m in fuse.status()]
+    key = os.path.basename(view.source)
+    (fs,) = [m["mountpoint"] for m in fuse.status() if m["key"] == key]
+    assert is_mountpoint(fs) and os.path.basename(fs) == "fs"
     snap.remove("v")
     snap.remove(chain)  # containerd forgets it now and removes it from us in its GC
     # the snapshot's directory goes last (rmtree removes ``fs`` before it): wait for it, not
