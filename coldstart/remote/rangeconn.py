@@ -168,7 +168,7 @@ class RangeConnections:
             try:
                 resp = self._send(conn, target, headers, deadline, what, stall)
             except (OSError, http.client.HTTPException) as exc:
-                if watchdog.fired:
+                if watchdog.expired:
                     raise DeadlineExceeded(f"{what}: no answer within the deadline") from exc
                 if not reused:
                     return Declined(f"{type(exc).__name__}: {exc}")
@@ -181,7 +181,7 @@ class RangeConnections:
                 try:
                     resp = self._send(conn, target, headers, deadline, what, stall)
                 except (OSError, http.client.HTTPException) as exc2:
-                    if watchdog.fired:
+                    if watchdog.expired:
                         raise DeadlineExceeded(f"{what}: no answer within the deadline") \
                             from exc2
                     return Declined(f"{type(exc2).__name__}: {exc2}")
@@ -217,7 +217,7 @@ class RangeConnections:
             try:
                 self._read_body(resp, memoryview(buf), what)
             except Unavailable as exc:
-                if watchdog.fired:
+                if watchdog.expired:
                     raise DeadlineExceeded(f"{what}: body not received within the deadline "
                                            f"({exc})") from exc
                 raise
@@ -331,10 +331,11 @@ class _Watchdog:
     """Shuts ``conn``'s socket down at monotonic ``deadline`` unless cancelled first: a read
     blocked in it returns at once, whatever each ``recv``'s own timeout."""
 
-    __slots__ = ("_conn", "_timer", "fired")
+    __slots__ = ("_conn", "_deadline", "_timer", "fired")
 
     def __init__(self, conn: http.client.HTTPConnection, deadline: float) -> None:
         self._conn = conn
+        self._deadline = deadline
         self.fired = False
         self._timer = threading.Timer(max(deadline - time.monotonic(), 0.0), self._fire)
         self._timer.daemon = True
@@ -349,6 +350,12 @@ class _Watchdog:
 
     def cancel(self) -> None:
         self._timer.cancel()
+
+    @property
+    def expired(self) -> bool:
+        """The deadline has passed: fired, or about to (the socket's own timeout, set to the
+        time left, may end a blocked read first on a busy machine)."""
+        return self.fired or time.monotonic() >= self._deadline
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:
