@@ -261,11 +261,12 @@ class TOCEntries(Mapping[str, Entry]):
         if self._built is not None:
             return self._built[i]  # type: ignore[return-value]
         e = self._made.get(i)
-        if e is None:
-            if not 0 <= i < len(self.names):
-                raise IndexError(i)
-            e = self._make(i)
-        return e
+        return e if e is not None else self._fresh(i)
+
+    def _fresh(self, i: int) -> Entry:
+        if not 0 <= i < len(self.names):
+            raise IndexError(i)
+        return self._make(i)
 
     def at(self, i: int) -> Entry:
         """The entry at position ``i``."""
@@ -273,9 +274,7 @@ class TOCEntries(Mapping[str, Entry]):
             return self._built[i]  # type: ignore[return-value]
         e = self._made.get(i)
         if e is None:
-            if not 0 <= i < len(self.names):
-                raise IndexError(i)
-            made = self._make(i)
+            made = self._fresh(i)
             with self._lock:
                 e = self._made.get(i)
                 if e is None:
