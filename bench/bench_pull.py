@@ -12,14 +12,17 @@ containerd + ``coldstart snapshotter`` (with its FUSE server) and times, through
 * ``full``: the gzip image through containerd's overlayfs snapshotter (download + unpack).
 
 After each lazy pull (and ``SETTLE`` seconds), the FUSE server's memory, then ``find -ls``
-over the mounted layer (every entry listed and stat'ed, as a user's check does): its time and
-the memory after it. ``--fill on,off`` (default both): with the product's background fill
+over the mounted layer (every entry listed and stat'ed, as a user's check does): its time, the
+FUSE server's CPU during it and ``find``'s own (the kernel's work of making each dentry and inode
+is done in find's context), and the memory after it. Each round also times ``find -ls`` over the
+same tree unpacked on the local disk with the kernel's caches dropped: this machine's floor for
+a first walk of that many entries, to read the lazy figure against. ``--fill on,off`` (default both): with the product's background fill
 (``fetch.background_rate`` left at its default, as a user runs it) and without it.
 ``--before DIR``: the same rounds with the code of checkout DIR too (``git worktree add DIR
 <commit>``; copy ``coldstart/_proto`` into it), each arm in a child process of its own, arms
 alternated, so before and after are measured in one run. Prints medians (min-max) per arm;
 writes JSON to ``bench/results/bench_pull-<time>.json``. ``--spy DIR`` records the FUSE server
-with py-spy during each lazy pull (folded stacks, for flamegraph.pl or speedscope), to see
+with py-spy during each lazy pull and each find (folded stacks, for flamegraph.pl or speedscope), to see
 where the time goes. The torch image's pull next to stargz's ``ctr-remote image rpull`` is
 ``coldstart bench builtin:torch --embedded --mode coldstart,stargz`` (its ``pull`` phase).
 Needs root; take the bench lock when others measure::
@@ -37,6 +40,7 @@ import hashlib
 import io
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -52,6 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 # coldstart (and the daemons the stack starts from it) is measured, with this script's rounds
 sys.path.insert(0, os.environ.get("COLDSTART_BENCH_CODE", str(REPO)))
 
+from coldstart.benchmark.node import drop_caches  # noqa: E402
 from coldstart.containerd.client import Containerd  # noqa: E402
 from coldstart.containerd.pull import pull_image  # noqa: E402
 from coldstart.format.layer import MEDIA_TYPE_GZIP  # noqa: E402
@@ -123,6 +128,23 @@ SMALL_FILES = 100
 SETTLE = 8.0
 
 
+def _fs_type(path: Path) -> str:
+    """The file system type ``path`` is on (its mount's)."""
+    proc = subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True,
+                          check=False, timeout=30)
+    return proc.stdout.strip() or "?"
+
+
+def _cpu(pid: int | None) -> tuple[float, float]:
+    """CPU seconds (user, system) ``pid`` has used so far (0, 0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0, 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
 def _memory(pid: int | None) -> tuple[float, float]:
     """(VmRSS, VmHWM) of ``pid`` in MB (0, 0 when it is gone)."""
     got = {"VmRSS": 0.0, "VmHWM": 0.0}
@@ -158,6 +180,29 @@ def _find(root: Path) -> int:
     return proc.stdout.count(b"\n")
 
 
+def unpacked(work: Path, files: int) -> Path:
+    """The layer's tree unpacked on the local disk (cached in ``work``): the floor a ``find``
+    over the same entries has on this machine."""
+    tree = work / f"tree-{files}"
+    if not (tree / ".complete").exists():
+        shutil.rmtree(tree, ignore_errors=True)
+        tree.mkdir(parents=True)
+        with tarfile.open(work / f"layer-{files}.tar.gz") as tf:
+            tf.extractall(tree, filter="tar")
+        (tree / ".complete").touch()
+    return tree
+
+
+def floor_round(tree: Path) -> float:
+    """``find -ls`` over ``tree`` on the local disk with the kernel's caches dropped (dentries,
+    inodes, pages) and ``SETTLE`` seconds after, as the lazy rounds wait after their pull:
+    seconds."""
+    drop_caches(SETTLE)
+    t0 = time.monotonic()
+    _find(tree)
+    return time.monotonic() - t0
+
+
 def one_round(host: str, refs: dict[str, str], spy_dir: Path | None, i: int,
               fill: bool = True) -> dict[str, float]:
     """One lazy pull of the big layer on a fresh node, with the product's background fill
@@ -188,9 +233,18 @@ def one_round(host: str, refs: dict[str, str], spy_dir: Path | None, i: int,
         out["fuse_rss_mb"], out["fuse_peak_mb"] = _memory(fuse_pid)
         out["grpc_rss_mb"], out["grpc_peak_mb"] = _memory(grpc_pid)
         mounts = _fuse_mounts(stack.snapshotter.base)
+        spy = _spy(fuse_pid, spy_dir / f"find-{i}.folded.txt" if spy_dir else None)
+        cpu0, kids0 = _cpu(fuse_pid), resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.monotonic()
         out["walked"] = float(sum(_find(m) for m in mounts))
         out["find"] = time.monotonic() - t0
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = _cpu(fuse_pid)
+        out["find_server_cpu"] = cpu[0] - cpu0[0] + cpu[1] - cpu0[1]
+        out["find_server_sys"] = cpu[1] - cpu0[1]
+        out["find_own_cpu"] = (kids.ru_utime - kids0.ru_utime) + (kids.ru_stime - kids0.ru_stime)
+        if spy is not None:
+            spy.wait(timeout=120)
         out["fuse_rss_walk_mb"], out["fuse_peak_walk_mb"] = _memory(fuse_pid)
     return out
 
@@ -272,6 +326,9 @@ def _stat(xs: list[float]) -> dict[str, float] | None:
 FIGURES = (("lazy", "lazy pull", "s"), ("fuse_rss_mb", "FUSE server RSS, layer mounted", "MB"),
            ("fuse_peak_mb", "FUSE server peak RSS (the TOC's parse)", "MB"),
            ("find", "find -ls over the layer", "s"),
+           ("find_server_cpu", "FUSE server CPU during the find", "s"),
+           ("find_server_sys", "of which in the kernel (system)", "s"),
+           ("find_own_cpu", "find's own CPU (user + system, the kernel's work for it)", "s"),
            ("fuse_rss_walk_mb", "FUSE server RSS after the find", "MB"),
            ("fuse_peak_walk_mb", "FUSE server peak RSS by then", "MB"),
            ("grpc_rss_mb", "gRPC snapshotter RSS", "MB"))
@@ -287,7 +344,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/cs-bench-pull"),
                     help="where the built layers are cached (default %(default)s)")
     ap.add_argument("--spy", type=Path, default=None, metavar="DIR",
-                    help="record the FUSE server with py-spy during each lazy pull")
+                    help="record the FUSE server with py-spy during each lazy pull and each find")
     ap.add_argument("--lazy-only", action="store_true", help="skip containerd's full pull")
     ap.add_argument("--fill", default="on,off", metavar="on,off",
                     help="the lazy rounds with the product's background fill (on), without it "
@@ -313,6 +370,8 @@ def main() -> None:
         args.spy.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict[str, float]]] = {a.name: [] for a in arms}
     full_s: list[float] = []
+    floor_s: list[float] = []
+    floor_tree = unpacked(args.work, args.files)
     with tempfile.TemporaryDirectory(prefix="cs-bp-", dir="/tmp") as tmp, \
             start_registry(Path(tmp) / "registry", access_log=False) as registry:
         host = registry.host
@@ -341,8 +400,14 @@ def main() -> None:
                 print(f"round {i + 1}/{args.rounds}, {arm.name}: lazy {r['lazy']:.2f} s; FUSE "
                       f"server {r['fuse_rss_mb']:.0f} MB mounted (peak "
                       f"{r['fuse_peak_mb']:.0f}), find -ls of {r['walked']:,.0f} entries "
-                      f"{r['find']:.2f} s, then {r['fuse_rss_walk_mb']:.0f} MB (peak "
+                      f"{r['find']:.2f} s (server CPU {r.get('find_server_cpu', 0):.2f} s, system "
+                      f"{r.get('find_server_sys', 0):.2f} s; "
+                      f"find's {r.get('find_own_cpu', 0):.2f} s), then "
+                      f"{r['fuse_rss_walk_mb']:.0f} MB (peak "
                       f"{r['fuse_peak_walk_mb']:.0f})", file=sys.stderr)
+            floor_s.append(floor_round(floor_tree))
+            print(f"round {i + 1}/{args.rounds}: find -ls over the same tree on the local disk "
+                  f"{floor_s[-1]:.2f} s", file=sys.stderr)
             if not args.lazy_only:
                 full_s.append(full_round(host, refs))
                 print(f"round {i + 1}/{args.rounds}: full pull {full_s[-1]:.2f} s",
@@ -351,6 +416,7 @@ def main() -> None:
     table = {name: {k: _stat([r[k] for r in rs if k in r]) for k, _, _ in FIGURES}
              for name, rs in results.items()}
     full = _stat(full_s)
+    floor = _stat(floor_s)
     print(f"| {args.files:,} files, median (min-max) of {args.rounds} | "
           + " | ".join(a.name for a in arms) + " |")
     print("|---|" + "---|" * len(arms))
@@ -362,6 +428,10 @@ def main() -> None:
             cells.append("-" if st is None else
                          f"{st['median']:{fmt}} {unit} ({st['min']:{fmt}}-{st['max']:{fmt}})")
         print(f"| {label} | " + " | ".join(cells) + " |")
+    if floor is not None:
+        print(f"find -ls over the same tree on the local disk ({_fs_type(floor_tree)}, caches "
+              f"dropped): {floor['median']:.2f} s ({floor['min']:.2f}-{floor['max']:.2f}), the "
+              f"machine's floor")
     if full is not None:
         print(f"containerd full pull + unpack: {full['median']:.2f} s "
               f"({full['min']:.2f}-{full['max']:.2f})")
@@ -369,7 +439,8 @@ def main() -> None:
         print(f"| FUSE server, {args.idle_layers} layers of {args.idle_files:,} files mounted "
               f"| {idle['rss_mb']:.0f} | {idle['peak_mb']:.0f} |")
     summary = {"files": args.files, "rounds": results, "arms": table, "full": full,
-               "idle": idle if idle_refs else None, "before": str(args.before or ""),
+               "find_floor": floor, "idle": idle if idle_refs else None,
+               "before": str(args.before or ""),
                "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
     results_dir = REPO / "bench" / "results"
     results_dir.mkdir(exist_ok=True)

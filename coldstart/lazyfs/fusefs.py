@@ -49,7 +49,11 @@ from coldstart.lazyfs.fusewire import (
     FuseError,
     FuseSession,
     Later,
+    Listed,
     StatFs,
+    entry_times,
+    listed,
+    pack_entry,
 )
 from coldstart.lazyfs.reader import LayerReader, PartialRead
 from coldstart.lazyfs.tree import LayerTree
@@ -233,37 +237,38 @@ class FuseFS:
         a.attr_timeout = _TOP_ENTRY_TIMEOUT
         return a
 
+    def _fields(self, tree: LayerTree, inode: int) -> tuple[int, int, int, int, int, int, int]:
+        """(mode, nlink, uid, gid, rdev, size, mtime in ns) of ``inode``, from the layer's
+        TOC: one place for what an attribute answer and a listing's entry show."""
+        i = inode - tree.base
+        e = tree.stat(i)
+        t = e.type
+        if t == "reg":
+            size = e.size
+        elif t == "dir":
+            size = 4096
+        elif t == "symlink":
+            size = len(os.fsencode(e.link_name))
+        else:
+            size = 0
+        rdev = os.makedev(e.dev_major, e.dev_minor) if t in ("char", "block") else 0
+        return (_TYPE_BITS[t] | (e.mode & 0o7777), tree.nlink_of(i), e.uid, e.gid, rdev, size,
+                max(0, e.mtime_ns))
+
     def _attr(self, tree: LayerTree, inode: int) -> Attr:
         a = tree.attrs.get(inode)
         if a is not None:
             return a
-        i = inode - tree.base
-        e = tree.stat(i)
         a = Attr()
         a.st_ino = inode
         a.generation = 0
-        a.st_mode = _TYPE_BITS[e.type] | (e.mode & 0o7777)
-        a.st_nlink = tree.nlink_of(i)
-        a.st_uid = e.uid
-        a.st_gid = e.gid
-        if e.type in ("char", "block"):
-            a.st_rdev = os.makedev(e.dev_major, e.dev_minor)
-        if e.type == "reg":
-            size = e.size
-        elif e.type == "symlink":
-            size = len(os.fsencode(e.link_name))
-        elif e.type == "dir":
-            size = 4096
-        else:
-            size = 0
-        a.st_size = size
+        a.st_mode, a.st_nlink, a.st_uid, a.st_gid, a.st_rdev, a.st_size, mtime_ns = \
+            self._fields(tree, inode)
         a.st_blksize = _BLKSIZE
-        a.st_blocks = (size + 511) // 512
-        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = max(0, e.mtime_ns)
-        if i == 0:  # the layer's root: its name at the top level may go away
-            a.entry_timeout = _TOP_ENTRY_TIMEOUT
-        else:
-            a.entry_timeout = self.entry_timeout
+        a.st_blocks = (a.st_size + 511) // 512
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = mtime_ns
+        # the layer's root: its name at the top level may go away
+        a.entry_timeout = _TOP_ENTRY_TIMEOUT if inode == tree.root else self.entry_timeout
         a.attr_timeout = self.attr_timeout
         return tree.remember(tree.attrs, inode, a)
 
@@ -322,21 +327,31 @@ class FuseFS:
             raise FuseError(errno.ENOTDIR)
         return True
 
-    def readdir(self, inode: int, start: int) -> Iterator[tuple[bytes, Attr, int]]:
+    def readdir(self, inode: int, start: int, plus: bool) -> Iterator[Listed]:
         """The entries of directory ``inode`` from position ``start`` on, with the position
-        after each."""
+        after each; ``plus``: with their attributes, packed as they are made (a ``find``
+        lists every entry of the layer once: neither an :class:`Attr` nor a cached answer
+        is made for each)."""
         if inode == ROOT_INODE:
             tops = sorted(self._layers.items())
             for i in range(start, len(tops)):
                 key, tree = tops[i]
-                yield os.fsencode(key), self._attr(tree, tree.root), i + 1
+                yield listed(os.fsencode(key), self._attr(tree, tree.root), i + 1, plus)
             return
         tree = self._tree(inode)
         tree.reader.fetcher.note_read()     # busy: see lookup (a find lists, looks nothing up)
         items = tree.listing_of(inode)
+        times = entry_times(self.entry_timeout, self.attr_timeout)
+        fields = self._fields
         for i in range(start, len(items)):
             name, ino = items[i]
-            yield name, self._attr(tree, ino), i + 1
+            if not plus:
+                yield name, ino, _TYPE_BITS[tree.stat(ino - tree.base).type] >> 12, b"", i + 1
+                continue
+            mode, nlink, uid, gid, rdev, size, mtime_ns = fields(tree, ino)
+            yield (name, ino, mode >> 12,
+                   pack_entry(ino, times, mode, nlink, uid, gid, rdev, size, mtime_ns, _BLKSIZE),
+                   i + 1)
 
     def getxattr(self, inode: int, name: bytes) -> bytes:
         if inode == ROOT_INODE:

@@ -106,6 +106,7 @@ _IN = struct.Struct("<IIQQIIIHH")          # fuse_in_header (40)
 _OUT = struct.Struct("<IiQ")               # fuse_out_header (16)
 _ATTR = struct.Struct("<QQQQQQIIIIIIIIII")  # fuse_attr (88)
 _ENTRY = struct.Struct("<QQQQII")          # fuse_entry_out without its attr (40)
+_ENTRY_OUT = struct.Struct("<QQQQII" "QQQQQQIIIIIIIIII")  # fuse_entry_out with its attr (128)
 _ATTR_OUT = struct.Struct("<QII")          # fuse_attr_out without its attr (16)
 _OPEN_OUT = struct.Struct("<QIi")          # fuse_open_out (16)
 _READ_IN = struct.Struct("<QQI")           # fuse_read_in: fh, offset, size
@@ -192,6 +193,41 @@ class Attr:
         return _ATTR_OUT.pack(a_s, a_ns, 0) + self.entry()[_ENTRY.size:]
 
 
+#: an entry's and its attributes' timeouts as ``fuse_entry_out`` carries them
+EntryTimes = tuple[int, int, int, int]
+
+
+def entry_times(entry_timeout: float, attr_timeout: float) -> EntryTimes:
+    """(entry seconds, attr seconds, entry nanoseconds, attr nanoseconds), for
+    :func:`pack_entry`."""
+    e_s, e_ns = _split(entry_timeout)
+    a_s, a_ns = _split(attr_timeout)
+    return e_s, a_s, e_ns, a_ns
+
+
+def pack_entry(ino: int, times: EntryTimes, mode: int, nlink: int, uid: int, gid: int,
+               rdev: int, size: int, mtime_ns: int, blksize: int) -> bytes:
+    """``fuse_entry_out`` of an inode whose three times are ``mtime_ns`` (generation 0): what
+    :meth:`Attr.entry` packs, made without an :class:`Attr` (a listing makes one for each
+    entry it shows)."""
+    e_s, a_s, e_ns, a_ns = times
+    t, t_ns = divmod(mtime_ns, 10**9)
+    return _ENTRY_OUT.pack(ino, 0, e_s, a_s, e_ns, a_ns,
+                           ino, size, (size + 511) // 512, t, t, t, t_ns, t_ns, t_ns,
+                           mode, nlink, uid, gid, _encode_dev(rdev) if rdev else 0, blksize, 0)
+
+
+#: an entry of a listing: name, inode, type (``DT_*``), its ``fuse_entry_out`` (a listing
+#: with attributes; else empty), the position after it
+Listed = tuple[bytes, int, int, bytes, int]
+
+
+def listed(name: bytes, attr: Attr, next_off: int, plus: bool) -> Listed:
+    """What :meth:`FuseOperations.readdir` yields for ``attr`` named ``name``."""
+    return name, attr.st_ino, (attr.st_mode & 0o170000) >> 12, attr.entry() if plus else b"", \
+        next_off
+
+
 class StatFs:
     __slots__ = ("bavail", "bfree", "blocks", "bsize", "ffree", "files", "frsize", "namelen")
 
@@ -224,7 +260,7 @@ class FuseOperations(Protocol):
     def getattr(self, inode: int) -> Attr: ...
     def readlink(self, inode: int) -> bytes: ...
     def opendir(self, inode: int) -> bool: ...
-    def readdir(self, inode: int, start: int) -> Iterable[tuple[bytes, Attr, int]]: ...
+    def readdir(self, inode: int, start: int, plus: bool) -> Iterable[Listed]: ...
     def read(self, inode: int, offset: int, size: int) -> bytes | Later: ...
     def getxattr(self, inode: int, name: bytes) -> bytes: ...
     def listxattr(self, inode: int) -> Sequence[bytes]: ...
@@ -242,6 +278,9 @@ def _encode_dev(dev: int) -> int:
     # the kernel's new_encode_dev: minor's low byte, major, then minor's high bits
     major, minor = os.major(dev), os.minor(dev)
     return (minor & 0xFF) | (major << 8) | ((minor & ~0xFF) << 12)
+
+
+_ZEROS = bytes(8)
 
 
 def _pad8(n: int) -> int:
@@ -520,16 +559,15 @@ class FuseSession:
         _fh, offset, size = _READ_IN.unpack_from(body)
         out: list[bytes] = []
         used = 0
-        for name, attr, next_off in self.ops.readdir(nodeid, offset):
+        for name, ino, kind, head, next_off in self.ops.readdir(nodeid, offset, plus):
             n = len(name)
             rec = _pad8(_DIRENT.size + n)
-            head = attr.entry() if plus else b""
-            if used + len(head) + rec > size:
-                break
-            kind = (attr.st_mode & 0o170000) >> 12
-            out.append(head + _DIRENT.pack(attr.st_ino, next_off, n, kind) + name
-                       + bytes(rec - _DIRENT.size - n))
             used += len(head) + rec
+            if used > size:
+                break
+            out.append(head)
+            out.append(_DIRENT.pack(ino, next_off, n, kind))
+            out.append(name + _ZEROS[:rec - _DIRENT.size - n])
         self._reply(unique, b"".join(out))
 
     def _read(self, unique: int, nodeid: int, body: memoryview) -> None:

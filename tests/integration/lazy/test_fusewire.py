@@ -25,7 +25,9 @@ from coldstart.lazyfs.fusewire import (
     FuseError,
     FuseSession,
     Later,
+    Listed,
     StatFs,
+    listed,
 )
 from coldstart.lazyfs.mountsys import is_mountpoint, lazy_unmount
 
@@ -100,7 +102,7 @@ class ToyFS:
             raise FuseError(errno.ENOTDIR)
         return inode != ROOT_INODE
 
-    def readdir(self, inode: int, start: int) -> Iterator[tuple[bytes, Attr, int]]:
+    def readdir(self, inode: int, start: int, plus: bool) -> Iterator[Listed]:
         self._count("readdir")
         if inode == ROOT_INODE:
             items = sorted({**self.names, **self.extra}.items())
@@ -108,7 +110,7 @@ class ToyFS:
             items = [(k.encode(), 100 + i) for i, k in enumerate(KIDS)]
         for i in range(start, len(items)):
             name, ino = items[i]
-            yield name, self._attr(ino), i + 1
+            yield listed(name, self._attr(ino), i + 1, plus)
 
     def read(self, inode: int, offset: int, size: int) -> bytes | Later:
         self._count("read")

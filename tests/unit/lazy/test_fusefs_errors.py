@@ -140,16 +140,25 @@ def test_listings_and_getattr_count_as_busy_and_show_the_entries(
     fetcher = tree.reader.fetcher
     fetcher.last_read = 0.0
     doc = _ino(tree, "usr/share/doc")
-    listed = list(fs.readdir(doc, 0))
+    listed = list(fs.readdir(doc, 0, True))
     assert fetcher.last_read > 0
     fetcher.last_read = 0.0
     fs.getattr(_ino(tree, NAME))
     assert fetcher.last_read > 0
     assert len(listed) > 10
-    for name, attr, _ in listed:
-        e = tree.entry(attr.st_ino - tree.base)
+    assert [n for n, *_ in listed] == sorted(n for n, *_ in listed)
+    for pos, (name, ino, kind, head, next_off) in enumerate(listed):
+        assert next_off == pos + 1
+        e = tree.entry(ino - tree.base)
         assert e.basename == name.decode()
+        attr = fs.lookup(doc, name)
+        # the listing's packed entry is the lookup's answer, byte for byte
+        assert head == attr.entry() and ino == attr.st_ino
+        assert kind == stat_module.S_IFMT(attr.st_mode) >> 12
         assert stat_module.S_IMODE(attr.st_mode) == e.mode & 0o7777
         assert (attr.st_uid, attr.st_gid, attr.st_mtime_ns) == (e.uid, e.gid, max(0, e.mtime_ns))
         assert attr.st_size == (e.size if e.type == "reg" else 4096 if e.type == "dir" else
                                 len(e.link_name.encode()) if e.type == "symlink" else 0)
+    # without attributes: the same names, inodes and types, no entries
+    assert [(n, i, k, b"", o) for n, i, k, _, o in listed] == list(fs.readdir(doc, 0, False))
+    assert list(fs.readdir(doc, 3, True)) == listed[3:]
