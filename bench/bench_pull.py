@@ -16,15 +16,17 @@ over the mounted layer (every entry listed and stat'ed, as a user's check does):
 FUSE server's CPU during it and ``find``'s own (the kernel's work of making each dentry and inode
 is done in find's context), and the memory after it. Each round also times ``find -ls`` over the
 same tree unpacked on the local disk with the kernel's caches dropped: this machine's floor for
-a first walk of that many entries, to read the lazy figure against. ``--fill on,off`` (default both): with the product's background fill
-(``fetch.background_rate`` left at its default, as a user runs it) and without it.
+a first walk of that many entries, to read the lazy figure against. ``--fill on,off`` (default
+both): with the product's background fill (``fetch.background_rate`` left at its default, as a
+user runs it) and without it.
 ``--before DIR``: the same rounds with the code of checkout DIR too (``git worktree add DIR
 <commit>``; copy ``coldstart/_proto`` into it), each arm in a child process of its own, arms
 alternated, so before and after are measured in one run. Prints medians (min-max) per arm;
 writes JSON to ``bench/results/bench_pull-<time>.json``. ``--spy DIR`` records the FUSE server
-with py-spy during each lazy pull and each find (folded stacks, for flamegraph.pl or speedscope), to see
-where the time goes. The torch image's pull next to stargz's ``ctr-remote image rpull`` is
-``coldstart bench builtin:torch --embedded --mode coldstart,stargz`` (its ``pull`` phase).
+with py-spy during each lazy pull and each find (folded stacks, for flamegraph.pl or
+speedscope), to see where the time goes. The torch image's pull next to stargz's
+``ctr-remote image rpull`` is ``coldstart bench builtin:torch --embedded --mode
+coldstart,stargz`` (its ``pull`` phase).
 Needs root; take the bench lock when others measure::
 
     flock /tmp/cs-bench.lock .venv/bin/python bench/bench_pull.py [--files 200000] [--rounds 3]
