@@ -127,3 +127,33 @@ def test_the_fill_waits_while_the_node_lists_and_stats(
     done.join(60)
     assert not done.is_alive() and src.counting.requests > 0
     assert reader.stats.as_dict()["state"] == "complete"
+
+
+def test_a_layer_unmounted_during_the_last_check_is_not_called_complete(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fill's last pass checks that nothing is missing; a layer no longer served cuts
+    that pass short, and a pass cut short must not say the layer is complete."""
+    from coldstart.lazyfs import fill as fill_module
+    monkeypatch.setattr(fill_module, "PLAN_STEP", 1)     # the pass asks about stopping often
+    tree = metadata_tar()
+    reader, _, _ = make(tmp_path, "zstd:chunked", tar=tree.tar)
+    reader.fill.rate = 1 << 40
+    fill = reader.fill
+    real_order, real_pause = fill.fill_order, fill._pause
+    passes: list[int] = []
+
+    def fill_order():  # type: ignore[no-untyped-def]
+        passes.append(1)
+        return real_order()
+
+    def pause() -> bool:
+        if len(passes) == 3:            # the last check has begun: the layer is unmounted
+            fill.target.stopped.set()
+        return real_pause()
+
+    monkeypatch.setattr(fill, "fill_order", fill_order)
+    monkeypatch.setattr(fill, "_pause", pause)
+    assert fill.fetch_rest() > 0
+    assert len(passes) == 3            # measured, fetched, checked
+    state = reader.stats.as_dict()
+    assert state["state"] == "on-demand", state
