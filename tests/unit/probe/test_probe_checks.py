@@ -114,19 +114,24 @@ def test_http_json_phase_and_progress(http_app: tuple[App, int], chunked: bool) 
 def test_http_timeout_then_a_fresh_connection(http_app: tuple[App, int]) -> None:
     app, port = http_app
 
-    async def main() -> tuple[Any, Any]:
+    async def main() -> tuple[Any, Any, Any]:
         check = HttpCheck(f"http://127.0.0.1:{port}/")
+        # a first answer: the check holds a connection (kept alive) the app has seen
+        first = await check.run(LONG)
         app.delay = 0.5
-        late = await check.run(0.05)
+        late = await check.run(0.05)      # on that connection; the answer comes too late
         app.delay = 0.0
         await asyncio.sleep(0.6)  # the late answer arrives on the dropped connection
         fresh = await check.run(LONG)
         await check.close()
-        return late, fresh
+        return first, late, fresh
 
-    late, fresh = asyncio.run(main())
+    first, late, fresh = asyncio.run(main())
+    assert first.ok
     assert not late.ok and "no answer" in late.detail
     assert fresh.ok and fresh.detail == "HTTP 200"
+    # the timed-out connection was dropped, not read again: the fresh answer came on a new
+    # one (whether or not the late request reached the app before the check gave up)
     assert len(app.connections) == 2
 
 

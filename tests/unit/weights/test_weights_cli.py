@@ -16,7 +16,7 @@ from tests.unit.weights.repo_suite import make_version
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "coldstart.cli", *args], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=300)  # a hang guard, not a stopwatch
 
 
 def test_weights_load_and_bench(tmp_path: Path) -> None:
