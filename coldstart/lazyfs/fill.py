@@ -260,10 +260,9 @@ class BackgroundFill:
         # missing: those are then asked for one by one
         if run(planned(self.fill_order()), spreads) and spreads:
             run(planned(missing()), False)
-        # the scan itself ends early once the layer is no longer served: only a scan that
-        # ran to its end with nothing missing says complete
-        complete = (not stop.is_set() and next(missing(), None) is None
-                    and not stop.is_set())
+        # the scan ends early, finding nothing, once the layer is no longer served: only a
+        # scan that ran to its end with nothing missing says complete
+        complete = next(missing(), None) is None and not stop.is_set()
         with stats._lock:
             stats.background_done = True
             stats.local_bytes = total if complete else stats.local_bytes
