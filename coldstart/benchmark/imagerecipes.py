@@ -64,6 +64,9 @@ class Recipe:
     version: int            # bump when the image's content or metadata changes: rebuilds it
     description: str
     build: Callable[[Context], Built]
+    # what else the image's content follows (files of this checkout it copies in): a build
+    # whose fingerprint differs is rebuilt too
+    fingerprint: Callable[[], str] | None = None
 
 
 # -- tiny --------------------------------------------------------------------------------------
@@ -128,7 +131,57 @@ SERVER_TENSORS = llama_tensors(2048, 5632, range(24), 32000, embed=True, head=Tr
 
 
 def _server_env() -> list[str]:
-    return [PATH_ENV, "LANG=C.UTF-8", "PYTHONUNBUFFERED=1", "MODEL_PATH=/model"]
+    # safetensors' own loader unless a mode asks for coldstart's (coldstart+weights)
+    return [PATH_ENV, "LANG=C.UTF-8", "PYTHONUNBUFFERED=1", "MODEL_PATH=/model",
+            "SERVER_LOADER=safetensors"]
+
+
+#: what ``import coldstart.weights`` needs besides the standard library and torch
+WEIGHTS_CLIENT_DISTS = ("msgspec", "PyYAML", "zstandard", "typing_extensions")
+
+
+def _weights_client_files() -> list[Path]:
+    """The files of this checkout the server images copy in: the model server and every
+    coldstart module ``import coldstart.weights`` loads."""
+    import sys
+
+    import coldstart.weights  # noqa: F401  (loads what the client needs)
+
+    mods = [m for name, m in sorted(sys.modules.items())
+            if (name == "coldstart" or name.startswith("coldstart.")) and m is not None]
+    return [_SERVER_APP, *sorted({Path(f) for m in mods if (f := getattr(m, "__file__", None))})]
+
+
+def _server_fingerprint() -> str:
+    import hashlib
+    import importlib.metadata
+
+    h = hashlib.sha256()
+    for path in _weights_client_files():
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    for dist in WEIGHTS_CLIENT_DISTS:
+        h.update(f"{dist}={importlib.metadata.version(dist)}".encode())
+    return h.hexdigest()[:16]
+
+
+def weights_client_layer(tar: Tar) -> None:
+    """coldstart itself (its Python sources) and the distributions ``coldstart.weights``
+    imports, from this interpreter's installation, into the image's site-packages: what a
+    user who adopts the fast path does with ``pip install coldstart`` in the image."""
+    import importlib.metadata
+
+    import coldstart
+
+    package = Path(coldstart.__file__).parent
+    for path in sorted(package.rglob("*.py")):
+        tar.file(f"{PY_SITE}/coldstart/{path.relative_to(package)}", path.read_bytes())
+    for dist in WEIGHTS_CLIENT_DISTS:
+        found = importlib.metadata.distribution(dist)
+        for rel in sorted(found.files or [], key=str):
+            name = str(rel)
+            if name.startswith("..") or "__pycache__" in name or name.endswith(".pyc"):
+                continue
+            tar.file(f"{PY_SITE}/{name}", Path(str(found.locate_file(rel))).read_bytes())
 
 
 def _build_server(ctx: Context) -> Built:
@@ -143,6 +196,7 @@ def _build_server(ctx: Context) -> Built:
 
     # weights gain little from matching: Huffman-only coding is 3x faster at the same ratio
     layers.append(write_layer(ctx, "model-server", model_layer, strategy=zlib.Z_HUFFMAN_ONLY))
+    layers.append(write_layer(ctx, "coldstart-weights", weights_client_layer))
     return Built(layers, ["python3", "/app/server.py"], "notify", _server_env())
 
 
@@ -237,8 +291,9 @@ RECIPES: dict[str, Recipe] = {
                       "modules, exits (builds in seconds)", _build_tiny),
     "torch": Recipe(1, "Debian 12 + python3 + torch 2.13.0 CPU, 1.1 GB; imports torch, exits",
                     _build_torch),
-    "server": Recipe(1, "torch + 2.7 GB of bf16 weights + a model server (sd_notify phases, "
-                        "GET /infer, READY=1)", _build_server),
+    "server": Recipe(2, "torch + 2.7 GB of bf16 weights + a model server (sd_notify phases, "
+                        "GET /infer, READY=1) + coldstart.weights", _build_server,
+                     _server_fingerprint),
     "cuda-like": Recipe(1, "15.7 GB like a CUDA PyTorch server: 9 GB of libraries, 49k modules, "
                            "4.6 GB of weights; READY=1", _build_cuda_like),
 }

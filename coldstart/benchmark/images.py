@@ -131,6 +131,7 @@ def build_image(name: str, cache_dir: Path | None = None, *,
             fields = image.to_json()
             del fields["layout"]            # the directory may move; the layout is where it is
             body = {"recipe_version": recipe.version, "image": fields,
+                    "fingerprint": recipe.fingerprint() if recipe.fingerprint else None,
                     "manifest": manifest.digest,
                     "layers": [la.to_json() for la in built.layers],
                     "build_seconds": round(time.monotonic() - t0, 1)}
@@ -152,7 +153,8 @@ def load_image(name: str, cache_dir: Path | None = None) -> BenchImage | None:
     root = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / name
     try:
         body = json.loads((root / RECIPE_FILE).read_text())
-        if body.get("recipe_version") != recipe.version:
+        if body.get("recipe_version") != recipe.version or body.get("fingerprint") != (
+                recipe.fingerprint() if recipe.fingerprint else None):
             return None
         img = body["image"]
         layout = OciLayout(root)

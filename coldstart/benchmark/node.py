@@ -35,6 +35,7 @@ from typing import Any
 from coldstart.benchmark.ready import ReadyCondition, ReadyWatch
 from coldstart.benchmark.results import Phase, Run
 from coldstart.errors import DeadlineExceeded, FailedPrecondition
+from coldstart.lazyfs.filewire import DEFAULT_SOCKET, SOCKET_ENV
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
 from coldstart.stack.containerd import CTR_BIN, Containerd, start_containerd
@@ -63,6 +64,10 @@ class ModeSpec:
     # our own A/B variant of another mode (what one feature is worth): accepted by --mode, not
     # listed in `coldstart bench --help` (bench/ scripts and docs/bench.md name them)
     ablation: bool = False
+    # the app loads its weights with coldstart.weights through the node's files socket
+    # (mounted into the container at filewire.DEFAULT_SOCKET's directory; SERVER_LOADER=
+    # coldstart for the built-in server images)
+    files_socket: bool = False
 
 
 MODES: dict[str, ModeSpec] = {m.name: m for m in (
@@ -76,6 +81,10 @@ MODES: dict[str, ModeSpec] = {m.name: m for m in (
              "stargz-snapshotter 0.12, the image from ctr-remote image optimize"),
     ModeSpec("coldstart+ctr-profile", "coldstart", "estargz-optimized",
              "coldstart's snapshotter on the image from ctr-remote image optimize"),
+    ModeSpec("coldstart+weights", "coldstart", "zstd:chunked",
+             "coldstart with the app loading its weights through coldstart.weights and the "
+             "node's files socket (the weights fast path; the built-in server image carries "
+             "it, SERVER_LOADER=coldstart)", files_socket=True),
     ModeSpec("coldstart+profile", "coldstart", "zstd:chunked-profile",
              "coldstart's snapshotter on the image from coldstart optimize (its start-up "
              "set prefetched in bulk at mount)"),
@@ -223,6 +232,9 @@ class Node:
     puller: Any = None
     # coldstart's FUSE server's control socket (the lazy modes of coldstart only)
     fuse_socket: str = ""
+    # the directory of coldstart's files socket (mounted into containers of a files_socket
+    # mode); "" where there is none
+    files_dir: str = ""
 
     def ctr(self, *args: str, timeout: float = 900.0) -> subprocess.CompletedProcess[str]:
         return self.ctd.ctr(*args, timeout=timeout)
@@ -287,6 +299,8 @@ def existing_node(mode: ModeSpec, base: Path, address: str, ref: str, *,
     try:
         with contextlib.ExitStack() as stack:
             node = Node(mode=mode, base=base, ctd=ctd, insecure=insecure)
+            if os.path.exists(DEFAULT_SOCKET):      # the node's own (its default config)
+                node.files_dir = os.path.dirname(DEFAULT_SOCKET)
             if mode.snapshotter == "coldstart":
                 import coldstart.containerd.pull  # noqa: F401  (imported before the clock runs)
                 from coldstart.containerd.client import Containerd as Client
@@ -332,6 +346,8 @@ def start_node(mode: ModeSpec, base: Path, *, insecure: tuple[str, ...] = (),
             node = Node(mode=mode, base=base, ctd=ctd, daemons=daemons, insecure=insecure)
             if mode.snapshotter == "coldstart":
                 node.fuse_socket = sn.fuse_socket
+                # fuse.files_socket "auto": files/files.sock beside the control socket
+                node.files_dir = str(Path(sn.fuse_socket).parent / "files")
                 import coldstart.containerd.pull  # noqa: F401  (imported before the clock runs)
                 from coldstart.containerd.client import Containerd as Client
 
@@ -411,9 +427,17 @@ def cold_start(node: Node, ref: str, work: Workload, index: int, *, traffic: Tra
             argv = ["container", "create", "--snapshotter", node.mode.snapshotter,
                     "--mount", f"type=bind,src={io_dir},dst={IO_MOUNT},options=rbind:rw",
                     "--env", f"NOTIFY_SOCKET={IO_MOUNT}/n.sock"]
-            for host, inside in work.mounts:
+            mounts, env = list(work.mounts), list(work.env)
+            if node.mode.files_socket:
+                if not node.files_dir:
+                    raise FailedPrecondition(f"mode {node.mode.name} needs coldstart's files "
+                                             f"socket; this node has none")
+                inside = os.path.dirname(DEFAULT_SOCKET)
+                mounts.append((node.files_dir, inside))
+                env += ["SERVER_LOADER=coldstart", f"{SOCKET_ENV}={DEFAULT_SOCKET}"]
+            for host, inside in mounts:
                 argv += ["--mount", f"type=bind,src={host},dst={inside},options=rbind:rw"]
-            for e in work.env:
+            for e in env:
                 argv += ["--env", e]
             if work.ready.needs_host_network:
                 argv.append("--net-host")

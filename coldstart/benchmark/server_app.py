@@ -148,11 +148,18 @@ def load_weights(files: list[Path]) -> dict[str, Any]:
     has_coldstart = importlib.util.find_spec("coldstart") is not None \
         and importlib.util.find_spec("coldstart.weights") is not None
     if loader == "coldstart" or (loader == "auto" and has_coldstart):
-        from coldstart.weights import iter_load
+        from coldstart.weights import LoadStats, iter_load
 
         for f in files:
-            for name, t in iter_load(f, "cpu", progress=progress.add):
+            stats = LoadStats()
+            for name, t in iter_load(f, "cpu", progress=progress.add, stats=stats):
                 tensors[name] = t
+            print(f"server: {f.name}: {stats.path}", flush=True)
+            # a node's socket named (a bench mode measuring the fast path): a fallback to the
+            # mount is a failure here, not a slower run of the same name
+            if os.environ.get("COLDSTART_FILES_SOCKET") and "files socket" not in stats.path:
+                raise RuntimeError(f"{f} was not read through the files socket "
+                                   f"({stats.path}): see the log above")
         return tensors
     from safetensors import safe_open
 

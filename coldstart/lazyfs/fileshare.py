@@ -22,17 +22,20 @@ the trio loop: every request blocks on fetches and ``pwrite``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import json
 import logging
+import mmap
 import os
+import re
 import secrets
 import socket
 import stat
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +52,8 @@ from coldstart.lazyfs.filewire import FileToken
 from coldstart.lazyfs.reader import LayerReader
 from coldstart.unixsock import listen_unix, socket_answers, unlink_own
 
-__all__ = ["IDLE_SECONDS", "MAX_CONNECTIONS", "PER_PEER", "FileShare"]
+__all__ = ["IDLE_SECONDS", "MAX_CONNECTIONS", "PER_PEER", "FileShare", "mount_paths",
+           "sees_layer"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +72,9 @@ _MAX_LINE = 64 << 10
 
 #: finds the layer a token names: digest -> (reader, entry of that slot) or None
 Layers = Callable[[str, int], "tuple[LayerReader, Entry] | None"]
+#: where a layer shows on the node: digest -> its mountpoints (and the FUSE file system's own
+#: directories, which show every layer)
+Places = Callable[[str], Sequence[str]]
 
 
 class FileShare:
@@ -75,11 +82,15 @@ class FileShare:
 
     ``layers(digest, slot)`` looks up a mounted layer's file; :meth:`token` is what the FUSE
     file system answers to ``getxattr(FILE_XATTR)`` (the secret is this process's own: a
-    restarted server issues new tokens, and a loader asks again)."""
+    restarted server issues new tokens, and a loader asks again). ``places(digest)``: where
+    the layer shows; a token is served only to a caller whose own mounts show its layer
+    (:func:`sees_layer`): a token handed to, or stolen by, a process of another container
+    reads nothing."""
 
-    def __init__(self, path: str, layers: Layers) -> None:
+    def __init__(self, path: str, layers: Layers, *, places: Places) -> None:
         self.path = path
         self._layers = layers
+        self._places = places
         self._secret = secrets.token_bytes(32)
         self._sock: socket.socket | None = None
         self._ino: int | None = None
@@ -144,7 +155,7 @@ class FileShare:
                     return
                 time.sleep(0.1)     # out of descriptors, say: not a busy loop
                 continue
-            peer = _peer(conn)
+            peer = _peer(conn)[0]
             with self._lock:
                 total = len(self._conns)
                 mine = sum(1 for p in self._conns.values() if p == peer)
@@ -173,6 +184,8 @@ class FileShare:
     def _serve(self, conn: socket.socket) -> None:
         lines = control.LineBuffer(_MAX_LINE)
         fds: list[int] = []
+        pid = _peer(conn)[1]
+        seen: dict[str, bool] = {}     # layer digest -> whether this caller's mounts show it
         try:
             conn.settimeout(IDLE_SECONDS)
             while not self._closed.is_set():
@@ -191,7 +204,7 @@ class FileShare:
                 for line in requests:
                     fd = fds.pop(0) if fds else None    # a request's descriptor came with it
                     try:
-                        reply = self._answer(line, fd)
+                        reply = self._answer(line, fd, pid, seen)
                     finally:
                         if fd is not None:
                             os.close(fd)
@@ -208,8 +221,9 @@ class FileShare:
                 self._conns.pop(conn, None)
             conn.close()
 
-    def _answer(self, line: bytes, fd: int | None) -> bytes:
-        """One request's reply."""
+    def _answer(self, line: bytes, fd: int | None, pid: int, seen: dict[str, bool]) -> bytes:
+        """One request's reply (``pid``: the caller's; ``seen``: the connection's answers of
+        :func:`sees_layer` so far)."""
         try:
             req = json.loads(line)
             if not isinstance(req, dict):
@@ -221,6 +235,12 @@ class FileShare:
                 reader, entry = self._file(req)
             except (FailedPrecondition, NotFound) as exc:   # a token or mount of another time
                 return control.error_reply(exc, **_RETRY)
+            if reader.digest not in seen:
+                seen[reader.digest] = sees_layer(pid, self._places(reader.digest))
+            if not seen[reader.digest]:
+                raise FailedPrecondition(
+                    f"layer {reader.digest} is not mounted where the caller (pid {pid}) is: "
+                    "a file token serves only a process that can see the file's own mount")
             if op == filewire.STAT:
                 return control.ok_reply({"size": entry.size, "name": entry.name})
             if fd is None:
@@ -309,25 +329,56 @@ def _check_memory(fd: int, at: int, length: int) -> None:
     if at + length > st.st_size:
         raise InvalidArgument(f"{length} bytes at {at} do not fit the memfd "
                               f"({st.st_size} bytes)")
-    try:
-        hole = os.lseek(fd, at, os.SEEK_HOLE)
-    except OSError as exc:
-        raise InvalidArgument(f"cannot check the memfd's pages: {exc}") from exc
-    if hole < at + length:
-        raise InvalidArgument(f"the memfd has no pages at {hole} (fault {at}..{at + length} "
+    missing = _first_missing_page(fd, at, length)
+    if missing is not None:
+        raise InvalidArgument(f"the memfd has no pages at {missing} (fault {at}..{at + length} "
                               "in before asking: the memory must be the caller's)")
 
 
-def _peer(conn: socket.socket) -> str:
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_LOW_BIT = bytes(b & 1 for b in range(256))
+
+
+def _first_missing_page(fd: int, at: int, length: int) -> int | None:
+    """The offset of the first page of ``[at, at+length)`` the memfd ``fd`` has no page for
+    (None: every page is there), by ``mincore`` of a mapping of just that range: its cost
+    follows the range, where ``SEEK_HOLE`` walks every page from ``at`` to the first hole
+    (to the end of a memfd filled whole: a load's every request paid for the file)."""
+    lo = at - at % _PAGE
+    size = at + length - lo
+    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, lo)
+    if addr in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise InvalidArgument(f"cannot check the memfd's pages: {os.strerror(err)}")
+    try:
+        vec = ctypes.create_string_buffer(-(-size // _PAGE))
+        if _libc.mincore(addr, size, vec) != 0:
+            err = ctypes.get_errno()
+            raise InvalidArgument(f"cannot check the memfd's pages: {os.strerror(err)}")
+        i = vec.raw.translate(_LOW_BIT).find(0)    # bit 0: resident; the rest reserved
+        return None if i < 0 else max(at, lo + i * _PAGE)
+    finally:
+        _libc.munmap(addr, size)
+
+
+def _peer(conn: socket.socket) -> tuple[str, int]:
     """Whose connection this is: the peer's cgroup (a container: cgroup v2's line, else the
-    first v1 hierarchy that places it somewhere other than the root), else its pid."""
+    first v1 hierarchy that places it somewhere other than the root), else its pid; and its
+    pid (0: unknown)."""
     try:
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         pid = struct.unpack("3i", creds)[0]
     except OSError:
         pid = 0
     if pid <= 0:
-        return f"connection {id(conn)}"
+        return f"connection {id(conn)}", 0
     try:
         with open(f"/proc/{pid}/cgroup") as f:
             lines = [line.strip() for line in f]
@@ -337,5 +388,57 @@ def _peer(conn: socket.socket) -> str:
     v2 = [line.split(":", 2)[2] for line in lines if line.startswith("0::")]
     for path in v2 + paths:
         if path not in ("", "/"):
-            return path
-    return f"pid {pid}"
+            return path, pid
+    return f"pid {pid}", pid
+
+
+_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+def _unescape(text: str) -> str:
+    """A mountinfo field with its octal escapes (``\\040`` for a space) undone."""
+    return _ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), text)
+
+
+def mount_paths(mountinfo: str) -> tuple[set[str], set[str]]:
+    """From a ``/proc/PID/mountinfo``: the mount points, and the layer directories of its
+    overlay mounts (``lowerdir``, ``upperdir``; what a container's root is made of)."""
+    points: set[str] = set()
+    layers: set[str] = set()
+    for line in mountinfo.splitlines():
+        head, sep, tail = line.partition(" - ")
+        fields = head.split(" ")
+        if not sep or len(fields) < 5:
+            continue
+        points.add(_unescape(fields[4]))
+        rest = tail.split(" ")
+        if len(rest) < 3 or rest[0] != "overlay":
+            continue
+        for option in rest[2].split(","):
+            key, _, value = option.partition("=")
+            if key in ("lowerdir", "upperdir", "lowerdir+", "datadir+"):
+                # layers are separated by ':' (data-only ones by '::'); overlayfs writes a
+                # ':' inside a path as '\\:'
+                for part in re.split(r"(?<!\\):", _unescape(value)):
+                    if part:
+                        layers.add(part.replace("\\:", ":"))
+    return points, layers
+
+
+def sees_layer(pid: int, places: Sequence[str]) -> bool:
+    """Whether process ``pid``'s own mounts show a layer that shows at ``places`` (its
+    mountpoints, and the FUSE file system's directories): one of them is a mount point in its
+    mount namespace, or a layer of one of its overlay mounts is one of them or lies below
+    one. False when the process's mounts cannot be read (it is gone)."""
+    if pid <= 0 or not places:
+        return False
+    try:
+        with open(f"/proc/{pid}/mountinfo") as f:
+            points, layers = mount_paths(f.read())
+    except OSError:
+        return False
+    wanted = {p.rstrip("/") or "/" for p in places}
+    if points & wanted:
+        return True
+    return any(d.rstrip("/") in wanted or any(d.startswith(w + "/") for w in wanted)
+               for d in layers)

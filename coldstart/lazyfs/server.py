@@ -154,7 +154,8 @@ class FuseServer:
             path = str(Path(self.socket_path).parent / "files" / "files.sock")
         if not path:
             return None
-        share = FileShare(os.path.abspath(path), self.fs.file_at)
+        share = FileShare(os.path.abspath(path), self.fs.file_at,
+                          places=lambda digest: self.layers.places(digest))
         self.fs.file_token = share.token
         return share
 

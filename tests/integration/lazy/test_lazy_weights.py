@@ -15,6 +15,8 @@ import os
 import random
 import signal
 import socket
+import subprocess
+import sys
 import tarfile
 import threading
 from pathlib import Path
@@ -235,6 +237,68 @@ def test_forged_and_foreign_tokens_get_nothing(server: Server, proxy: Proxy, soc
     client.unmount(str(mp))
     with pytest.raises(NotFound, match="not mounted"):
         _stat(socket_env, good.encode().decode())
+
+
+# Run in a mount namespace of its own: unmount every mount below ROOT (the layer's mountpoint,
+# the FUSE file system's own directories), optionally first mount an overlay whose lower layer
+# is the layer's mountpoint (what a container's root is), then ask the files socket with a
+# token read by the parent. Prints "served", or the error.
+_ELSEWHERE = """
+import ctypes, json, os, sys
+from coldstart.lazyfs import control, filewire
+root, mp, token, sock, overlay = sys.argv[1:6]
+libc = ctypes.CDLL(None, use_errno=True)
+if overlay:
+    os.makedirs(overlay + "/empty"); os.makedirs(overlay + "/merged")
+    opts = f"lowerdir={mp}:{overlay}/empty".encode()
+    assert libc.mount(b"overlay", (overlay + "/merged").encode(), b"overlay", 0, opts) == 0, \\
+        os.strerror(ctypes.get_errno())
+points = [line.split(" ")[4] for line in open("/proc/self/mountinfo")]
+for point in sorted(points, key=len, reverse=True):
+    if point.startswith(root + "/") and not (overlay and point.startswith(overlay)):
+        libc.umount2(point.encode(), 2)         # MNT_DETACH
+left = [line.split(" ")[4] for line in open("/proc/self/mountinfo")]
+assert not [p for p in left if p.startswith(root + "/") and not p.startswith(overlay or "//")]
+import socket
+with socket.socket(socket.AF_UNIX) as s:
+    s.settimeout(30)
+    s.connect(sock)
+    s.sendall(control.encode(filewire.stat_request(token)))
+    buf = b""
+    while b"\\n" not in buf:
+        buf += s.recv(4096)
+try:
+    control.decode_reply(buf.partition(b"\\n")[0])
+    print("served")
+except Exception as exc:
+    print(f"{type(exc).__name__}: {exc}")
+"""
+
+
+def test_a_token_serves_only_a_caller_whose_mounts_show_its_layer(
+        server: Server, proxy: Proxy, socket_env: str, tmp_path: Path) -> None:
+    """A token is a bearer credential: one handed to (or stolen by) a process whose own mount
+    namespace does not show the layer (another container) reads nothing; a container whose
+    root is an overlay over the layer's mountpoint is served."""
+    rng = random.Random(9)
+    mp, _, _ = mount_files(server, proxy, {"w.safetensors": rng.randbytes(70_000)},
+                           "zstd:chunked", "elsewhere")
+    token = os.getxattr(mp / "w.safetensors", FILE_XATTR).decode()
+    root = str(server[2])
+
+    def ask(overlay: str) -> str:
+        out = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", sys.executable, "-c",
+             _ELSEWHERE, root, str(mp), token, socket_env, overlay],
+            capture_output=True, text=True, timeout=120, check=False)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert _stat(socket_env, token) == {"size": 70_000, "name": "w.safetensors"}  # here: yes
+    refused = ask("")
+    assert refused.startswith("FailedPrecondition") and "not mounted where the caller" \
+        in refused, refused
+    assert ask(str(tmp_path / "ovl")) == "served"       # a container's root over the layer
 
 
 def memfd(size: int, *, faulted: bool = True, sealed: bool = True) -> int:
