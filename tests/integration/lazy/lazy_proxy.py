@@ -111,6 +111,10 @@ class Proxy:
         self.hang = False
         self.hang_below = 1 << 62
         self.requests: list[tuple[str, str, str]] = []   # method, path, range
+        # range GETs of blobs being answered now, and the most at once (set it to 0 to count
+        # from a point on)
+        self.in_flight = 0
+        self.max_in_flight = 0
         self.mix: FaultMix | None = None
         #: how long a ``stall`` holds its request (the mix's, once one is injected)
         self.stall_seconds = 3.0
@@ -129,6 +133,21 @@ class Proxy:
                 pass
 
             def _forward(self, method: str) -> None:
+                ranged = (method == "GET" and "/blobs/" in self.path
+                          and _RANGE.match(self.headers.get("Range", "")) is not None)
+                if not ranged:
+                    self._forward_one(method)
+                    return
+                with proxy._lock:
+                    proxy.in_flight += 1
+                    proxy.max_in_flight = max(proxy.max_in_flight, proxy.in_flight)
+                try:
+                    self._forward_one(method)
+                finally:
+                    with proxy._lock:
+                        proxy.in_flight -= 1
+
+            def _forward_one(self, method: str) -> None:
                 rng = self.headers.get("Range", "")
                 m = _RANGE.match(rng)
                 ranged = method == "GET" and "/blobs/" in self.path and m is not None

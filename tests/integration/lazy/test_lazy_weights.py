@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import io
 import os
 import random
@@ -237,6 +238,48 @@ def test_forged_and_foreign_tokens_get_nothing(server: Server, proxy: Proxy, soc
     client.unmount(str(mp))
     with pytest.raises(NotFound, match="not mounted"):
         _stat(socket_env, good.encode().decode())
+
+
+# map the file and copy it out in file order, a MiB at a time (a page fault per page); print
+# its sha256
+_WALK = """
+import hashlib, mmap, sys
+with open(sys.argv[1], "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+    if sys.argv[2] == "random":
+        m.madvise(mmap.MADV_RANDOM)     # the kernel reads no page ahead: a fault, a page
+    h = hashlib.sha256()
+    for off in range(0, len(m), 1 << 20):
+        h.update(m[off:off + (1 << 20)])
+print(h.hexdigest())
+"""
+
+
+@pytest.mark.parametrize("advice", ["normal", "random"])
+def test_a_mapped_file_walked_in_order_by_page_faults_is_fetched_ahead_in_parallel(
+        server: Server, proxy: Proxy, tmp_path: Path, advice: str) -> None:
+    """What a safetensors loader does with a file through the mount: map it and copy it out
+    in file order, page fault after page fault. The faults reach the FUSE server as small
+    reads; the server sees a sequential reader and fetches the chunks ahead of it, several
+    range requests at once, each far larger than a fault's read. ``random``: the mapping
+    advised MADV_RANDOM, so the kernel reads nothing ahead (each fault: one 4 KiB read) and
+    what is fetched ahead is the server's doing alone."""
+    rng = random.Random(f"walk-{advice}")
+    data = rng.randbytes(24 << 20)
+    chunk = 256 << 10
+    mp, blob, ann = mount_files(server, proxy, {"walk.safetensors": data}, "zstd:chunked",
+                                f"walked-{advice}", chunk_size=chunk)
+    layer = open_layer(BytesReadAt(blob), annotations=ann)
+    chunks = [c for c in layer.resolve("walk.safetensors").chunks if not c.zeros]
+    before = len(proxy.blob_gets())
+    proxy.max_in_flight = 0
+    # in a process of its own: a page fault holds the GIL, and the proxy is a thread of ours
+    walked = subprocess.run([sys.executable, "-c", _WALK, str(mp / "walk.safetensors"), advice],
+                            capture_output=True, text=True, timeout=120, check=True)
+    assert walked.stdout.strip() == hashlib.sha256(data).hexdigest()
+    gets = proxy.blob_gets()[before:]
+    # every chunk came, in requests of several chunks each (the faults read 4 KiB to 128 KiB)
+    assert 0 < len(gets) <= len(chunks) // 2, (len(gets), len(chunks))
+    assert proxy.max_in_flight >= 2                    # fetched ahead, in parallel
 
 
 # Run in a mount namespace of its own: unmount every mount below ROOT (the layer's mountpoint,
