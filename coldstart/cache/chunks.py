@@ -90,14 +90,17 @@ _DIGEST_RE = re.compile(r"^sha256:([0-9a-f]{64})$")
 # 384 MiB below, a cold 1 GiB read grew the server to 750 MB and spent a fifth of the
 # server's CPU faulting it in; with these, 325 MB, and the read ran 23-35 % faster (an mmap
 # reader 31-50 %), torch's on-demand start-up 0.8 s sooner (bench/published/pending-2026-12-05).
-_MAX_PENDING = 160 << 20
+# The server image's 2.2 GB of weights held the FUSE server at 425 MB with 160 MiB (and 96
+# MiB gated below), at 312-321 MB with these, loading no slower (issue 49); torch's prefetched
+# set (65 MB) now meets the backpressure at its very end.
+_MAX_PENDING = 64 << 20
 # ... and while this many chunks wait: a layer of small files fills the backlog with chunks
 # of a few hundred bytes, whose dict, key and object cost more than their bytes (200,000
 # waiting chunks held some 150 MB that the byte count did not see)
 _MAX_PENDING_CHUNKS = 32768
 # below this many pending bytes (and a quarter of max_bytes) the writer waits for
 # ``write_gate`` (the node's reads to pause) before it writes; above it, it writes at once
-_GATED_PENDING = 96 << 20
+_GATED_PENDING = 32 << 20
 # the longest a burst of writes waits for a pause; a node still busy then gets its writes
 # (the backlog drains without waiting again)
 _GATE_WAIT = 5.0
