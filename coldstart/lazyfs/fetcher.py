@@ -32,7 +32,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from coldstart.cache import ChunkStore
@@ -58,6 +58,16 @@ REFETCHES = 1
 FILL_NICENESS = 19
 #: the fill sends nothing until no FUSE read was served for this long
 QUIET_SECONDS = 0.25
+#: A start-up prefetch set of this many compressed bytes or more (a checkpoint's) waits while
+#: smaller sets are prefetched on the node, at most ``BIG_PREFETCH_WAIT`` seconds
+BIG_PREFETCH = 256 << 20
+BIG_PREFETCH_WAIT = 30.0
+#: A prefetched chunk the page cache gets waits for the cache's writer encoded (and is decoded
+#: and verified again there) only if that holds at most this fraction of its decoded bytes: a
+#: start-up's code compresses to a third or less, and keeping it encoded saves the memory;
+#: weights compress to about 0.8, where the second decode costs the CPU (1.3 s per GB here:
+#: zstd and sha256 again) and saves little memory (issue 49, the server image's profile mode)
+KEEP_ENCODED_RATIO = 0.5
 #: compressed bytes of prefetched spans held node-wide for a deferred spread (an indexed gzip
 #: layer's: the prefetch inflates a span only as far as the start-up's pieces reach and caches
 #: the span's other files later, when the node is quiet); past it a span is spread at once
@@ -124,6 +134,7 @@ class ChunkFetcher:
         self._inflight: dict[str, _Flight] = {}
         self._foreground = 0
         self._prefetching = 0       # prefetch requests queued or running, node-wide
+        self._small_sets = 0        # start-up prefetches of small sets running, node-wide
         self._deferred = 0          # compressed bytes held for deferred spreads
         self._closed = False
         self.last_read = 0.0       # monotonic time of the last FUSE read served
@@ -156,6 +167,37 @@ class ChunkFetcher:
         with self._lock:
             while self._prefetching >= max(1, limit) and not self._closed:
                 left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._idle.wait(min(left, 0.5))
+
+    @contextlib.contextmanager
+    def prefetching(self, nbytes: int) -> Iterator[bool]:
+        """A layer's start-up prefetch of ``nbytes`` compressed bytes runs in this block;
+        yields whether its set is big (``BIG_PREFETCH`` or more: a checkpoint, not code).
+        While a small one runs, a big one waits before each request
+        (:meth:`wait_small_prefetches`)."""
+        small = nbytes < BIG_PREFETCH
+        if small:
+            with self._lock:
+                self._small_sets += 1
+        try:
+            yield not small
+        finally:
+            if small:
+                with self._lock:
+                    self._small_sets -= 1
+                    self._idle.notify_all()
+
+    def wait_small_prefetches(self, until: float) -> None:
+        """Block (a prefetch's own thread) while small start-up sets are being prefetched on
+        the node, until monotonic ``until`` at most: the start-up reads its code and
+        libraries first, and on a node short of CPU or link a checkpoint fetched meanwhile
+        slows exactly those (the server image, profiled: its imports took 5.0 s beside its
+        weights' prefetch, 2.7 s without a prefetch at all; issue 49)."""
+        with self._lock:
+            while self._small_sets > 0 and not self._closed:
+                left = until - time.monotonic()
                 if left <= 0:
                     return
                 self._idle.wait(min(left, 0.5))
@@ -699,7 +741,8 @@ class ChunkFetcher:
         index may lie). ``upto``: decode the chunk's range only that far
         (:meth:`~coldstart.format.layer.SeekableLayer.decode_chunk`). A chunk its requester
         hands to the page cache (``fl.unread``, see :meth:`request`) that no read joined is
-        cached encoded until it is written (:meth:`_cache_decoded`)."""
+        cached encoded until it is written (:meth:`_cache_decoded`), if its encoded bytes are
+        at most ``KEEP_ENCODED_RATIO`` of its size."""
         res: bytes | BaseException
         ready = spread.pop(c.digest, None) if spread is not None and c.digest else None
         if ready is not None and len(ready) == c.chunk_size:
@@ -724,7 +767,8 @@ class ChunkFetcher:
                 res = type(exc)(msg) if isinstance(exc, ColdstartError) else Unavailable(msg)
             else:
                 keep = (fl.unread and upto is None and not fl.joiners
-                        and not target.layer.spreads)
+                        and not target.layer.spreads
+                        and len(encoded) <= len(res) * KEEP_ENCODED_RATIO)
                 self._cache_decoded(target, c, res, spread, bytes(encoded) if keep else None)
         self._release(target, c, fl)   # after the put: a later reader finds it cached
         if fl.future.done():

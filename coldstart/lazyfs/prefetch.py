@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 
 from coldstart.errors import ColdstartError
 from coldstart.format.layer import SeekableLayer
@@ -30,7 +31,7 @@ from coldstart.lazyfs.batches import (
     unique_chunks,
     warms,
 )
-from coldstart.lazyfs.fetcher import ChunkFetcher
+from coldstart.lazyfs.fetcher import BIG_PREFETCH_WAIT, ChunkFetcher
 from coldstart.lazyfs.pagecache import PageCacheWarmer
 from coldstart.lazyfs.target import PREFETCH, FetchTarget
 
@@ -41,7 +42,9 @@ log = logging.getLogger(__name__)
 #: Compressed bytes of the first prefetch request; each next one is ``PREFETCH_GROWTH`` times
 #: as large, up to ``PREFETCH_REQUEST``; at most ``PREFETCH_STREAMS`` per layer are in flight.
 PREFETCH_FIRST = 4 << 20
-PREFETCH_REQUEST = 64 << 20
+#: (64 MiB before: the server image's 2.1 GB set of weights then held four of them and their
+#: decoded chunks at once, the FUSE server at 566 MB; issue 49)
+PREFETCH_REQUEST = 16 << 20
 PREFETCH_STREAMS = 4
 PREFETCH_GROWTH = 4
 #: Chunks of the prefetch set this many compressed bytes apart share a request (the bytes of
@@ -92,11 +95,12 @@ class Prefetcher:
         start-up first read them, each decoded by its own pool thread as it arrives (a span
         only as far as the set's pieces reach; its other pieces are cached when the node is
         quiet: :meth:`~coldstart.lazyfs.fetcher.ChunkFetcher._defer_spread`).
+        A set of ``BIG_PREFETCH`` bytes or more (a checkpoint) waits while smaller sets (the
+        start-up's code) are prefetched on the node, ``BIG_PREFETCH_WAIT`` seconds at most.
         A read that needs a chunk in flight joins its fetch. Errors are logged and counted,
         not raised: the chunks they concern are left to on-demand reads.
         """
         stats = self.target.stats
-        stop = self.target.stopped
         if self.ranges:
             # the chunks the recorded start-up touched (the layer's prefetch-ranges
             # annotation), wherever they lie: behind a landmark or not
@@ -114,9 +118,23 @@ class Prefetcher:
             self._warm_from_cache(warmer, local)
         with stats._lock:
             stats.state = "prefetching"
+        with self.fetcher.prefetching(sum(c.compressed_size for c in todo)) as big:
+            fetched = self._fetch(todo, warmer, big)
+        with stats._lock:
+            stats.prefetch_done = True
+            stats.state = "on-demand"
+        log.info("layer %s: prefetched %d chunks, %d bytes", self.target.digest, len(todo),
+                 fetched)
+        return fetched
+
+    def _fetch(self, todo: list[Chunk], warmer: PageCacheWarmer | None, big: bool) -> int:
+        """Fetch ``todo`` (see :meth:`prefetch`); ``big``: a set that waits while smaller
+        ones are prefetched on the node (:meth:`ChunkFetcher.wait_small_prefetches`)."""
+        stop = self.target.stopped
         fetched = 0
         window: list[Landing] = []
         room = max(1, self.fetcher.pool_size // 2)
+        until = time.monotonic() + BIG_PREFETCH_WAIT
         if self._named_apart():
             # the set is scattered over the blob (a gzip index's): its ranges in the order the
             # start-up first read them, one request each, several in flight, each decoded by
@@ -129,6 +147,8 @@ class Prefetcher:
         for batch in planned:
             if stop.is_set():
                 break
+            if big:     # the start-up's code and libraries first
+                self.fetcher.wait_small_prefetches(until)
             # half the pool at most, node-wide: reads of files outside the set find threads
             self.fetcher.wait_prefetch_room(room, self.read_deadline)
             try:
@@ -143,11 +163,6 @@ class Prefetcher:
                 fetched += settle(window.pop(0), self.read_deadline * 4)
         for landing in window:
             fetched += settle(landing, self.read_deadline * 4)
-        with stats._lock:
-            stats.prefetch_done = True
-            stats.state = "on-demand"
-        log.info("layer %s: prefetched %d chunks, %d bytes", self.target.digest, len(todo),
-                 fetched)
         return fetched
 
     def _warm_from_cache(self, warmer: PageCacheWarmer, chunks: list[Chunk]) -> None:

@@ -153,7 +153,7 @@ class BlobReader:
         return written
 
     def read_range(self, ref: Reference, digest: str, offset: int, length: int, *,
-                   timeout: float | None = None) -> bytes:
+                   timeout: float | None = None) -> bytes | bytearray:
         """Bytes ``[offset, offset+length)`` of a blob via an HTTP range request.
 
         Shorter only if the blob ends first. A registry that ignores ``Range`` and sends the whole
@@ -170,7 +170,7 @@ class BlobReader:
         direct = True
         eps = transport.endpoints(ref.registry, "pull")
 
-        def once(_: float) -> bytes:
+        def once(_: float) -> bytes | bytearray:
             nonlocal direct
             if direct:
                 try:
@@ -181,7 +181,7 @@ class BlobReader:
                 except Unavailable as exc:      # the body broke off: another try
                     raise Again(exc) from exc
                 if got is not None:
-                    return bytes(got)
+                    return got      # (a bytearray read into in place: not copied again)
                 # declined (auth, an error status, a whole-blob answer): this call's tries go
                 # through the general client, which says what is wrong
                 direct = False
@@ -205,7 +205,7 @@ class BlobReader:
                      backoff=transport.backoff, classify=only_again)
 
     def read_ranges(self, ref: Reference, digest: str, ranges: Sequence[tuple[int, int]], *,
-                    timeout: float | None = None) -> tuple[list[bytes], int]:
+                    timeout: float | None = None) -> tuple[list[bytes | bytearray], int]:
         """Several ranges ``(offset, length)`` of a blob, each exactly as asked, and the number
         of requests it took (see
         :meth:`~coldstart.oci.registry.RegistryClient.read_blob_ranges`)."""
@@ -222,7 +222,7 @@ class BlobReader:
                 log.debug("%s: %s; one range at a time", what, exc)
                 got = None
             if got is not None:
-                return [bytes(b) for b in got], 1
+                return list(got), 1
         out = [self.read_range(ref, digest, off, n, timeout=deadline.remaining())
                for off, n in ranges]
         return out, len(ranges)

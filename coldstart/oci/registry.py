@@ -264,7 +264,7 @@ class RegistryClient:
                                     timeout=timeout, progress=progress)
 
     def read_blob_range(self, ref: Reference, digest: str, offset: int, length: int, *,
-                        timeout: float | None = None) -> bytes:
+                        timeout: float | None = None) -> bytes | bytearray:
         """Bytes ``[offset, offset+length)`` of a blob via an HTTP range request.
 
         Shorter only if the blob ends first. A registry that ignores ``Range`` and sends the whole
@@ -274,7 +274,7 @@ class RegistryClient:
 
     def read_blob_ranges(self, ref: Reference, digest: str,
                          ranges: Sequence[tuple[int, int]], *,
-                         timeout: float | None = None) -> tuple[list[bytes], int]:
+                         timeout: float | None = None) -> tuple[list[bytes | bytearray], int]:
         """Several ranges ``(offset, length)`` of a blob, each exactly as asked (shorter only
         where the blob ends first), and the number of requests it took: one multi-range
         request where the registry answers those (distribution does; stargz-snapshotter asks

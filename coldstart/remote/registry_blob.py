@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from coldstart.errors import FormatError, InvalidArgument, Unavailable
 from coldstart.format.readat import check_range
@@ -31,7 +31,7 @@ class RangeClient(Protocol):
     def blob_size(self, ref: Any, digest: str, *, timeout: float | None = None) -> int: ...
 
     def read_blob_range(self, ref: Any, digest: str, offset: int, length: int, *,
-                        timeout: float | None = None) -> bytes: ...
+                        timeout: float | None = None) -> bytes | bytearray: ...
 
 
 class RegistryBlob:
@@ -69,11 +69,14 @@ class RegistryBlob:
             self.bytes += n
 
     def _fetch(self, offset: int, length: int, timeout: float | None) -> bytes:
-        data: bytes = self.client.read_blob_range(
+        data = self.client.read_blob_range(
             self.ref, self.digest, offset, length,
             timeout=self.timeout if timeout is None else timeout)
         self._count(len(data))
-        return data
+        # a bytearray the body was read into in place is handed on as it is, not copied into
+        # a bytes (a copy of every fetched byte): read-only like bytes wherever it goes
+        # (sliced, viewed, decoded, hashed), never mutated or used as a key
+        return cast(bytes, data)
 
     def read_at(self, offset: int, length: int, *, timeout: float | None = None) -> bytes:
         """Exactly ``length`` bytes from ``offset``, within ``timeout`` seconds (default: the

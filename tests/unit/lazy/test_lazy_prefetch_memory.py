@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from coldstart.cache import chunks as chunks_module
 from coldstart.cache.chunks import _Encoded
 from coldstart.errors import Unavailable
 from coldstart.format.toc import Chunk
+from coldstart.lazyfs import fetcher as fetcher_module
 from coldstart.lazyfs.batches import Landing
 from coldstart.lazyfs.fetcher import ChunkFetcher
 from coldstart.lazyfs.pagecache import PageCacheWarmer
@@ -79,6 +81,12 @@ def start_up(tmp_path: Path, fmt: str = "zstd:chunked", *, warmed: bool = True
     return tree, reader, src, fetcher, cache
 
 
+def keeps_encoded(c: Chunk) -> bool:
+    """Whether a prefetched chunk the page cache gets waits for the disk encoded (one that
+    compresses poorly waits decoded: see ``KEEP_ENCODED_RATIO``)."""
+    return c.end_offset - c.offset <= c.chunk_size * fetcher_module.KEEP_ENCODED_RATIO
+
+
 def count_decodes(reader: LayerReader, monkeypatch: pytest.MonkeyPatch) -> Counter[Chunk]:
     """Count each chunk's decodes (the fetch's, a pending chunk's again)."""
     layer = reader.target.layer
@@ -106,10 +114,14 @@ def test_prefetched_chunks_wait_for_the_disk_compressed_and_read_ones_decoded(
     big = reader.layer.resolve(BIG)
     compressed = sum(c.end_offset - c.offset for c in big.chunks)
     assert compressed < sum(c.chunk_size for c in big.chunks) / 2    # big.so compresses well
-    # every chunk of big.so is pending, each as its compressed bytes
-    assert [pending(cache, c) for c in big.chunks] == [c.end_offset - c.offset
-                                                       for c in big.chunks]
-    assert cache._pending_bytes == compressed
+    # every chunk of big.so is pending, each as its compressed bytes, but one that compresses
+    # poorly (its random part): decoded, not to be decoded and hashed once more for the disk
+    kept = [c for c in big.chunks if keeps_encoded(c)]
+    assert 0 < len(kept) < len(big.chunks)
+    assert [pending(cache, c) for c in big.chunks] == [
+        c.end_offset - c.offset if c in kept else b"decoded" for c in big.chunks]
+    assert cache._pending_bytes == sum(c.end_offset - c.offset if c in kept else c.chunk_size
+                                       for c in big.chunks)
 
     sudo = reader.layer.resolve("usr/bin/sudo")          # not prefetched: a read fetches it
     assert reader.read(sudo, 0, 100) == tree.files["usr/bin/sudo"][:100]
@@ -119,12 +131,13 @@ def test_prefetched_chunks_wait_for_the_disk_compressed_and_read_ones_decoded(
     # the kernel let go of big.so's pages: reads decode each chunk once more and keep it
     assert read_all(reader, BIG, step=16 << 10) == tree.files[BIG]
     assert all(pending(cache, c) == b"decoded" for c in big.chunks)
-    assert all(decodes[c] == 2 for c in big.chunks)
+    assert all(decodes[c] == (2 if c in kept else 1) for c in big.chunks)
 
     open_gate()
     assert cache.flush(30)
     assert cache._pending_bytes == 0
-    assert all(decodes[c] == 2 for c in big.chunks)       # written from the kept bytes
+    # written from the kept bytes
+    assert all(decodes[c] == (2 if c in kept else 1) for c in big.chunks)
     on_disk = ChunkCache(cache.dir, max_bytes=1 << 30)
     for c in [*big.chunks, first]:
         assert on_disk.get(c.digest, expected_size=c.chunk_size) is not None, c
@@ -138,16 +151,18 @@ def test_a_prefetch_nobody_reads_is_written_from_its_compressed_bytes(
     open_gate = hold_writes(cache, monkeypatch)
     assert reader.prefetcher.prefetch() > 0
     big = reader.layer.resolve(BIG)
-    assert all(isinstance(pending(cache, c), int) for c in big.chunks)
+    assert all(isinstance(pending(cache, c), int) == keeps_encoded(c) for c in big.chunks)
     # a second start-up of the image before the writes: its prefetch finds the chunks
-    # pending and hands them to the page cache, still encoded
+    # pending and hands them to the page cache, still encoded (those kept so)
     assert reader.prefetcher.prefetch() == 0
     assert reader.page_cache is not None and reader.page_cache.join(10)
-    assert all(isinstance(pending(cache, c), int) for c in big.chunks)
-    assert all(decodes[c] == 2 for c in big.chunks)       # the fetch's, the second start's
+    assert all(isinstance(pending(cache, c), int) == keeps_encoded(c) for c in big.chunks)
+    # the fetch's, the second start's (of those kept encoded)
+    assert all(decodes[c] == (2 if keeps_encoded(c) else 1) for c in big.chunks)
     open_gate()
     assert cache.flush(30)
-    assert all(decodes[c] == 3 for c in big.chunks)       # ... and the writer's
+    # ... and the writer's
+    assert all(decodes[c] == (3 if keeps_encoded(c) else 1) for c in big.chunks)
     on_disk = ChunkCache(cache.dir, max_bytes=1 << 30)
     got = b"".join(on_disk.get(c.digest, expected_size=c.chunk_size) or b"?"
                    for c in big.chunks)
@@ -189,7 +204,7 @@ def test_a_prefetched_chunk_a_read_waited_for_stays_decoded(
     prefetch.join(10)
     assert got == [tree.files[BIG][:100]]
     assert pending(cache, big.chunks[0]) == b"decoded"
-    assert all(isinstance(pending(cache, c), int) for c in big.chunks[1:])
+    assert all(isinstance(pending(cache, c), int) == keeps_encoded(c) for c in big.chunks[1:])
 
 
 def _joined(fetcher: ChunkFetcher) -> bool:
@@ -241,3 +256,33 @@ def test_a_landing_says_which_chunks_came_without_keeping_them() -> None:
     assert landing.wait(5) == [chunks[0], chunks[2]]
     del futures
     assert [r() for r in refs] == [None, None, None]  # the landing kept none of them
+
+
+def test_a_checkpoint_sized_prefetch_waits_while_start_up_code_is_prefetched() -> None:
+    """The start-up's code and libraries (small sets) are prefetched first on the node; a set
+    the size of a checkpoint waits before each of its requests while one runs, at most until
+    its deadline."""
+    fetcher = ChunkFetcher(None)
+    try:
+        with fetcher.prefetching(fetcher_module.BIG_PREFETCH) as big:
+            assert big
+            fetcher.wait_small_prefetches(time.monotonic() + 60)    # only big ones: no wait
+        returned = threading.Event()
+
+        def big_set() -> None:
+            fetcher.wait_small_prefetches(time.monotonic() + 60)
+            returned.set()
+
+        with fetcher.prefetching(50 << 20) as big:
+            assert not big
+            waiter = threading.Thread(target=big_set)
+            waiter.start()
+            assert not returned.wait(0.3)          # held while the small set runs
+        assert returned.wait(10)                    # and let go when it ends
+        waiter.join(10)
+        with fetcher.prefetching(1 << 20):
+            t0 = time.monotonic()
+            fetcher.wait_small_prefetches(t0 + 0.2)   # never past its deadline
+            assert time.monotonic() - t0 < 5
+    finally:
+        fetcher.close()
