@@ -142,14 +142,11 @@ WEIGHTS_CLIENT_DISTS = ("msgspec", "PyYAML", "zstandard", "typing_extensions")
 
 def _weights_client_files() -> list[Path]:
     """The files of this checkout the server images copy in: the model server and every
-    coldstart module ``import coldstart.weights`` loads."""
-    import sys
+    source file of the coldstart package (what :func:`weights_client_layer` copies)."""
+    import coldstart
 
-    import coldstart.weights  # noqa: F401  (loads what the client needs)
-
-    mods = [m for name, m in sorted(sys.modules.items())
-            if (name == "coldstart" or name.startswith("coldstart.")) and m is not None]
-    return [_SERVER_APP, *sorted({Path(f) for m in mods if (f := getattr(m, "__file__", None))})]
+    package = Path(coldstart.__file__).parent
+    return [_SERVER_APP, *sorted(package.rglob("*.py"))]
 
 
 def _server_fingerprint() -> str:
@@ -158,7 +155,8 @@ def _server_fingerprint() -> str:
 
     h = hashlib.sha256()
     for path in _weights_client_files():
-        h.update(path.name.encode() + b"\0" + path.read_bytes())
+        h.update(str(path.relative_to(_SERVER_APP.parents[2])).encode() + b"\0"
+                 + path.read_bytes())
     for dist in WEIGHTS_CLIENT_DISTS:
         h.update(f"{dist}={importlib.metadata.version(dist)}".encode())
     return h.hexdigest()[:16]
@@ -173,7 +171,7 @@ def weights_client_layer(tar: Tar) -> None:
     import coldstart
 
     package = Path(coldstart.__file__).parent
-    for path in sorted(package.rglob("*.py")):
+    for path in _weights_client_files()[1:]:
         tar.file(f"{PY_SITE}/coldstart/{path.relative_to(package)}", path.read_bytes())
     for dist in WEIGHTS_CLIENT_DISTS:
         found = importlib.metadata.distribution(dist)

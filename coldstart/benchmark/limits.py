@@ -5,13 +5,16 @@ the benchmarks put coldstart's reads against (``bench/bench_fuse.py``,
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
+from coldstart.errors import ColdstartError
 from coldstart.format.layer import SeekableLayer
 from coldstart.format.toc import Chunk
 from coldstart.remote import RegistryBlob
 
-__all__ = ["GROUP_BYTES", "verified_bytes"]
+__all__ = ["GROUP_BYTES", "WEIGHTS_SUFFIX", "image_limit", "largest_weights", "verified_bytes"]
 
 #: compressed bytes of one range GET
 GROUP_BYTES = 8 << 20
@@ -53,3 +56,39 @@ def verified_bytes(blob: RegistryBlob, layer: SeekableLayer, name: str, threads:
 
     with ThreadPoolExecutor(threads) as pool:
         return sum(pool.map(one, groups))
+
+
+#: the files whose verified-bytes rate ``coldstart bench`` measures: an image's checkpoint
+WEIGHTS_SUFFIX = ".safetensors"
+
+
+def largest_weights(client: Any, ref: Any) -> tuple[RegistryBlob, SeekableLayer, str] | None:
+    """The largest ``*.safetensors`` file of the seekable (zstd:chunked, eStargz) image
+    ``ref`` (a :class:`~coldstart.oci.reference.Reference`) through ``client`` (a
+    :class:`~coldstart.oci.registry.RegistryClient`): its layer's blob, the layer (its TOC
+    read) and its name; None when the image holds none. Only the layers' TOCs are read."""
+    from coldstart.format.layer import open_layer
+    from coldstart.remote import RegistryBlob
+
+    best: tuple[int, RegistryBlob, SeekableLayer, str] | None = None
+    for desc in client.resolve(ref).manifest.layers:
+        blob = RegistryBlob(client, ref, desc.digest, desc.size)
+        try:
+            layer = open_layer(blob, annotations=desc.annotations)
+        except ColdstartError:      # not a seekable layer: no TOC to look into
+            continue
+        entries = layer.toc.entries
+        for name in [n for n in entries if n.endswith(WEIGHTS_SUFFIX)]:   # names: no Entry built
+            entry = entries[name]
+            if entry.type == "reg" and (best is None or entry.size > best[0]):
+                best = (entry.size, blob, layer, name)
+    return None if best is None else best[1:]
+
+
+def image_limit(found: tuple[RegistryBlob, SeekableLayer, str],
+                threads: int) -> tuple[int, float]:
+    """:func:`verified_bytes` of the file :func:`largest_weights` found: (bytes, seconds)."""
+    blob, layer, name = found
+    t0 = time.monotonic()
+    n = verified_bytes(blob, layer, name, threads)
+    return n, time.monotonic() - t0

@@ -21,8 +21,9 @@ from typing import Any
 
 from coldstart.errors import FailedPrecondition
 
-__all__ = ["SCHEMA_ID", "SCHEMA_PATH", "BenchResult", "Floor", "ModeResult", "Phase", "Run",
-           "Stat", "plot_timeline", "render_table", "summarise", "to_json"]
+__all__ = ["SCHEMA_ID", "SCHEMA_PATH", "BenchResult", "Floor", "Limit", "ModeResult", "Phase",
+           "Run", "Stat", "describe_limit", "plot_timeline", "render_table", "summarise",
+           "to_json"]
 
 SCHEMA_ID = "https://coldstart.dev/schemas/bench-result/v1"
 SCHEMA_PATH = Path(__file__).with_name("result_schema.json")
@@ -107,6 +108,27 @@ class Floor:
     warm_runs_s: list[float] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Limit:
+    """The verified-bytes limit: how fast this machine fetches, decodes and verifies the
+    image's checkpoint (its largest ``*.safetensors`` file) from the same registry, through
+    the same link, with nothing else in the way
+    (:func:`~coldstart.benchmark.limits.verified_bytes`; no cache, no page cache, no reader):
+    the ceiling a lazy load of those bytes is put against."""
+
+    file: str
+    bytes: int                   # the file's bytes verified (holes not counted)
+    gbps: float                  # the median of runs_gbps, in GB (1e9 bytes) per second
+    #: each measurement's rate, in the order they ran (one per round, alternated with the
+    #: modes, after the same page-cache drop and rest)
+    runs_gbps: list[float] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        """The file's bytes at the limit's rate."""
+        return self.bytes / (self.gbps * 1e9)
+
+
 @dataclass
 class BenchResult:
     image: dict[str, Any]
@@ -118,6 +140,7 @@ class BenchResult:
     started_at: str
     modes: dict[str, ModeResult] = field(default_factory=dict)
     floor: Floor | None = None
+    limit: Limit | None = None
     baseline: str = "overlayfs"
 
 
@@ -166,6 +189,9 @@ def to_json(result: BenchResult) -> dict[str, Any]:
         summary["speedup_vs_baseline"] = (base_s / mine if base_s and mine else None)
         if result.floor is not None and mine:
             summary["over_floor"] = mine / result.floor.total_s
+        loading = (summary.get("phases") or {}).get("loading")
+        if result.limit is not None and loading:
+            summary["loading_over_limit"] = loading["median"] / result.limit.seconds
         modes[name] = {
             "status": m.status, "reason": m.reason, "image_ref": m.image_ref,
             "compressed_bytes": m.compressed_bytes,
@@ -177,6 +203,8 @@ def to_json(result: BenchResult) -> dict[str, Any]:
         "link": result.link, "runs_per_mode": result.runs_per_mode, "machine": result.machine,
         "started_at": result.started_at, "baseline": result.baseline, "modes": modes,
         "floor": asdict(result.floor) if result.floor is not None else None,
+        "limit": ({**asdict(result.limit), "seconds": result.limit.seconds}
+                  if result.limit is not None else None),
     }
 
 
@@ -253,6 +281,18 @@ def describe_floor(doc: dict[str, Any]) -> str | None:
                  f"({floor['link_s']:.2f} s)")
     text += f" = {floor['total_s']:.2f} s"
     return text
+
+
+def describe_limit(doc: dict[str, Any]) -> str | None:
+    """One line on the verified-bytes limit (None when it was not measured)."""
+    limit = doc.get("limit")
+    if not limit:
+        return None
+    runs = limit.get("runs_gbps") or []
+    spread = (f" (median of {len(runs)}, {min(runs):.3f}-{max(runs):.3f})"
+              if len(runs) > 1 else "")
+    return (f"verified-bytes limit: {limit['gbps']:.3f} GB/s{spread}, {limit['file']} "
+            f"({limit['bytes'] / 1e9:.2f} GB: {limit['seconds']:.2f} s at that rate)")
 
 
 def median_run(mode: dict[str, Any]) -> dict[str, Any] | None:

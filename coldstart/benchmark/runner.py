@@ -37,11 +37,12 @@ from coldstart.benchmark.node import (
     Traffic,
     Workload,
     cold_start,
+    drop_caches,
     existing_node,
     start_node,
 )
 from coldstart.benchmark.ready import parse_ready
-from coldstart.benchmark.results import BenchResult, Floor, ModeResult, Run
+from coldstart.benchmark.results import BenchResult, Floor, Limit, ModeResult, Run
 from coldstart.benchmark.shaping import Link
 from coldstart.errors import ColdstartError, FailedPrecondition, InvalidArgument, NotFound
 from coldstart.oci.reference import Reference
@@ -98,6 +99,9 @@ class BenchOptions:
     settle: float = SETTLE_S
     heat: int = 0                          # bytes written and freed after each rest (hot)
     floor: bool = True
+    # the verified-bytes limit of the image's checkpoint, once per round (images with a
+    # *.safetensors file, benched in a zstd:chunked mode)
+    limit: bool = True
     prepare_only: bool = False             # build, push and convert; no runs
     estargz_level: int | None = None       # ctr-remote's gzip level (None: its default, 9)
 
@@ -414,20 +418,33 @@ def run_bench(opts: BenchOptions, report: Reporter | None = None) -> BenchResult
         # bytes at the link's rate are the floor's link term)
         floor_ref = (prepared.refs["overlayfs"]
                      if opts.floor and "overlayfs" in prepared.refs and active else None)
-        # the floor's warm starts take a turn in each round (None), alternated with the modes
-        turns: list[ModeSpec | None] = [*active, *([None] if floor_ref else [])]
-        total, done = len(turns) * opts.runs, 0
         insecure = tuple({Reference.parse(r).registry for r in prepared.refs.values()}
                          | ({proxy_host} if proxy_host else set()) | set(opts.insecure))
+        checkpoint = (_checkpoint(opts, active, prepared.refs, proxy_host, insecure, report)
+                      if opts.limit and active else None)
+        # the floor's warm starts (None) and the limit (LIMIT) take a turn in each round,
+        # alternated with the modes
+        turns: list[ModeSpec | str | None] = [*active, *([None] if floor_ref else []),
+                                              *([LIMIT] if checkpoint else [])]
+        total, done = len(turns) * opts.runs, 0
         warm: list[Run] = []
+        rates: list[float] = []
         for i in range(opts.runs):
             order = turns[i % len(turns):] + turns[:i % len(turns)] if turns else []
             for turn in order:
+                if turn == LIMIT:
+                    assert checkpoint is not None
+                    done += 1
+                    rate = _limit_run(opts, checkpoint, i, f"[{done}/{total}]", report)
+                    if rate is not None:
+                        rates.append(rate)
+                    continue
                 if turn is None:
                     assert floor_ref is not None
                     run = _warm_start(opts, floor_ref, workload, i, work / "n", insecure, report)
                     warm.append(run)
                 else:
+                    assert isinstance(turn, ModeSpec)
                     run = _mode_run(opts, turn, _via(prepared.refs[turn.name], proxy_host),
                                     workload, i, work / "n", insecure, stargz_binary, traffic,
                                     report)
@@ -439,7 +456,65 @@ def run_bench(opts: BenchOptions, report: Reporter | None = None) -> BenchResult
                 m.status, m.reason = "failed", m.runs[-1].error
         if floor_ref is not None:
             result.floor = _floor(opts, warm, result, report)
+        if checkpoint is not None and rates:
+            result.limit = Limit(file=checkpoint[2], bytes=checkpoint[3],
+                                 gbps=statistics.median(rates), runs_gbps=rates)
         return result
+
+
+LIMIT = "limit"     # the verified-bytes limit's turn in a round (progress lines say so too)
+#: fetch threads of the limit's measurement (what the FUSE server's pool has: 8 by default)
+LIMIT_THREADS = 8
+
+Checkpoint = tuple[Any, Any, str, int]   # (blob, layer, file name, bytes), limits.largest_weights
+
+
+def _checkpoint(opts: BenchOptions, active: Sequence[ModeSpec], refs: Mapping[str, str],
+                proxy_host: str | None, insecure: tuple[str, ...],
+                report: Reporter) -> Checkpoint | None:
+    """The image's checkpoint (its largest ``*.safetensors`` file) in the zstd:chunked copy
+    the coldstart modes pull, read through the link's proxy as theirs are; None when no such
+    mode runs or the image holds none."""
+    from coldstart.benchmark.limits import largest_weights
+
+    ref = next((refs[s.name] for s in active if s.image_format == "zstd:chunked"
+                and s.name in refs), None)
+    if ref is None:
+        return None
+    client = RegistryClient(insecure_hosts=list(insecure))
+    try:
+        found = largest_weights(client, Reference.parse(_via(ref, proxy_host)))
+    except ColdstartError as exc:
+        client.close()
+        report.stage(f"no verified-bytes limit: {exc}")
+        return None
+    if found is None:
+        client.close()
+        return None
+    blob, layer, name = found
+    size = layer.resolve(name).size
+    report.stage(f"verified-bytes limit: {name} ({size / 1e9:.2f} GB), once per round")
+    return blob, layer, name, size       # (the client lives as long as the bench process)
+
+
+def _limit_run(opts: BenchOptions, checkpoint: Checkpoint, index: int, count: str,
+               report: Reporter) -> float | None:
+    """One measurement of the verified-bytes limit (:func:`~coldstart.benchmark.limits
+    .verified_bytes`), after the page-cache drop and rest every run gets: GB/s, or None when
+    it failed (reported)."""
+    from coldstart.benchmark.limits import image_limit
+
+    blob, layer, name, _ = checkpoint
+    try:
+        drop_caches(opts.settle, opts.heat)
+        n, secs = image_limit((blob, layer, name), LIMIT_THREADS)
+    except (ColdstartError, OSError) as exc:
+        report.stage(f"{count} {LIMIT} run {index + 1} failed: {exc}")
+        return None
+    rate = n / max(secs, 1e-9) / 1e9
+    report.stage(f"{count} {LIMIT} run {index + 1}: {n / 1e9:.2f} GB verified in {secs:.2f} s "
+                 f"({rate:.3f} GB/s)")
+    return rate
 
 
 def _node(opts: BenchOptions, spec: ModeSpec, base: Path, ref: str, insecure: tuple[str, ...],

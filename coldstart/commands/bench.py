@@ -54,7 +54,9 @@ root. The JSON schema is coldstart/benchmark/result_schema.json.
               # our ablations (coldstart+profile-nowarm, -grid, -xattrs) are accepted too but
               # not listed: they are A/B variants for bench/ scripts (see docs/bench.md)
               help="Modes to compare: overlayfs (containerd's full pull: the baseline), "
-                   "coldstart (lazy pull, chunks on demand), stargz (stargz-snapshotter, "
+                   "coldstart (lazy pull, chunks on demand), coldstart+weights (the same, "
+                   "the app loading its weights through coldstart.weights and the node's "
+                   "files socket), stargz (stargz-snapshotter, "
                    "eStargz), stargz-optimized (its ctr-remote optimized image), "
                    "coldstart+profile (the image from coldstart optimize), coldstart+fill "
                    "(the same with the hybrid fill), coldstart+ctr-profile (coldstart on "
@@ -116,6 +118,13 @@ root. The JSON schema is coldstart/benchmark/result_schema.json.
               help="Skip the warm starts that measure the floor (one per round, alternated "
                    "with the modes; each on a fresh node that first pulls the image in full, "
                    "not timed).")
+@click.option("--no-limit", is_flag=True,
+              help="Skip the verified-bytes limit (one per round, alternated with the modes): "
+                   "the image's largest *.safetensors file fetched from the same registry, "
+                   "through the same link, decoded and verified in parallel and dropped: "
+                   "the ceiling each mode's loading phase is put against "
+                   "(loading_over_limit). Measured when the image holds such a file and a "
+                   "zstd:chunked mode runs.")
 @click.option("--estargz-level", type=click.IntRange(1, 9), default=None,
               help="gzip level of the eStargz images ctr-remote makes (default: its own, 9; "
                    "1 converts a multi-GB image several times faster).")
@@ -126,7 +135,7 @@ def bench(ref: str, modes: str, runs: int, ready: str | None, command: str | Non
           env: tuple[str, ...], link: str | None, embedded: bool, address: str | None,
           images: tuple[str, ...], insecure: tuple[str, ...], json_path: Path | None,
           plot_path: Path | None, output: str, cache_dir: Path | None, workdir: Path | None,
-          timeout: float, settle: float, memory: str, no_floor: bool,
+          timeout: float, settle: float, memory: str, no_floor: bool, no_limit: bool,
           estargz_level: int | None,
           prepare_only: bool, quiet: bool) -> None:
     """Measure the cold start of REF to READY, phase by phase, in each mode."""
@@ -136,6 +145,7 @@ def bench(ref: str, modes: str, runs: int, ready: str | None, command: str | Non
     from coldstart.benchmark.ready import parse_ready
     from coldstart.benchmark.results import (
         describe_floor,
+        describe_limit,
         plot_timeline,
         render_table,
         to_json,
@@ -188,7 +198,7 @@ def bench(ref: str, modes: str, runs: int, ready: str | None, command: str | Non
                         images=overrides, insecure=tuple(split_commas(insecure)),
                         timeout=timeout, settle=settle,
                         heat=hot_memory_bytes(HOT_MEMORY_BYTES) if memory == "hot" else 0,
-                        floor=not no_floor, prepare_only=prepare_only,
+                        floor=not no_floor, limit=not no_limit, prepare_only=prepare_only,
                         estargz_level=estargz_level)
     with signals_unwind(), _Progress(quiet, runs * len(mode_list)) as progress:
         result = run_bench(opts, progress)
@@ -207,9 +217,16 @@ def bench(ref: str, modes: str, runs: int, ready: str | None, command: str | Non
         floor = describe_floor(doc)
         if floor:
             click.echo(floor)
+        limit = describe_limit(doc)
+        if limit:
+            click.echo(limit)
         for name, m in doc["modes"].items():
-            if m["summary"].get("over_floor"):
-                click.echo(f"{name}: {m['summary']['over_floor']:.2f}x the floor")
+            said = [f"{m['summary'][k]:.2f}x {what}" for k, what in (
+                ("over_floor", "the floor"),
+                ("loading_over_limit", "its loading phase over the checkpoint at the limit"))
+                if m["summary"].get(k)]
+            if said:
+                click.echo(f"{name}: {'; '.join(said)}")
     if json_path is not None:
         write_json(doc, json_path)
     measured = [n for n, m in doc["modes"].items() if m["summary"].get("ok_runs")]

@@ -189,14 +189,16 @@ class ChunkFetcher:
                     self._small_sets -= 1
                     self._idle.notify_all()
 
-    def wait_small_prefetches(self, until: float) -> None:
+    def wait_small_prefetches(self, until: float,
+                              stop: threading.Event | None = None) -> None:
         """Block (a prefetch's own thread) while small start-up sets are being prefetched on
         the node, until monotonic ``until`` at most: the start-up reads its code and
         libraries first, and on a node short of CPU or link a checkpoint fetched meanwhile
         slows exactly those (the server image, profiled: its imports took 5.0 s beside its
-        weights' prefetch, 2.7 s without a prefetch at all; issue 49)."""
+        weights' prefetch, 2.7 s without a prefetch at all; issue 49). ``stop``: the layer's
+        (unmounted: no more waiting)."""
         with self._lock:
-            while self._small_sets > 0 and not self._closed:
+            while self._small_sets > 0 and not self._closed and not (stop and stop.is_set()):
                 left = until - time.monotonic()
                 if left <= 0:
                     return

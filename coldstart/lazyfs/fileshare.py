@@ -24,18 +24,19 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import hmac
 import json
 import logging
 import mmap
 import os
-import re
 import secrets
+import signal
 import socket
 import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,8 @@ from coldstart.lazyfs.filewire import FileToken
 from coldstart.lazyfs.reader import LayerReader
 from coldstart.unixsock import listen_unix, socket_answers, unlink_own
 
-__all__ = ["IDLE_SECONDS", "MAX_CONNECTIONS", "PER_PEER", "FileShare", "mount_paths",
-           "sees_layer"]
+__all__ = ["IDLE_SECONDS", "MAX_CONNECTIONS", "PER_PEER", "FileShare", "sees_file",
+           "shows_layer"]
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +75,9 @@ _MAX_LINE = 64 << 10
 
 #: finds the layer a token names: digest -> (reader, entry of that slot) or None
 Layers = Callable[[str, int], "tuple[LayerReader, Entry] | None"]
-#: where a layer shows on the node: digest -> its mountpoints (and the FUSE file system's own
-#: directories, which show every layer)
-Places = Callable[[str], Sequence[str]]
+#: how a served layer shows in a mount table: digest -> (the ``major:minor`` device of the FUSE
+#: connection it is served on, the layer's directory there: ``/<key>``), or None
+Shown = Callable[[str], "tuple[str, str] | None"]
 
 
 class FileShare:
@@ -84,15 +85,15 @@ class FileShare:
 
     ``layers(digest, slot)`` looks up a mounted layer's file; :meth:`token` is what the FUSE
     file system answers to ``getxattr(FILE_XATTR)`` (the secret is this process's own: a
-    restarted server issues new tokens, and a loader asks again). ``places(digest)``: where
-    the layer shows; a token is served only to a caller whose own mounts show its layer
-    (:func:`sees_layer`): a token handed to, or stolen by, a process of another container
-    reads nothing."""
+    restarted server issues new tokens, and a loader asks again). ``shown(digest)``: how the
+    layer shows in a mount table; a token is served only to a caller that can see its file
+    itself (:func:`sees_file`): a token handed to, or stolen by, a process of another
+    container reads nothing."""
 
-    def __init__(self, path: str, layers: Layers, *, places: Places) -> None:
+    def __init__(self, path: str, layers: Layers, *, shown: Shown) -> None:
         self.path = path
         self._layers = layers
-        self._places = places
+        self._shown = shown
         self._secret = secrets.token_bytes(32)
         self._sock: socket.socket | None = None
         self._ino: int | None = None
@@ -186,8 +187,8 @@ class FileShare:
     def _serve(self, conn: socket.socket) -> None:
         lines = control.LineBuffer(_MAX_LINE)
         fds: list[int] = []
-        pid = _peer(conn)[1]
-        seen: dict[str, bool] = {}     # layer digest -> whether this caller's mounts show it
+        caller = _Caller.of(conn)
+        seen: dict[str, bool] = {}     # token -> whether this caller sees its file itself
         try:
             conn.settimeout(IDLE_SECONDS)
             while not self._closed.is_set():
@@ -206,7 +207,7 @@ class FileShare:
                 for line in requests:
                     fd = fds.pop(0) if fds else None    # a request's descriptor came with it
                     try:
-                        reply = self._answer(line, fd, pid, seen)
+                        reply = self._answer(line, fd, caller, seen)
                     finally:
                         if fd is not None:
                             os.close(fd)
@@ -219,13 +220,15 @@ class FileShare:
         finally:
             for fd in fds:
                 os.close(fd)
+            caller.close()
             with self._lock:
                 self._conns.pop(conn, None)
             conn.close()
 
-    def _answer(self, line: bytes, fd: int | None, pid: int, seen: dict[str, bool]) -> bytes:
-        """One request's reply (``pid``: the caller's; ``seen``: the connection's answers of
-        :func:`sees_layer` so far)."""
+    def _answer(self, line: bytes, fd: int | None, caller: _Caller,
+                seen: dict[str, bool]) -> bytes:
+        """One request's reply (``seen``: the connection's answers of :func:`sees_file` so
+        far, by token)."""
         try:
             req = json.loads(line)
             if not isinstance(req, dict):
@@ -237,12 +240,14 @@ class FileShare:
                 reader, entry = self._file(req)
             except (FailedPrecondition, NotFound) as exc:   # a token or mount of another time
                 return control.error_reply(exc, **_RETRY)
-            if reader.digest not in seen:
-                seen[reader.digest] = sees_layer(pid, self._places(reader.digest))
-            if not seen[reader.digest]:
+            token = str(req["token"])
+            if token not in seen:
+                seen[token] = caller.sees(self._shown(reader.digest), entry.name, token)
+            if not seen[token]:
                 raise FailedPrecondition(
-                    f"layer {reader.digest} is not mounted where the caller (pid {pid}) is: "
-                    "a file token serves only a process that can see the file's own mount")
+                    f"layer {reader.digest}: {entry.name!r} is not a file the caller (pid "
+                    f"{caller.pid}) can see itself, through a mount of the layer or at that "
+                    "path of its root: a file token serves only such a process")
             if op == filewire.STAT:
                 return control.ok_reply({"size": entry.size, "name": entry.name})
             if fd is None:
@@ -352,7 +357,9 @@ def _first_missing_page(fd: int, at: int, length: int) -> int | None:
     """The offset of the first page of ``[at, at+length)`` the memfd ``fd`` has no page for
     (None: every page is there), by ``mincore`` of a mapping of just that range: its cost
     follows the range, where ``SEEK_HOLE`` walks every page from ``at`` to the first hole
-    (to the end of a memfd filled whole: a load's every request paid for the file)."""
+    (to the end of a memfd filled whole: a load's every request paid for the file). A page
+    ``mincore`` finds missing is asked of ``SEEK_HOLE`` (from there): one swapped out is
+    the caller's all the same."""
     lo = at - at % _PAGE
     size = at + length - lo
     addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, lo)
@@ -365,9 +372,16 @@ def _first_missing_page(fd: int, at: int, length: int) -> int | None:
             err = ctypes.get_errno()
             raise InvalidArgument(f"cannot check the memfd's pages: {os.strerror(err)}")
         i = vec.raw.translate(_LOW_BIT).find(0)    # bit 0: resident; the rest reserved
-        return None if i < 0 else max(at, lo + i * _PAGE)
     finally:
         _libc.munmap(addr, size)
+    if i < 0:
+        return None
+    # not resident: a hole, or a page swapped out (the caller's still: the kernel says so)
+    try:
+        hole = os.lseek(fd, max(at, lo + i * _PAGE), os.SEEK_HOLE)
+    except OSError as exc:
+        raise InvalidArgument(f"cannot check the memfd's pages: {exc}") from exc
+    return hole if hole < at + length else None
 
 
 def _peer(conn: socket.socket) -> tuple[str, int]:
@@ -394,53 +408,99 @@ def _peer(conn: socket.socket) -> tuple[str, int]:
     return f"pid {pid}", pid
 
 
-_ESCAPE = re.compile(r"\\([0-7]{3})")
+#: SO_PEERPIDFD (Linux 6.5): a pidfd of the peer, which outlives a reuse of its pid
+_SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
 
 
-def _unescape(text: str) -> str:
-    """A mountinfo field with its octal escapes (``\\040`` for a space) undone."""
-    return _ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), text)
+class _Caller:
+    """The process at the other end of a connection: its pid (SO_PEERCRED) and, where the
+    kernel gives one, a pidfd taken at accept (SO_PEERPIDFD): what is read of ``/proc/PID``
+    counts only if the pidfd still names a live process afterwards (the pid was not reused)."""
+
+    def __init__(self, pid: int, pidfd: int | None) -> None:
+        self.pid = pid
+        self.pidfd = pidfd
+
+    @classmethod
+    def of(cls, conn: socket.socket) -> _Caller:
+        pid = _peer(conn)[1]
+        try:
+            pidfd: int | None = conn.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
+        except OSError:
+            pidfd = None
+        return cls(pid, pidfd)
+
+    def alive(self) -> bool:
+        """Whether the process the connection came from still runs (without a pidfd: its
+        pid does)."""
+        if self.pidfd is None:
+            return os.path.exists(f"/proc/{self.pid}")
+        try:
+            signal.pidfd_send_signal(self.pidfd, 0)
+        except OSError:
+            return False
+        return True
+
+    def sees(self, shown: tuple[str, str] | None, name: str, token: str) -> bool:
+        """:func:`sees_file` for this caller, counted only if it is still the same process."""
+        if self.pid <= 0:
+            return False
+        ok = sees_file(self.pid, shown, name, token)
+        return ok and self.alive()
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
 
-def mount_paths(mountinfo: str) -> tuple[set[str], set[str]]:
-    """From a ``/proc/PID/mountinfo``: the mount points, and the layer directories of its
-    overlay mounts (``lowerdir``, ``upperdir``; what a container's root is made of)."""
-    points: set[str] = set()
-    layers: set[str] = set()
+def shows_layer(mountinfo: str, shown: tuple[str, str]) -> bool:
+    """Whether a mount table (``/proc/PID/mountinfo``) holds a mount of the FUSE connection
+    that serves a layer (its ``major:minor`` device) whose root is the whole file system or
+    the layer's directory (``/<key>``) or a directory in it: a mount only the node can make."""
+    dev, root = shown
     for line in mountinfo.splitlines():
-        head, sep, tail = line.partition(" - ")
-        fields = head.split(" ")
-        if not sep or len(fields) < 5:
-            continue
-        points.add(_unescape(fields[4]))
-        rest = tail.split(" ")
-        if len(rest) < 3 or rest[0] != "overlay":
-            continue
-        for option in rest[2].split(","):
-            key, _, value = option.partition("=")
-            if key in ("lowerdir", "upperdir", "lowerdir+", "datadir+"):
-                # layers are separated by ':' (data-only ones by '::'); overlayfs writes a
-                # ':' inside a path as '\\:'
-                for part in re.split(r"(?<!\\):", _unescape(value)):
-                    if part:
-                        layers.add(part.replace("\\:", ":"))
-    return points, layers
+        fields = line.split(" ")
+        if len(fields) > 4 and fields[2] == dev and (
+                fields[3] in ("/", root) or fields[3].startswith(root + "/")):
+            return True
+    return False
 
 
-def sees_layer(pid: int, places: Sequence[str]) -> bool:
-    """Whether process ``pid``'s own mounts show a layer that shows at ``places`` (its
-    mountpoints, and the FUSE file system's directories): one of them is a mount point in its
-    mount namespace, or a layer of one of its overlay mounts is one of them or lies below
-    one. False when the process's mounts cannot be read (it is gone)."""
-    if pid <= 0 or not places:
+def sees_file(pid: int, shown: tuple[str, str] | None, name: str, token: str) -> bool:
+    """Whether process ``pid`` can see the layer's file ``name`` (whose token is ``token``)
+    itself: its mount namespace holds a mount of the layer (:func:`shows_layer`: the node's
+    own processes), or its root holds, at ``name``, that very file (a container whose root is
+    the image's overlay): reached without following a symlink, its ``FILE_XATTR`` attribute
+    is ``token`` (the FUSE file system answers it, through the container's overlay, only for
+    that file of that layer). A path in the caller's root is the caller's to make, a mount
+    table's paths too (a volume at a node's path, an overlay naming one): neither counts,
+    only the device and what the file system itself answers. False when nothing can be read
+    (the process is gone)."""
+    if shown is not None:
+        try:
+            with open(f"/proc/{pid}/mountinfo") as f:
+                if shows_layer(f.read(), shown):
+                    return True
+        except OSError:
+            return False
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if not parts or ".." in parts:
         return False
     try:
-        with open(f"/proc/{pid}/mountinfo") as f:
-            points, layers = mount_paths(f.read())
+        fd = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY)
     except OSError:
         return False
-    wanted = {p.rstrip("/") or "/" for p in places}
-    if points & wanted:
-        return True
-    return any(d.rstrip("/") in wanted or any(d.startswith(w + "/") for w in wanted)
-               for d in layers)
+    try:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            flags = os.O_PATH | os.O_NOFOLLOW | (0 if last else os.O_DIRECTORY)
+            nxt = os.open(part, flags, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        got = os.getxattr(f"/proc/self/fd/{fd}", filewire.FILE_XATTR)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return hmac.compare_digest(got, token.encode())

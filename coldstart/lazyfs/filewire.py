@@ -13,9 +13,10 @@ copy-up of a file the container changes) do not carry it. The kernel lets a proc
 overlayfs, checked with the caller's credentials on the container's own inode), so a token
 proves that its holder can read that file of its own image, and the socket serves nothing else:
 a container reaches the bytes of files it can already read, at the speed of the node, and no
-other layer's. A token is served only to a caller whose own mounts show its layer (the server
-checks the caller's mount table: :func:`~coldstart.lazyfs.fileshare.sees_layer`), so one passed
-to a process of another container is worth nothing there.
+other layer's. A token is served only to a caller that can see its file itself (a mount of the
+layer's FUSE connection in its mount table, or the file at the same path of its root:
+:func:`~coldstart.lazyfs.fileshare.sees_file`), so one passed to a process of another container
+is worth nothing there.
 
 One JSON object per line, as on the control socket (:mod:`coldstart.lazyfs.control`: framing,
 replies and error payloads are that module's); every request names its file by token, so a

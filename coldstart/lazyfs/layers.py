@@ -123,18 +123,18 @@ class LayerTable:
         self._page_cache = page_cache  # prefetched chunks go to the kernel's page cache
         self._stopped: dict[str, AccessRecorder] = {}   # layer key -> a stopped recording
 
-    def places(self, digest: str) -> tuple[str, ...]:
-        """Where layer ``digest`` shows: its mountpoints and the FUSE file system's own
-        directories (whoever sees those sees every layer). Safe from any thread: the table
-        may change meanwhile (then it is read again)."""
-        roots = tuple(str(d) for d in (self.fuse_dir, self.plain_dir) if d is not None)
-        for _ in range(8):
-            try:
-                layer = self.layers.get(digest)
-                return (*(sorted(layer.mountpoints) if layer else ()), *roots)
-            except RuntimeError:        # changed size while being copied
-                continue
-        return roots
+    def shown_as(self, digest: str) -> tuple[str, str] | None:
+        """How layer ``digest`` shows in a mount table: the ``major:minor`` device of the
+        FUSE connection it is served on and its directory there (``/<key>``, the root of its
+        binds); None when it is not served. Safe from any thread."""
+        layer = self.layers.get(digest)
+        if layer is None:
+            return None
+        try:
+            dev = os.stat(self.dir_of(layer.tree).parent).st_dev
+        except OSError:
+            return None
+        return f"{os.major(dev)}:{os.minor(dev)}", "/" + layer.key
 
     def _lock(self, mountpoint: str) -> trio.Lock:
         lock = self._locks.get(mountpoint)

@@ -148,7 +148,7 @@ class Prefetcher:
             if stop.is_set():
                 break
             if big:     # the start-up's code and libraries first
-                self.fetcher.wait_small_prefetches(until)
+                self.fetcher.wait_small_prefetches(until, stop)
             # half the pool at most, node-wide: reads of files outside the set find threads
             self.fetcher.wait_prefetch_room(room, self.read_deadline)
             try:

@@ -155,7 +155,7 @@ class FuseServer:
         if not path:
             return None
         share = FileShare(os.path.abspath(path), self.fs.file_at,
-                          places=lambda digest: self.layers.places(digest))
+                          shown=lambda digest: self.layers.shown_as(digest))
         self.fs.file_token = share.token
         return share
 

@@ -270,46 +270,61 @@ def test_a_mapped_file_walked_in_order_by_page_faults_is_fetched_ahead_in_parall
                                 f"walked-{advice}", chunk_size=chunk)
     layer = open_layer(BytesReadAt(blob), annotations=ann)
     chunks = [c for c in layer.resolve("walk.safetensors").chunks if not c.zeros]
-    before = len(proxy.blob_gets())
+    before = len(proxy.requests)
     proxy.max_in_flight = 0
     # in a process of its own: a page fault holds the GIL, and the proxy is a thread of ours
     walked = subprocess.run([sys.executable, "-c", _WALK, str(mp / "walk.safetensors"), advice],
                             capture_output=True, text=True, timeout=120, check=True)
     assert walked.stdout.strip() == hashlib.sha256(data).hexdigest()
-    gets = proxy.blob_gets()[before:]
+    digest = "sha256:" + hashlib.sha256(blob).hexdigest()
+    gets = [r for m, path, r in proxy.requests[before:] if m == "GET" and digest in path]
     # every chunk came, in requests of several chunks each (the faults read 4 KiB to 128 KiB)
     assert 0 < len(gets) <= len(chunks) // 2, (len(gets), len(chunks))
     assert proxy.max_in_flight >= 2                    # fetched ahead, in parallel
 
 
 # Run in a mount namespace of its own: unmount every mount below ROOT (the layer's mountpoint,
-# the FUSE file system's own directories), optionally first mount an overlay whose lower layer
-# is the layer's mountpoint (what a container's root is), then ask the files socket with a
-# token read by the parent. Prints "served", or the error.
+# the FUSE file system's own directories), then, by HOW: "gone" nothing more; "forged" a
+# tmpfs at each of those paths again, holding a file of the layer's file's name (what any
+# container can do with a volume); "container" an overlay whose lower layer is the layer's
+# mountpoint (mounted before the unmounting, as a container's root is), chrooted into. Then
+# ask the files socket with a token the parent read. Prints "served", or the error.
 _ELSEWHERE = """
-import ctypes, json, os, sys
+import ctypes, os, socket, sys
 from coldstart.lazyfs import control, filewire
-root, mp, token, sock, overlay = sys.argv[1:6]
+root, mp, name, token, sock, how, work = sys.argv[1:8]
 libc = ctypes.CDLL(None, use_errno=True)
-if overlay:
-    os.makedirs(overlay + "/empty"); os.makedirs(overlay + "/merged")
-    opts = f"lowerdir={mp}:{overlay}/empty".encode()
-    assert libc.mount(b"overlay", (overlay + "/merged").encode(), b"overlay", 0, opts) == 0, \\
+
+def mount(src, target, fstype, opts):
+    assert libc.mount(src.encode(), target.encode(), fstype.encode(), 0, opts.encode()) == 0, \\
         os.strerror(ctypes.get_errno())
+
+if how == "container":
+    os.makedirs(work + "/empty"); os.makedirs(work + "/merged")
+    mount("overlay", work + "/merged", "overlay", f"lowerdir={mp}:{work}/empty")
 points = [line.split(" ")[4] for line in open("/proc/self/mountinfo")]
-for point in sorted(points, key=len, reverse=True):
-    if point.startswith(root + "/") and not (overlay and point.startswith(overlay)):
-        libc.umount2(point.encode(), 2)         # MNT_DETACH
+gone = [p for p in points if p.startswith(root + "/") and not p.startswith(work)]
+for point in sorted(gone, key=len, reverse=True):
+    libc.umount2(point.encode(), 2)         # MNT_DETACH
 left = [line.split(" ")[4] for line in open("/proc/self/mountinfo")]
-assert not [p for p in left if p.startswith(root + "/") and not p.startswith(overlay or "//")]
-import socket
-with socket.socket(socket.AF_UNIX) as s:
-    s.settimeout(30)
-    s.connect(sock)
-    s.sendall(control.encode(filewire.stat_request(token)))
-    buf = b""
-    while b"\\n" not in buf:
-        buf += s.recv(4096)
+assert not [p for p in left if p.startswith(root + "/") and not p.startswith(work)]
+if how == "forged":
+    for point in sorted(set(gone), key=len):
+        mount("tmpfs", point, "tmpfs", "size=1m")
+    os.makedirs(os.path.dirname(os.path.join(mp, name)), exist_ok=True)
+    with open(os.path.join(mp, name), "w") as f:
+        f.write("not the layer's")
+s = socket.socket(socket.AF_UNIX)
+s.settimeout(30)
+s.connect(sock)
+if how == "container":
+    os.chroot(work + "/merged")
+    os.chdir("/")
+    assert os.path.exists("/" + name)
+s.sendall(control.encode(filewire.stat_request(token)))
+buf = b""
+while b"\\n" not in buf:
+    buf += s.recv(4096)
 try:
     control.decode_reply(buf.partition(b"\\n")[0])
     print("served")
@@ -318,30 +333,33 @@ except Exception as exc:
 """
 
 
-def test_a_token_serves_only_a_caller_whose_mounts_show_its_layer(
+def test_a_token_serves_only_a_caller_that_can_see_its_file_itself(
         server: Server, proxy: Proxy, socket_env: str, tmp_path: Path) -> None:
-    """A token is a bearer credential: one handed to (or stolen by) a process whose own mount
-    namespace does not show the layer (another container) reads nothing; a container whose
-    root is an overlay over the layer's mountpoint is served."""
+    """A token is a bearer credential: one handed to (or stolen by) a process that cannot
+    see the file itself (another container) reads nothing, even one that names the node's
+    paths in its own mounts; a container whose root is an overlay over the layer (the file
+    at the same path in its root) is served."""
     rng = random.Random(9)
-    mp, _, _ = mount_files(server, proxy, {"w.safetensors": rng.randbytes(70_000)},
+    mp, _, _ = mount_files(server, proxy, {"m/w.safetensors": rng.randbytes(70_000)},
                            "zstd:chunked", "elsewhere")
-    token = os.getxattr(mp / "w.safetensors", FILE_XATTR).decode()
+    token = os.getxattr(mp / "m/w.safetensors", FILE_XATTR).decode()
     root = str(server[2])
 
-    def ask(overlay: str) -> str:
+    def ask(how: str) -> str:
         out = subprocess.run(
             ["unshare", "--mount", "--propagation", "private", sys.executable, "-c",
-             _ELSEWHERE, root, str(mp), token, socket_env, overlay],
+             _ELSEWHERE, root, str(mp), "m/w.safetensors", token, socket_env, how,
+             str(tmp_path / how)],
             capture_output=True, text=True, timeout=120, check=False)
         assert out.returncode == 0, out.stderr
         return out.stdout.strip()
 
-    assert _stat(socket_env, token) == {"size": 70_000, "name": "w.safetensors"}  # here: yes
-    refused = ask("")
-    assert refused.startswith("FailedPrecondition") and "not mounted where the caller" \
-        in refused, refused
-    assert ask(str(tmp_path / "ovl")) == "served"       # a container's root over the layer
+    assert _stat(socket_env, token) == {"size": 70_000, "name": "m/w.safetensors"}  # here
+    for how in ("gone", "forged"):
+        refused = ask(how)
+        assert refused.startswith("FailedPrecondition") and "can see itself" in refused, \
+            (how, refused)
+    assert ask("container") == "served"
 
 
 def memfd(size: int, *, faulted: bool = True, sealed: bool = True) -> int:

@@ -68,3 +68,42 @@ def test_a_flipped_byte_fails_the_limit(tmp_path: Path) -> None:
             limits.verified_bytes(cast(Any, layer.blob), layer, NAME, 2, into=fd)
     finally:
         os.close(fd)
+
+
+class _Resolved:
+    def __init__(self, layers: list[Any]) -> None:
+        self.manifest = type("M", (), {"layers": layers})()
+
+
+def test_the_checkpoint_is_the_largest_safetensors_file_of_the_seekable_layers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``coldstart bench`` measures its limit on: only the layers' TOCs are read; a layer
+    that is not seekable (plain gzip) is passed over."""
+    from coldstart.format.layer import SeekableLayer
+
+    small, big = _data()[:100_000], _data()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        add(tf, "model/", type=tarfile.DIRTYPE)
+        add(tf, "model/a.safetensors", small)
+        add(tf, "model/b.safetensors", big)
+        add(tf, "model/c.bin", big + big)
+    seekable = convert(buf.getvalue(), "zstd:chunked", chunk_size=256 << 10)
+    other = convert(_tar(big), "zstd:chunked", chunk_size=256 << 10)
+    opened = {"sha256:s": seekable.layer, "sha256:o": other.layer}
+
+    def fake_open(blob: Any, annotations: Any = None) -> SeekableLayer:
+        if blob.digest not in opened:
+            raise ColdstartError("not a seekable layer")
+        return opened[blob.digest]
+
+    monkeypatch.setattr("coldstart.format.layer.open_layer", fake_open)
+    descs = [type("D", (), {"digest": d, "size": 1, "annotations": {}})()
+             for d in ("sha256:plain", "sha256:s", "sha256:o")]
+    client = type("C", (), {"resolve": lambda self, ref: _Resolved(descs)})()
+    found = limits.largest_weights(client, "ref")
+    assert found is not None
+    blob, layer, name = found
+    assert (name, layer, blob.digest) == ("model/b.safetensors", seekable.layer, "sha256:s")
+    monkeypatch.setattr(limits, "WEIGHTS_SUFFIX", ".none")
+    assert limits.largest_weights(client, "ref") is None

@@ -12,10 +12,12 @@ from coldstart.benchmark.results import (
     SCHEMA_PATH,
     BenchResult,
     Floor,
+    Limit,
     ModeResult,
     Phase,
     Run,
     describe_floor,
+    describe_limit,
     plot_timeline,
     render_table,
     to_json,
@@ -97,3 +99,23 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     out = tmp_path / "t.png"
     plot_timeline(to_json(_result()), out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_limit_puts_each_loading_phase_against_the_checkpoint_at_its_rate() -> None:
+    res = _result()
+    for m in ("overlayfs", "coldstart"):
+        for r in res.modes[m].ok_runs():
+            end = r.phases[-1].end_s
+            r.phases.append(Phase("loading", end, end + 4.0))
+            r.ready_s = end + 4.0
+    assert describe_limit(to_json(res)) is None
+    res.limit = Limit(file="model/model.safetensors", bytes=2_000_000_000, gbps=0.5,
+                      runs_gbps=[0.4, 0.5, 0.6])
+    doc = to_json(res)
+    jsonschema.validate(doc, json.loads(SCHEMA_PATH.read_text()))
+    assert doc["limit"]["seconds"] == pytest.approx(4.0)
+    assert doc["modes"]["coldstart"]["summary"]["loading_over_limit"] == pytest.approx(1.0)
+    assert "loading_over_limit" not in doc["modes"]["stargz"]["summary"]
+    assert describe_limit(doc) == ("verified-bytes limit: 0.500 GB/s (median of 3, "
+                                   "0.400-0.600), model/model.safetensors (2.00 GB: 4.00 s "
+                                   "at that rate)")
