@@ -471,12 +471,13 @@ def sees_file(pid: int, shown: tuple[str, str] | None, name: str, token: str) ->
     """Whether process ``pid`` can see the layer's file ``name`` (whose token is ``token``)
     itself: its mount namespace holds a mount of the layer (:func:`shows_layer`: the node's
     own processes), or its root holds, at ``name``, that very file (a container whose root is
-    the image's overlay): reached without following a symlink, its ``FILE_XATTR`` attribute
+    the image's overlay): reached without following a symlink, its ``NODE_XATTR`` attribute
     is ``token`` (the FUSE file system answers it, through the container's overlay, only for
-    that file of that layer). A path in the caller's root is the caller's to make, a mount
-    table's paths too (a volume at a node's path, an overlay naming one): neither counts,
-    only the device and what the file system itself answers. False when nothing can be read
-    (the process is gone)."""
+    that file of that layer; a ``trusted.*`` attribute, which a container cannot set on a
+    file of its own as it can a ``user.*`` one). A path in the caller's root is the caller's
+    to make, a mount table's paths too (a volume at a node's path, an overlay naming one):
+    neither counts, only the device and what the file system itself answers. False when
+    nothing can be read (the process is gone)."""
     if shown is not None:
         try:
             with open(f"/proc/{pid}/mountinfo") as f:
@@ -498,7 +499,7 @@ def sees_file(pid: int, shown: tuple[str, str] | None, name: str, token: str) ->
             nxt = os.open(part, flags, dir_fd=fd)
             os.close(fd)
             fd = nxt
-        got = os.getxattr(f"/proc/self/fd/{fd}", filewire.FILE_XATTR)
+        got = os.getxattr(f"/proc/self/fd/{fd}", filewire.NODE_XATTR)
     except OSError:
         return False
     finally:

@@ -54,6 +54,7 @@ __all__ = [
     "DEFAULT_SOCKET",
     "FILE_XATTR",
     "MAX_READ",
+    "NODE_XATTR",
     "READ",
     "RETRY",
     "SEALS",
@@ -68,6 +69,10 @@ __all__ = [
 
 #: the attribute a lazily mounted regular file answers with its token (never listed)
 FILE_XATTR = "user.coldstart.file"
+#: the same token under a name only a process with CAP_SYS_ADMIN may read or set (never
+#: listed): what the node itself asks through a container's root, where a ``user.*`` attribute
+#: of that name could be the container's own (set on a file of its own)
+NODE_XATTR = "trusted.coldstart.file"
 #: the files loaders read through the socket (:mod:`coldstart.weights` reads safetensors): a
 #: layer holding one is served on the FUSE connection that answers extended attributes (the
 #: others answer none: see :mod:`coldstart.lazyfs.fusefs`), so only their files have a token

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from coldstart.errors import ColdstartError, FailedPrecondition
 from coldstart.format.toc import Entry
-from coldstart.lazyfs.filewire import FILE_XATTR
+from coldstart.lazyfs.filewire import FILE_XATTR, NODE_XATTR
 from coldstart.lazyfs.fusewire import (
     ENOATTR,
     ROOT_INODE,
@@ -71,6 +71,7 @@ _TYPE_BITS = {
     "fifo": stat.S_IFIFO,
 }
 _FILE_XATTR = FILE_XATTR.encode()
+_TOKEN_XATTRS = (_FILE_XATTR, NODE_XATTR.encode())
 #: Top-level (per layer) names come and go; the kernel re-checks them after this long.
 _TOP_ENTRY_TIMEOUT = 1.0
 _BLKSIZE = 128 << 10
@@ -357,7 +358,7 @@ class FuseFS:
         if inode == ROOT_INODE:
             raise FuseError(ENOATTR)
         tree = self._tree(inode)
-        if name == _FILE_XATTR and self.file_token is not None:
+        if name in _TOKEN_XATTRS and self.file_token is not None:
             slot = inode - tree.base
             e = tree.entry(slot)
             if e.type == "reg":     # never listed: see coldstart.lazyfs.filewire

@@ -34,7 +34,7 @@ from coldstart.format.toc import (
     Entry,
     Stat,
 )
-from coldstart.lazyfs.filewire import FILE_XATTR, TOKEN_SUFFIXES
+from coldstart.lazyfs.filewire import FILE_XATTR, NODE_XATTR, TOKEN_SUFFIXES
 from coldstart.lazyfs.fusewire import ROOT_INODE, Attr
 from coldstart.lazyfs.reader import LayerReader
 
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 _WHITEOUT = WHITEOUT_PREFIX
 _OPAQUE = OPAQUE_WHITEOUT
 _OPAQUE_XATTR = b"trusted.overlay.opaque"
-_FILE_XATTR = FILE_XATTR.encode()
+_TOKEN_XATTRS = (FILE_XATTR.encode(), NODE_XATTR.encode())
 _HIDDEN = {PREFETCH_LANDMARK, NO_PREFETCH_LANDMARK}
 #: What a layer keeps of the answers it worked out (attributes, directory children and
 #: listings, xattrs): this many items each, then it starts again. The kernel caches what it
@@ -304,10 +304,10 @@ class LayerTree:
         if got is None:
             slot = inode - self.base
             e = self.entry(slot)
-            # a layer's own attribute of the token's name is never shown: copies (overlayfs'
+            # a layer's own attribute of a token's name is never shown: copies (overlayfs'
             # copy-up) would carry it, and the token is ours alone to answer
             got = {k: v for k, v in ((os.fsencode(k), v) for k, v in e.xattrs.items())
-                   if k != _FILE_XATTR}
+                   if k not in _TOKEN_XATTRS}
             if self._type(slot) == "dir" and self._shown_name(slot) in self._opaque:
                 got[_OPAQUE_XATTR] = b"y"
             self.remember(self._xattrs, inode, got)

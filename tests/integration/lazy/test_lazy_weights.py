@@ -286,8 +286,10 @@ def test_a_mapped_file_walked_in_order_by_page_faults_is_fetched_ahead_in_parall
 # Run in a mount namespace of its own: unmount every mount below ROOT (the layer's mountpoint,
 # the FUSE file system's own directories), then, by HOW: "gone" nothing more; "forged" a
 # tmpfs at each of those paths again, holding a file of the layer's file's name (what any
-# container can do with a volume); "container" an overlay whose lower layer is the layer's
-# mountpoint (mounted before the unmounting, as a container's root is), chrooted into. Then
+# container can do with a volume); "impostor" a root of its own (a tmpfs, chrooted into) whose
+# file at that path carries the token as its user.* attribute; "container" an overlay whose
+# lower layer is the layer's mountpoint (mounted before the unmounting, as a container's root
+# is), chrooted into. Then
 # ask the files socket with a token the parent read. Prints "served", or the error.
 _ELSEWHERE = """
 import ctypes, os, socket, sys
@@ -314,11 +316,19 @@ if how == "forged":
     os.makedirs(os.path.dirname(os.path.join(mp, name)), exist_ok=True)
     with open(os.path.join(mp, name), "w") as f:
         f.write("not the layer's")
+if how == "impostor":
+    # a root of its own whose file at that path carries the stolen token as its attribute
+    os.makedirs(work + "/fake")
+    mount("tmpfs", work + "/fake", "tmpfs", "size=1m")
+    os.makedirs(os.path.dirname(os.path.join(work, "fake", name)))
+    with open(os.path.join(work, "fake", name), "w") as f:
+        f.write("not the layer's")
+    os.setxattr(os.path.join(work, "fake", name), filewire.FILE_XATTR, token.encode())
 s = socket.socket(socket.AF_UNIX)
 s.settimeout(30)
 s.connect(sock)
-if how == "container":
-    os.chroot(work + "/merged")
+if how in ("container", "impostor"):
+    os.chroot(work + ("/merged" if how == "container" else "/fake"))
     os.chdir("/")
     assert os.path.exists("/" + name)
 s.sendall(control.encode(filewire.stat_request(token)))
@@ -355,7 +365,7 @@ def test_a_token_serves_only_a_caller_that_can_see_its_file_itself(
         return out.stdout.strip()
 
     assert _stat(socket_env, token) == {"size": 70_000, "name": "m/w.safetensors"}  # here
-    for how in ("gone", "forged"):
+    for how in ("gone", "forged", "impostor"):
         refused = ask(how)
         assert refused.startswith("FailedPrecondition") and "can see itself" in refused, \
             (how, refused)
