@@ -54,7 +54,8 @@ __all__ = ["RECIPES", "Recipe"]
 MiB = 1 << 20
 PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 TORCH_COMMAND = ["python3", "-c", "import torch; print(torch.ones(2).sum())"]
-_SERVER_APP = Path(__file__).with_name("server_app.py")
+_SERVER_APP = Path(__file__).resolve().with_name("server_app.py")
+_PACKAGE = _SERVER_APP.parents[1]      # the coldstart package
 
 
 @dataclass(frozen=True)
@@ -143,10 +144,7 @@ WEIGHTS_CLIENT_DISTS = ("msgspec", "PyYAML", "zstandard", "typing_extensions")
 def _weights_client_files() -> list[Path]:
     """The files of this checkout the server images copy in: the model server and every
     source file of the coldstart package (what :func:`weights_client_layer` copies)."""
-    import coldstart
-
-    package = Path(coldstart.__file__).parent
-    return [_SERVER_APP, *sorted(package.rglob("*.py"))]
+    return [_SERVER_APP, *sorted(_PACKAGE.rglob("*.py"))]
 
 
 def _server_fingerprint() -> str:
@@ -155,8 +153,7 @@ def _server_fingerprint() -> str:
 
     h = hashlib.sha256()
     for path in _weights_client_files():
-        h.update(str(path.relative_to(_SERVER_APP.parents[2])).encode() + b"\0"
-                 + path.read_bytes())
+        h.update(str(path.relative_to(_PACKAGE.parent)).encode() + b"\0" + path.read_bytes())
     for dist in WEIGHTS_CLIENT_DISTS:
         h.update(f"{dist}={importlib.metadata.version(dist)}".encode())
     return h.hexdigest()[:16]
@@ -168,11 +165,8 @@ def weights_client_layer(tar: Tar) -> None:
     user who adopts the fast path does with ``pip install coldstart`` in the image."""
     import importlib.metadata
 
-    import coldstart
-
-    package = Path(coldstart.__file__).parent
     for path in _weights_client_files()[1:]:
-        tar.file(f"{PY_SITE}/coldstart/{path.relative_to(package)}", path.read_bytes())
+        tar.file(f"{PY_SITE}/coldstart/{path.relative_to(_PACKAGE)}", path.read_bytes())
     for dist in WEIGHTS_CLIENT_DISTS:
         found = importlib.metadata.distribution(dist)
         for rel in sorted(found.files or [], key=str):
