@@ -22,12 +22,10 @@ the trio loop: every request blocks on fetches and ``pwrite``.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import hmac
 import json
 import logging
-import mmap
 import os
 import secrets
 import signal
@@ -51,6 +49,7 @@ from coldstart.format.toc import Entry
 from coldstart.lazyfs import control, filewire
 from coldstart.lazyfs.filewire import FileToken
 from coldstart.lazyfs.reader import LayerReader
+from coldstart.lazyfs.residency import PAGE, resident
 from coldstart.unixsock import listen_unix, socket_answers, unlink_own
 
 __all__ = ["IDLE_SECONDS", "MAX_CONNECTIONS", "PER_PEER", "FileShare", "sees_file",
@@ -342,17 +341,6 @@ def _check_memory(fd: int, at: int, length: int) -> None:
                               "in before asking: the memory must be the caller's)")
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-_MAP_FAILED = ctypes.c_void_p(-1).value
-_LOW_BIT = bytes(b & 1 for b in range(256))
-
-
 def _first_missing_page(fd: int, at: int, length: int) -> int | None:
     """The offset of the first page of ``[at, at+length)`` the memfd ``fd`` has no page for
     (None: every page is there), by ``mincore`` of a mapping of just that range: its cost
@@ -360,25 +348,16 @@ def _first_missing_page(fd: int, at: int, length: int) -> int | None:
     (to the end of a memfd filled whole: a load's every request paid for the file). A page
     ``mincore`` finds missing is asked of ``SEEK_HOLE`` (from there): one swapped out is
     the caller's all the same."""
-    lo = at - at % _PAGE
-    size = at + length - lo
-    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, lo)
-    if addr in (None, _MAP_FAILED):
-        err = ctypes.get_errno()
-        raise InvalidArgument(f"cannot check the memfd's pages: {os.strerror(err)}")
+    lo = at - at % PAGE
     try:
-        vec = ctypes.create_string_buffer(-(-size // _PAGE))
-        if _libc.mincore(addr, size, vec) != 0:
-            err = ctypes.get_errno()
-            raise InvalidArgument(f"cannot check the memfd's pages: {os.strerror(err)}")
-        i = vec.raw.translate(_LOW_BIT).find(0)    # bit 0: resident; the rest reserved
-    finally:
-        _libc.munmap(addr, size)
+        i = resident(fd, lo, at + length - lo).find(0)
+    except OSError as exc:
+        raise InvalidArgument(f"cannot check the memfd's pages: {exc}") from exc
     if i < 0:
         return None
     # not resident: a hole, or a page swapped out (the caller's still: the kernel says so)
     try:
-        hole = os.lseek(fd, max(at, lo + i * _PAGE), os.SEEK_HOLE)
+        hole = os.lseek(fd, max(at, lo + i * PAGE), os.SEEK_HOLE)
     except OSError as exc:
         raise InvalidArgument(f"cannot check the memfd's pages: {exc}") from exc
     return hole if hole < at + length else None
