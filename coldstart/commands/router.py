@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from coldstart.commands._common import echo_json, output_option
-from coldstart.probe.router import Router
+from coldstart.probe.router import POLICIES, Router
 
 _redis_option = click.option(
     "--redis", "url", default="redis://127.0.0.1:6379/0", show_default=True,
@@ -31,16 +31,20 @@ def router() -> None:
 
 @router.command()
 @click.argument("service")
+@click.option("--policy", type=click.Choice(POLICIES), default="spread", show_default=True,
+              help="spread: the fewest requests in flight, ties at random. pack: the most in "
+                   "flight that still has room, ties by name, so the others stay idle (for "
+                   "targets with a --capacity, e.g. concurrency-1 GPU pods).")
 @_redis_option
 @_timeout_option
 @output_option("service, target")
-def pick(service: str, url: str, timeout: float, output: str) -> None:
-    """Print the least-loaded READY, live, non-quarantined target of SERVICE.
+def pick(service: str, policy: str, url: str, timeout: float, output: str) -> None:
+    """Print a READY, live, non-quarantined target of SERVICE that has room for a request.
 
     Its in-flight count goes up by one; `release` it when the request is over. Exits 3 when no
-    target can take a request.
+    target can take a request. The pick costs the store O(log n) in the service's targets.
     """
-    target = Router.connect(url, service, timeout).pick()
+    target = Router.connect(url, service, timeout, policy=policy).pick()
     if output == "json":
         echo_json({"service": service, "target": target})
         return
@@ -98,7 +102,10 @@ def quarantine(service: str, target: str, base: float, limit: float, url: str,
 @output_option("a list of {target, state, inflight, heartbeat_ms, quarantine_ms, strikes, "
                "status}", json_alias=True)
 def list_(service: str, url: str, timeout: float, output: str) -> None:
-    """Show every target of SERVICE: state, in flight, heartbeat left, quarantine, progress."""
+    """Show every target of SERVICE: state, in flight, heartbeat left, quarantine, progress.
+
+    Read a page of targets per call to the store, so a large service never holds it up.
+    """
     views = Router.connect(url, service, timeout).list()
     if output == "json":
         echo_json([{

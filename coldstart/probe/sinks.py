@@ -1,8 +1,10 @@
 """Sinks: where state changes go. Any combination; each gets every change, in order.
 
-* :class:`RedisSink` (``redis://``, ``rediss://``, ``valkey://``) — one ``FCALL coldstart_update``
-  per change: epoch check, state, ready set, heartbeat and ``PUBLISH`` in one atomic call; plus a
-  heartbeat (``FCALL coldstart_heartbeat``) that keeps the target's TTL alive.
+* :class:`RedisSink` (``redis://``, ``rediss://``, ``valkey://``) — one
+  ``FCALL coldstart_v2_update`` per change: epoch check, state, the pool routers pick from,
+  heartbeat and ``PUBLISH`` in one atomic call; plus a heartbeat (``FCALL
+  coldstart_v2_heartbeat``) that keeps the target's TTL alive. The functions are loaded into the
+  store only when it lacks them (once per store, not once per sink).
 * :class:`WebhookSink` (``http://``, ``https://``) — POST the JSON document, retried with backoff.
 * :class:`KubernetesSink` (``k8s://``) — a pod condition for ``readinessGates``
   (``PATCH pods/<name>/status``), patched only when the condition changes; the service-account
@@ -25,7 +27,15 @@ from typing import Any, Protocol
 
 from coldstart.config import ProbeTimingConfig
 from coldstart.errors import InvalidArgument, Unavailable
-from coldstart.probe.router import LIBRARY, channel, keys
+from coldstart.probe.router import (
+    LIBRARY,
+    LIBRARY_NAME,
+    channel,
+    function,
+    keys,
+    loaded_by_another,
+    missing_library,
+)
 from coldstart.probe.states import State, Status
 
 __all__ = ["KubernetesSink", "RedisSink", "Sink", "WebhookSink", "make_sink"]
@@ -83,32 +93,44 @@ class RedisSink:
         self.capacity = capacity
         self.last: Status | None = None
         self.superseded = False
-        self._loaded = False
 
-    async def _fcall(self, function: str, *args: object) -> Any:
+    async def _fcall(self, name: str, *args: object) -> Any:
+        import redis
+
+        fn = function(name)
+        for attempt in (0, 1):
+            try:
+                return await self.client.fcall(fn, len(self.keys), *self.keys, *args)
+            except redis.ResponseError as exc:
+                if attempt == 0 and missing_library(exc):
+                    await self._load()  # a fresh store, or one that lost its functions
+                    continue
+                raise Unavailable(f"{fn} on {self.name}: {exc}") from exc
+            except (redis.RedisError, OSError) as exc:
+                raise Unavailable(f"{fn} on {self.name}: {exc}") from exc
+        raise AssertionError("unreachable")
+
+    async def _load(self) -> None:
         import redis
 
         try:
-            if not self._loaded:
-                await self.client.function_load(LIBRARY, replace=True)
-                self._loaded = True
-            return await self.client.fcall(function, len(self.keys), *self.keys, *args)
+            await self.client.function_load(LIBRARY)
         except redis.ResponseError as exc:
-            self._loaded = "function not found" not in str(exc).lower()
-            raise Unavailable(f"{function} on {self.name}: {exc}") from exc
-        except (redis.RedisError, OSError) as exc:
-            raise Unavailable(f"{function} on {self.name}: {exc}") from exc
+            if not loaded_by_another(exc):
+                raise
+        else:
+            log.info("%s: loaded the coldstart functions (%s)", self.name, LIBRARY_NAME)
 
     async def start(self) -> None:
         try:
-            await self._fcall("coldstart_list")
+            await self._fcall("list", "0", 1)
         except Unavailable as exc:
             log.warning("redis sink not reachable yet (will retry): %s", exc)
 
     async def publish(self, status: Status) -> None:
         doc = json.dumps(status.to_json(self.target, self.service), separators=(",", ":"))
         applied = await self._fcall(
-            "coldstart_update", self.target, status.epoch, status.state.value, doc,
+            "update", self.target, status.epoch, status.state.value, doc,
             self.ttl_ms, self.channel, self.capacity,
         )
         self.last = status
@@ -121,7 +143,7 @@ class RedisSink:
         if self.last is None:
             return
         answer = int(await self._fcall(
-            "coldstart_heartbeat", self.target, self.last.epoch, self.ttl_ms
+            "heartbeat", self.target, self.last.epoch, self.ttl_ms
         ))
         if answer == -1:
             # the store forgot us (restart without persistence): write the state again

@@ -95,7 +95,7 @@ def test_wrapper_http_start_drift_and_drain(redis_server: str, tmp_path: Path,
     service, target = fresh()
     port = free_port()
     router = Router.connect(redis_server, service)
-    router._call("coldstart_update", "other:1", 1, "READY", "{}", 60_000, channel(service), 0)
+    router._call("update", "other:1", 1, "READY", "{}", 60_000, channel(service), 0)
     watcher = Watcher(redis_server, service)
     marker = tmp_path / "sigterm-saw"
     args = ["--service", service, "--advertise", target, "--sink", redis_server,

@@ -20,7 +20,7 @@ def router(redis_server: str) -> Iterator[Router]:
     r = Router.connect(redis_server, f"svc-{uuid.uuid4().hex[:8]}")
     for target, state in (("a:1", "READY"), ("b:1", "LOADING")):
         doc = json.dumps({"state": state, "progress": 0.5} if state == "LOADING" else {})
-        r._call("coldstart_update", target, 1, state, doc, 60_000, channel(r.service), 0)
+        r._call("update", target, 1, state, doc, 60_000, channel(r.service), 0)
     yield r
     r.client.delete(*r.keys)
 

@@ -30,7 +30,7 @@ def router(redis_server: str) -> Iterator[Router]:
 def put(r: Router, target: str, state: str, epoch: int, *, ttl_ms: int = 10_000,
         capacity: int = 0) -> int:
     doc = json.dumps({"target": target, "state": state, "epoch": epoch})
-    return int(r._call("coldstart_update", target, epoch, state, doc, ttl_ms,
+    return int(r._call("update", target, epoch, state, doc, ttl_ms,
                        channel(r.service), capacity))
 
 
@@ -46,7 +46,7 @@ def test_a_stale_writer_loses(router: Router) -> None:
     assert put(router, "a:1", "DEGRADED", 200) == 0   # same epoch
     [view] = router.list()
     assert view.state == "READY" and view.doc["epoch"] == 200
-    assert router._call("coldstart_heartbeat", "a:1", 100, 5000) == 0  # old writer's heartbeat
+    assert router._call("heartbeat", "a:1", 100, 5000) == 0  # old writer's heartbeat
     assert put(router, "a:1", "DEGRADED", 201) == 1
     assert router.list()[0].state == "DEGRADED"
 
@@ -217,9 +217,9 @@ def test_expired_heartbeat_is_never_picked_until_it_beats_again(router: Router) 
         time.sleep(0.05)
     assert not router.list()[0].alive
     assert {router.pick() for _ in range(5)} == {"b:1"}
-    assert router._call("coldstart_heartbeat", "a:1", 1, 60_000) == 1
+    assert router._call("heartbeat", "a:1", 1, 60_000) == 1
     assert router.pick() == "a:1"
-    assert router._call("coldstart_heartbeat", "zz:1", 1, 1000) == -1  # unknown target
+    assert router._call("heartbeat", "zz:1", 1, 1000) == -1  # unknown target
 
 
 def test_forget_and_list(router: Router) -> None:

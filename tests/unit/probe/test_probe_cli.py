@@ -52,7 +52,7 @@ def test_help_explains_the_command_and_every_option(args: list[str]) -> None:
      "--keep-probing is for the sidecar", 2),
     (["router", "list", "bad{name}"], "bad service name", 2),
     (["router", "pick", "svc", "--redis", "redis://127.0.0.1:1/0", "--timeout", "0.5"],
-     "coldstart_pick", 6),
+     "coldstart_v2_pick", 6),
 ])
 def test_bad_input_is_one_line_and_an_exit_code(args: list[str], message: str, code: int) -> None:
     result = run_cli(*args)
