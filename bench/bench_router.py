@@ -1,28 +1,33 @@
 """The router's store at fleet scale: picks per second, pick latency and the store's CPU per pick
 with 100 to 50,000 READY targets, 64 concurrent pickers and every target's heartbeat on.
 
-Both libraries run in the same run, against the same redis-server, through the same harness:
-``v2`` (this tree's :mod:`coldstart.probe.router`: a pool of pickable targets, O(log n) per pick)
-and ``v1`` (the library before issue 52, kept in ``bench/baselines/router_v1.lua``: every pick
-reads the whole READY set). Per fleet size and library:
+Both libraries run in the same run, against the same redis-server, through the same harness
+and the same client path (``Router``'s): ``v2`` (this tree's :mod:`coldstart.probe.router`: a
+pool of pickable targets, O(log n) per pick) and ``v1`` (the library before issue 52, kept in
+``bench/baselines/router_v1.lua``: every pick reads the whole READY set). Rounds alternate which
+library goes first. Per round, fleet size and library:
 
 1. register N targets READY through the library's ``update`` (pipelined: the store sees what
    N probers' first updates would send);
 2. start the heartbeats: every target's ``heartbeat`` call at the probers' default rate (one per
-   target per second), from one process on pre-encoded commands (so the load generator costs
-   almost nothing; a real fleet sends the same calls over N connections);
+   target per second), from one process on pre-encoded, pipelined commands (so the load
+   generator costs almost nothing; a real fleet sends the same calls over N connections, which
+   adds the store's socket work per call: not measured here);
 3. 64 pickers (threads over ``--procs`` processes, each with its own connection), each looping
    ``Router.pick()`` then ``Router.release()`` through the public API, for ``--seconds``;
    latency is the client's wall time of ``pick()``;
-4. with the heartbeats stopped, the store's own time per call (``INFO commandstats``, usec of
-   FCALL over calls) for 2,000 picks and then 2,000 releases from one client: the server time
-   per pick, free of client and network costs.
+4. with the heartbeats stopped (and every target made alive again), the store's own time per
+   call (``INFO commandstats``: usec of FCALL over calls) for 2,000 picks, then 2,000 releases,
+   pipelined so the store runs them back to back: the time per pick free of client and network.
+
+Before the rounds, 2,000 probers start at once against a store without the library: v2 through
+``RedisSink``, v1 as its sink did (``FUNCTION LOAD REPLACE`` first): seconds, and the loads.
 
 Server CPU per pick under load is the redis-server process's CPU time (utime + stime) over the
-loaded window divided by the picks in it: it includes the releases and the heartbeats, which
+pickers' window divided by the picks in it: it includes the releases and the heartbeats, which
 are part of what a pick costs the store.
 
-    .venv/bin/python bench/bench_router.py                       # ~5 minutes
+    .venv/bin/python bench/bench_router.py                       # ~12 minutes
     .venv/bin/python bench/bench_router.py --sizes 100,10000 --seconds 5 --libraries v2
 """
 
@@ -64,7 +69,7 @@ class RouterV1(Router):
     """The same public API over the v1 library (function names without a version)."""
 
     def _call(self, name: str, *args: object) -> Any:
-        return self.client.fcall(f"coldstart_{name}", len(self.keys), *self.keys, *args)
+        return self._fcall(f"coldstart_{name}", args)  # the same client path as v2's
 
     def pick(self, *, policy: str | None = None, at_ms: int | None = None) -> str:
         target = self._call("pick")
@@ -271,12 +276,14 @@ def measure(url: str, pid: int, library: str, n: int, args: argparse.Namespace) 
              for k in per]
     for p in procs:
         p.start()
+    # the store's CPU over the pickers' own window, [start_at, start_at + seconds]
     time.sleep(max(0.0, start_at - time.time()))
     cpu0, w0 = server_cpu(pid), time.monotonic()
     calls0 = fcall_usec(client)
-    results = [queue.get(timeout=args.seconds + 120) for _ in procs]
+    time.sleep(max(0.0, start_at + args.seconds - time.time()))
     cpu1, w1 = server_cpu(pid), time.monotonic()
     calls1 = fcall_usec(client)
+    results = [queue.get(timeout=120) for _ in procs]
     for p in procs:
         p.join(30)
     stop.set()
@@ -284,7 +291,7 @@ def measure(url: str, pid: int, library: str, n: int, args: argparse.Namespace) 
     hb.join(30)
     lat = [x * 1000 for lats, _ in results for x in lats]
     picks = len(lat)
-    wall = min(w1 - w0, args.seconds)  # the pickers' own window
+    wall = args.seconds  # the pickers' own window (each stops its loop at its end)
     row: dict[str, Any] = {
         "library": library, "pods": n, "pickers": args.pickers, "procs": args.procs,
         "seconds": args.seconds, "picks": picks, "refused": sum(r for _, r in results),

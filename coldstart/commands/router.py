@@ -100,9 +100,11 @@ def quarantine(service: str, target: str, base: float, limit: float, url: str,
 @_redis_option
 @_timeout_option
 @output_option("a list of {target, state, inflight, heartbeat_ms, quarantine_ms, strikes, "
-               "status}", json_alias=True)
+               "pooled, status}", json_alias=True)
 def list_(service: str, url: str, timeout: float, output: str) -> None:
     """Show every target of SERVICE: state, in flight, heartbeat left, quarantine, progress.
+
+    POOL is "yes" for the targets a pick may take now (READY, alive, not quarantined, with room).
 
     Read a page of targets per call to the store, so a large service never holds it up.
     """
@@ -111,10 +113,10 @@ def list_(service: str, url: str, timeout: float, output: str) -> None:
         echo_json([{
             "target": v.target, "state": v.state, "inflight": v.inflight,
             "heartbeat_ms": v.heartbeat_ms, "quarantine_ms": v.quarantine_ms,
-            "strikes": v.strikes, "status": v.doc,
+            "strikes": v.strikes, "pooled": v.pooled, "status": v.doc,
         } for v in views])
         return
-    click.echo(f"{'TARGET':<28} {'STATE':<9} {'INFLIGHT':>8} {'HEARTBEAT':>10} "
+    click.echo(f"{'TARGET':<28} {'STATE':<9} {'POOL':<4} {'INFLIGHT':>8} {'HEARTBEAT':>10} "
                f"{'QUARANTINE':>10}  DETAIL")
     for v in views:
         hb = f"{v.heartbeat_ms / 1000:.1f}s" if v.alive else "expired"
@@ -123,7 +125,8 @@ def list_(service: str, url: str, timeout: float, output: str) -> None:
         if "progress" in v.doc:
             extra = f"{extra} {float(v.doc['progress']) * 100:.0f}%".strip()
         detail = v.doc.get("detail", "")
-        click.echo(f"{v.target:<28} {v.state:<9} {v.inflight:>8} {hb:>10} {q:>10}  "
+        pool = "yes" if v.pooled else "-"
+        click.echo(f"{v.target:<28} {v.state:<9} {pool:<4} {v.inflight:>8} {hb:>10} {q:>10}  "
                    f"{extra} {detail}".rstrip())
 
 

@@ -5,31 +5,36 @@ write, so each change is atomic and every router replica sees the same state. Ke
 share the hash tag ``{service}``, so in a cluster one service lives in one slot and every function
 call names all of its keys::
 
-    coldstart:{svc}:state       hash  target -> STARTING|LOADING|READY|…
-    coldstart:{svc}:epoch       hash  target -> epoch of the last accepted update
-    coldstart:{svc}:doc         hash  target -> JSON status document
-    coldstart:{svc}:pool        zset  targets that may take a request now -> requests in flight
-    coldstart:{svc}:heartbeat   zset  target -> heartbeat deadline (server ms): a TTL per target
-    coldstart:{svc}:quarantine  zset  target -> end of quarantine (server ms)
-    coldstart:{svc}:strikes     hash  target -> consecutive connection failures
-    coldstart:{svc}:inflight    hash  target -> requests in flight
-    coldstart:{svc}:capacity    hash  target -> most requests in flight (absent/0: no limit)
+    coldstart:v2:{svc}:state       hash  target -> STARTING|LOADING|READY|…
+    coldstart:v2:{svc}:epoch       hash  target -> epoch of the last accepted update
+    coldstart:v2:{svc}:doc         hash  target -> JSON status document
+    coldstart:v2:{svc}:pool        zset  targets that may take a request now -> requests in flight
+    coldstart:v2:{svc}:heartbeat   zset  target -> heartbeat deadline (server ms): a TTL per target
+    coldstart:v2:{svc}:quarantine  zset  target -> end of quarantine (server ms)
+    coldstart:v2:{svc}:strikes     hash  target -> consecutive connection failures
+    coldstart:v2:{svc}:inflight    hash  target -> requests in flight
+    coldstart:v2:{svc}:capacity    hash  target -> most requests in flight (absent/0: no limit)
 
 The pool holds only targets that may be picked: READY, heartbeat alive, not quarantined and
 below capacity. Every function keeps it so (a target leaves when it is quarantined, fills up or
 stops being READY, and comes back when it is released, beats again or its quarantine ends), so
-a pick reads a few entries at known ranks: O(log n) however large the fleet. Heartbeats that
-run out and quarantines that end are found by a sweep that each call runs on at most
-``SWEEP`` (8) entries, and a pick checks the target it takes, so a stale entry is never picked.
+a pick reads a few entries at known ranks: O(log n) in the service's targets. Heartbeats run
+out without any call, so they are checked lazily: a pick checks the target it takes (one whose
+heartbeat ran out is dropped, never picked), bounded sweeps of at most 8 entries move the others
+out (``update`` always, one ``pick`` or ``heartbeat`` in 16), and the next heartbeat after one that
+ran out puts its target back. Every ``pick`` also moves quarantines that have ended back in.
 
 Policies (``pick``'s first argument): ``spread`` (default) takes the target with the fewest
 requests in flight and breaks ties at random (uniformly: a random rank among the k least
-loaded), as a load balancer does; ``pack`` takes the one
-with the most in flight that still has room, ties by name, so traffic fills the same targets
-first and the others stay idle (to scale down): it is for targets with a capacity, since a
-target without one always has room and would take every request.
+loaded), as a load balancer does; ``pack`` takes the one with the most in flight that still has
+room, ties by name, so traffic fills the same targets first and the others stay idle (to scale
+down): it is for targets with a capacity, since a target without one always has room and would
+take every request.
 
-Changes are published on ``coldstart:{svc}:changes`` (the JSON document). Deadlines use the
+The version in the key names keeps the state of different releases apart: a prober still on an
+older release writes keys these routers never read, so its target is simply not theirs (rather
+than a DRAINING target left in a pool it cannot see). Changes are published on
+``coldstart:{svc}:changes`` (the JSON document, the same for every release). Deadlines use the
 server's clock (``TIME``), so prober and router clocks never need to agree. ``pick``,
 ``release``, ``quarantine`` and ``list`` take an optional last argument, a server time in ms to
 act at instead of ``TIME``: tests drive time with it rather than sleeping (routers never pass
@@ -80,11 +85,11 @@ LIBRARY = """#!lua name=coldstart_v2
 -- KEYS, always all nine and in this order (one hash tag):
 local STATE, EPOCH, DOC, POOL, HEARTBEAT, QUARANTINE, STRIKES, INFLIGHT, CAPACITY =
   1, 2, 3, 4, 5, 6, 7, 8, 9
--- Invariant: POOL holds exactly the targets that are READY, not quarantined and below their
--- capacity, and whose heartbeat had not run out when they were last seen; scored by requests in
--- flight. Heartbeats run out without any call, so they alone are checked lazily: a pick checks
--- the one it takes, and sweeps move those that ran out (heartbeat set and pool both) in bounded
--- steps of SWEEP.
+-- Invariant: POOL holds every target that is READY, heartbeat alive, not quarantined and below
+-- its capacity, scored by requests in flight, and no target that is not READY, quarantined or
+-- full. Heartbeats run out without any call, so they alone are checked lazily: a pick checks the
+-- one it takes, sweeps move those that ran out (heartbeat set and pool both) in bounded steps of
+-- SWEEP, and a heartbeat that follows one that ran out puts its target back.
 local SWEEP = 8
 -- Of the heartbeats, one in SWEEP_EVERY also sweeps: a fleet's beats keep the pool clean at a
 -- small fraction of their cost.
@@ -193,8 +198,11 @@ local function heartbeat(keys, args)
     return 0
   end
   local now = now_ms()
-  if redis.call('ZADD', keys[HEARTBEAT], now + tonumber(args[3]), target) == 1 then
-    -- it was not in the heartbeat set: its last one had run out; back in the pool if it may be
+  local last = redis.call('ZSCORE', keys[HEARTBEAT], target)
+  redis.call('ZADD', keys[HEARTBEAT], now + tonumber(args[3]), target)
+  if not last or tonumber(last) <= now then
+    -- its last heartbeat had run out (swept or not), so it may have been turned away from the
+    -- pool meanwhile: back in if it may take a request
     place(keys, target, now, inflight(keys, target))
   end
   if math.random(SWEEP_EVERY) == 1 then
@@ -252,9 +260,11 @@ local function pick(keys, args)
       end
       return target
     end
-    -- its heartbeat ran out and no sweep had reached it yet: out until it beats again
+    -- its heartbeat ran out and no sweep had reached it yet: out until it beats again, and
+    -- others that ran out with it (a lost node) with it
     redis.call('ZREM', keys[HEARTBEAT], target)
     redis.call('ZREM', keys[POOL], target)
+    sweep_heartbeats(keys, now)
   end
   return false
 end
@@ -352,10 +362,10 @@ def keys(service: str) -> list[str]:
     """The nine keys of a service, in the order the library's functions expect.
 
     >>> keys("llama")[3]
-    'coldstart:{llama}:pool'
+    'coldstart:v2:{llama}:pool'
     """
     _check_service(service)
-    return [f"coldstart:{{{service}}}:{name}" for name in KEY_NAMES]
+    return [f"coldstart:v2:{{{service}}}:{name}" for name in KEY_NAMES]
 
 
 def channel(service: str) -> str:
@@ -519,6 +529,8 @@ class Router:
         stale is reconnected by the pool before it is handed out. Clients without a plain
         connection pool (cluster, single-connection) take redis-py's own path.
         """
+        import redis
+
         client = self.client
         pool = getattr(client, "connection_pool", None)
         if pool is None or getattr(client, "connection", None) is not None:
@@ -533,6 +545,8 @@ class Router:
         try:
             conn.send_packed_command([packed])
             return conn.read_response()
+        except redis.ResponseError:
+            raise  # an error reply is a whole reply: the connection is still in step
         except BaseException:
             conn.disconnect()  # a reply may still be on its way: this connection is spent
             raise

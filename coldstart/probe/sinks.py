@@ -116,8 +116,14 @@ class RedisSink:
         try:
             await self.client.function_load(LIBRARY)
         except redis.ResponseError as exc:
-            if not loaded_by_another(exc):
-                raise
+            if not loaded_by_another(exc):  # a replica, an ACL without FUNCTION, …
+                raise Unavailable(
+                    f"cannot load the coldstart functions into {self.name}: {exc}"
+                ) from exc
+        except (redis.RedisError, OSError) as exc:
+            raise Unavailable(
+                f"cannot load the coldstart functions into {self.name}: {exc}"
+            ) from exc
         else:
             log.info("%s: loaded the coldstart functions (%s)", self.name, LIBRARY_NAME)
 

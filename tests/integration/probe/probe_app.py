@@ -80,8 +80,10 @@ def main() -> None:
             if args.redis:
                 import redis
 
+                from coldstart.probe.router import keys
+
                 client = redis.Redis.from_url(args.redis, socket_timeout=2)
-                raw = client.hget(f"coldstart:{{{args.service}}}:state", args.target)
+                raw = client.hget(keys(args.service)[0], args.target)
                 seen = raw.decode() if isinstance(raw, bytes) else "absent"
             with open(args.sigterm_file, "w") as f:
                 f.write(seen)

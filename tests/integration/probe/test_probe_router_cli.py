@@ -63,3 +63,14 @@ def test_quarantine_and_forget(redis_server: str, router: Router) -> None:
     out = cli(redis_server, "forget", s, "a:1")
     assert out.returncode == 3 and "is not a target" in out.stderr
     assert [v.target for v in router.list()] == ["b:1"]
+
+
+def test_pick_policy_pack(redis_server: str, router: Router) -> None:
+    s = router.service
+    doc = json.dumps({"state": "READY"})
+    router._call("update", "c:1", 1, "READY", doc, 60_000, channel(s), 2)
+    router._call("update", "a:1", 2, "READY", doc, 60_000, channel(s), 2)  # capacity 2
+    picks = [cli(redis_server, "pick", s, "--policy", "pack").stdout.strip() for _ in range(3)]
+    assert picks == ["a:1", "a:1", "c:1"]  # fills a:1 to its capacity, then the next by name
+    out = cli(redis_server, "pick", s, "--policy", "nope")
+    assert out.returncode == 2 and "nope" in out.stderr
