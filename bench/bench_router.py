@@ -20,6 +20,9 @@ library goes first. Per round, fleet size and library:
    call (``INFO commandstats``: usec of FCALL over calls) for 2,000 picks, then 2,000 releases,
    pipelined so the store runs them back to back: the time per pick free of client and network.
 
+After the rounds, the store's time per call of heartbeat, pick and release, hot: Redis's own
+``redis-benchmark`` sends each pipelined from 16 connections to random targets.
+
 Before the rounds, 2,000 probers start at once against a store without the library: v2 through
 ``RedisSink``, v1 as its sink did (``FUNCTION LOAD REPLACE`` first): seconds, and the loads.
 
@@ -42,6 +45,7 @@ import select
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -370,6 +374,37 @@ def registration(url: str, library: str, n: int) -> dict[str, Any]:
             "load_store_ms": int(stats.get("usec", 0)) / 1000, "registered": registered}
 
 
+def per_call(url: str, library: str, n: int) -> dict[str, float] | None:
+    """The store's time per call of heartbeat, pick and release with n targets, hot: Redis's
+    own ``redis-benchmark`` (C) sends them pipelined from 16 connections, random targets."""
+    bench = shutil.which("redis-benchmark")
+    if bench is None:
+        return None
+    client = redis.Redis.from_url(url, socket_timeout=60, decode_responses=True)
+    service = f"percall-{library}-{n}"
+    k = keys(service)
+    client.delete(*k)
+    for start in range(0, n, 2000):
+        pipe = client.pipeline(transaction=False)
+        for i in range(start, min(n, start + 2000)):
+            pipe.fcall(fn(library, "update"), len(k), *k, f"t:{i:012d}", 1, "READY", "{}",
+                       600_000, channel(service), 0)
+        pipe.execute()
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    out = {}
+    pick = ["spread"] if library == "v2" else []
+    for name, args in (("heartbeat", ["t:__rand_int__", 1, 600_000]), ("pick", pick),
+                       ("release", ["t:__rand_int__", 1])):
+        client.config_resetstat()
+        subprocess.run([bench, "-h", host, "-p", port, "-n", "50000", "-c", "16", "-P", "16",
+                        "-q", "-r", str(n), "FCALL", fn(library, name), str(len(k)), *k,
+                        *map(str, args)], capture_output=True, check=True, timeout=600)
+        out[f"{name}_us"] = float(client.info("commandstats")["cmdstat_fcall"]["usec_per_call"])
+    client.delete(*k)
+    client.close()
+    return out
+
+
 SUMMED = ("picks_per_s", "p50_ms", "p99_ms", "pick_us", "release_us", "server_cpu_us_per_pick",
           "server_busy_percent")
 
@@ -443,6 +478,14 @@ def main() -> None:
                           f"{row['server_busy_percent']:>6.0f} {hb['per_s']:>8.0f}"
                           + ("" if hb["other"] == 0 else f"  ({hb['other']} beats refused)"),
                           flush=True)
+        calls = []
+        for n in sizes:
+            for library in libraries:
+                if library == "v1" and n > args.v1_max:
+                    continue
+                got = per_call(url, library, n)
+                if got is not None:
+                    calls.append({"library": library, "pods": n} | got)
     summary = summarize(rows)
     print(f"\nmedians of {args.rounds} rounds\n{head}")
     for r in summary:
@@ -450,6 +493,11 @@ def main() -> None:
               f"{r['p99_ms']:>7.2f} {r['pick_us']:>8.1f} {r['release_us']:>7.1f} "
               f"{r['server_cpu_us_per_pick']:>11.1f} {r['server_busy_percent']:>6.0f} "
               f"{r['heartbeats_per_s']:>8.0f}")
+    if calls:
+        print("\nthe store's time per call, hot (redis-benchmark, 16 connections, pipelined)")
+        for c in calls:
+            print(f"{c['library']:<4} {c['pods']:>6}: heartbeat {c['heartbeat_us']:.1f} us, "
+                  f"pick {c['pick_us']:.1f} us, release {c['release_us']:.1f} us")
     by = {(r["library"], r["pods"]): r for r in summary}
     print()
     for lib in libraries:
@@ -469,7 +517,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"cpus": os.cpu_count(), "args": vars(args) | {
             "json": str(args.json)}, "summary": summary, "rows": rows,
-            "registration": registrations}, indent=2))
+            "registration": registrations, "per_call": calls}, indent=2))
 
 
 if __name__ == "__main__":

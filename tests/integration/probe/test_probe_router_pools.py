@@ -8,9 +8,7 @@ import json
 import random
 import threading
 import time
-import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +22,6 @@ from coldstart.probe.states import State, Status
 from coldstart.stack.redis import start_redis
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def router(redis_server: str) -> Iterator[Router]:
-    r = Router.connect(redis_server, f"svc-{uuid.uuid4().hex[:8]}")
-    yield r
-    r.client.delete(*r.keys)
-    r.client.close()
 
 
 def put(r: Router, target: str, state: str, epoch: int = 1, *, ttl_ms: int = 60_000,
