@@ -21,8 +21,10 @@ stops being READY, and comes back when it is released, beats again or its quaran
 a pick reads a few entries at known ranks: O(log n) in the service's targets. Heartbeats run
 out without any call, so they are checked lazily: a pick checks the target it takes (one whose
 heartbeat ran out is dropped, never picked), bounded sweeps of at most 8 entries move the others
-out (``update`` always, one ``pick`` or ``heartbeat`` in 16), and the next heartbeat after one that
-ran out puts its target back. Every ``pick`` also moves quarantines that have ended back in.
+out (``update`` always, one ``pick`` or ``heartbeat`` in 16), and each heartbeat of a target that
+is out of the pool puts it back if it may take a request. Each ``pick`` also moves up to 8
+quarantines that have ended back in, and drops up to 256 entries whose heartbeat ran out before
+it reports that no target can take a request.
 
 Policies (``pick``'s first argument): ``spread`` (default) takes the target with the fewest
 requests in flight and breaks ties at random (uniformly: a random rank among the k least
@@ -36,9 +38,9 @@ older release writes keys these routers never read, so its target is simply not 
 than a DRAINING target left in a pool it cannot see). Changes are published on
 ``coldstart:{svc}:changes`` (the JSON document, the same for every release). Deadlines use the
 server's clock (``TIME``), so prober and router clocks never need to agree. ``pick``,
-``release``, ``quarantine`` and ``list`` take an optional last argument, a server time in ms to
-act at instead of ``TIME``: tests drive time with it rather than sleeping (routers never pass
-it). ``list`` returns one page (``HSCAN``), so no call blocks the store for the whole service.
+``quarantine`` and ``list`` take an optional last argument, a server time in ms to act at
+instead of ``TIME``, for tests that drive time (routers never pass it). ``list`` returns one
+page (``HSCAN``), so no call blocks the store for the whole service.
 
 The library is versioned in its name and its functions' names (``coldstart_v2``,
 ``coldstart_v2_pick``, …), so stores shared with older releases keep both; it is loaded once
@@ -89,7 +91,7 @@ local STATE, EPOCH, DOC, POOL, HEARTBEAT, QUARANTINE, STRIKES, INFLIGHT, CAPACIT
 -- its capacity, scored by requests in flight, and no target that is not READY, quarantined or
 -- full. Heartbeats run out without any call, so they alone are checked lazily: a pick checks the
 -- one it takes, sweeps move those that ran out (heartbeat set and pool both) in bounded steps of
--- SWEEP, and a heartbeat that follows one that ran out puts its target back.
+-- SWEEP, and every heartbeat of a target out of the pool checks whether it may be back.
 local SWEEP = 8
 -- Of the heartbeats, one in SWEEP_EVERY also sweeps: a fleet's beats keep the pool clean at a
 -- small fraction of their cost.
@@ -198,11 +200,11 @@ local function heartbeat(keys, args)
     return 0
   end
   local now = now_ms()
-  local last = redis.call('ZSCORE', keys[HEARTBEAT], target)
   redis.call('ZADD', keys[HEARTBEAT], now + tonumber(args[3]), target)
-  if not last or tonumber(last) <= now then
-    -- its last heartbeat had run out (swept or not), so it may have been turned away from the
-    -- pool meanwhile: back in if it may take a request
+  if not redis.call('ZSCORE', keys[POOL], target) then
+    -- out of the pool (full, not READY, quarantined, or turned away while its last heartbeat
+    -- had run out): back in if it may take a request now. Every beat checks, so no path can
+    -- strand a target that may be picked for longer than one heartbeat.
     place(keys, target, now, inflight(keys, target))
   end
   if math.random(SWEEP_EVERY) == 1 then
@@ -269,7 +271,7 @@ local function pick(keys, args)
   return false
 end
 
--- release(target, ok, [at]): one request finished; ok=1 also clears the target's strikes.
+-- release(target, ok): one request finished; ok=1 also clears the target's strikes.
 local function release(keys, args)
   local target = args[1]
   local pooled = redis.call('ZSCORE', keys[POOL], target)
@@ -287,15 +289,18 @@ local function release(keys, args)
   if pooled then
     redis.call('ZADD', keys[POOL], n, target)  -- it may still be picked: only its count changed
   else
-    place(keys, target, now_ms(args[3]), n)  -- it was full, or out: it may be back
+    place(keys, target, now_ms(), n)  -- it was full, or out: it may be back
   end
   return n
 end
 
 -- quarantine(target, base_ms, max_ms, [at]): out of the pool; the backoff doubles with each
--- consecutive strike
+-- consecutive strike. -1: not a target (forgotten, or never known): nothing is written.
 local function quarantine(keys, args)
   local target = args[1]
+  if redis.call('HEXISTS', keys[STATE], target) == 0 then
+    return -1
+  end
   local strikes = redis.call('HINCRBY', keys[STRIKES], target, 1)
   local backoff = math.min(tonumber(args[2]) * 2 ^ (strikes - 1), tonumber(args[3]))
   backoff = math.floor(backoff)
@@ -415,6 +420,11 @@ def load_library(client: Any) -> None:
             raise Unavailable(f"cannot load the coldstart functions into Redis: {exc}") from exc
     except redis.RedisError as exc:
         raise Unavailable(f"cannot load the coldstart functions into Redis: {exc}") from exc
+
+
+def _text(value: object) -> str:
+    """A reply as text, whether or not the client decodes responses."""
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _resp_bulk(value: object) -> bytes:
@@ -565,15 +575,16 @@ class Router:
         target = self._call("pick", chosen, *_at(at_ms))
         if not target:
             raise NotFound(f"no READY target with room in service {self.service!r}")
-        return str(target)
+        return _text(target)
 
-    def release(self, target: str, ok: bool = True, *, at_ms: int | None = None) -> int:
-        """One request to ``target`` is over; returns its in-flight count now.
+    def release(self, target: str, ok: bool = True) -> int:
+        """One request to ``target`` is over; returns its in-flight count now (0 for a target
+        the store does not know any more).
 
         ``ok``: the request reached the target, which clears its strikes (the next quarantine
         starts again from ``base``); a quarantine already running still runs to its end.
         """
-        return int(self._call("release", target, "1" if ok else "0", *_at(at_ms)))
+        return int(self._call("release", target, "1" if ok else "0"))
 
     def quarantine(self, target: str, base: float = 1.0, limit: float = 60.0, *,
                    at_ms: int | None = None) -> float:
@@ -583,13 +594,16 @@ class Router:
         ``limit``). A successful :meth:`release` clears the strikes, so the next quarantine is
         ``base`` again; the quarantine itself ends when its backoff has passed, or sooner when
         the target's prober reports it READY again after another state (a fresh start).
-        The quarantine runs from ``at_ms`` (as :meth:`pick`), by default from now.
+        The quarantine runs from ``at_ms`` (as :meth:`pick`), by default from now. Raises
+        :class:`NotFound` for a target the store does not know (gone, or forgotten).
         """
         if base <= 0 or limit < base:
             raise InvalidArgument("quarantine needs 0 < base <= limit")
-        ms = self._call("quarantine", target, int(base * 1000), int(limit * 1000),
-                        *_at(at_ms))
-        return int(ms) / 1000.0
+        ms = int(self._call("quarantine", target, int(base * 1000), int(limit * 1000),
+                            *_at(at_ms)))
+        if ms < 0:
+            raise NotFound(f"{target} is not a target of {self.service}")
+        return ms / 1000.0
 
     def forget(self, target: str) -> bool:
         """Remove a target entirely (gone for good). True if anything was removed."""
@@ -604,7 +618,8 @@ class Router:
             raise InvalidArgument("a list page holds at least one target")
         cursor, seen = "0", set()
         while True:
-            flat = self._call("list", cursor, page, *_at(at_ms))
+            flat = [_text(x) if isinstance(x, bytes) else x
+                    for x in self._call("list", cursor, page, *_at(at_ms))]
             cursor = str(flat[0])
             for i in range(1, len(flat), 8):
                 target = str(flat[i])

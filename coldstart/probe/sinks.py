@@ -139,8 +139,11 @@ class RedisSink:
             "update", self.target, status.epoch, status.state.value, doc,
             self.ttl_ms, self.channel, self.capacity,
         )
-        self.last = status
-        if int(applied) == 0 and not self.superseded:
+        resent = self.last is not None and status.epoch <= self.last.epoch
+        if self.last is None or status.epoch >= self.last.epoch:
+            self.last = status  # never back to an older state (a resend racing a newer one)
+        if int(applied) == 0 and not resent and not self.superseded:
+            # refused, and not a resend of what this sink already wrote: another writer's
             self.superseded = True
             log.warning("%s: a writer with a newer epoch owns %s; update %s dropped",
                         self.name, self.target, status.epoch)

@@ -8,6 +8,7 @@ import json
 import random
 import threading
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -104,12 +105,22 @@ def test_capacity_is_never_exceeded_by_64_concurrent_pickers(
             r.release(t)
         r.client.close()
 
-    threads = [threading.Thread(target=picker, args=("pack" if i % 2 else "spread",))
+    errors: list[BaseException] = []
+
+    def guarded(policy: str) -> None:
+        try:
+            picker(policy)
+        except BaseException as exc:  # reported below, not lost with the thread
+            errors.append(exc)
+            raise
+
+    threads = [threading.Thread(target=guarded, args=("pack" if i % 2 else "spread",))
                for i in range(64)]
     for th in threads:
         th.start()
     for th in threads:
         th.join(120)
+    assert not errors and not any(th.is_alive() for th in threads), errors[:3]
     assert not over
     assert sum(picks.values()) + refused == 64 * 30
     assert set(picks) == set(capacity)
@@ -165,10 +176,10 @@ def test_a_target_whose_heartbeat_stops_leaves_the_pool_within_its_ttl(
     """No pick needed: the other targets' heartbeats sweep it out once its TTL has run."""
     targets = names(20)
     silent, beating = targets[0], targets[1:]
-    put(router, silent, "READY", ttl_ms=400)
     for t in beating:
         put(router, t, "READY")  # a minute: they cannot run out however slow this machine is
     start = time.monotonic()
+    put(router, silent, "READY", ttl_ms=400)
     while time.monotonic() < start + 10 and silent in pooled(router):
         for t in beating:
             assert router._call("heartbeat", t, 1, 60_000) == 1
@@ -188,9 +199,9 @@ def test_a_heartbeat_after_one_that_ran_out_puts_the_target_back(router: Router)
     """The paths where a target is turned away while its heartbeat has run out but no sweep
     has removed it yet (found in review): its next heartbeat must bring it back."""
     # full, then released after its heartbeat ran out: the release finds it not alive
-    put(router, "full:1", "READY", ttl_ms=200, capacity=1)
+    put(router, "full:1", "READY", ttl_ms=600, capacity=1)
     assert router.pick() == "full:1"
-    time.sleep(0.3)
+    time.sleep(0.8)
     router.release("full:1")
     assert "full:1" not in pooled(router)
     assert router._call("heartbeat", "full:1", 1, 60_000) == 1
@@ -198,9 +209,9 @@ def test_a_heartbeat_after_one_that_ran_out_puts_the_target_back(router: Router)
     assert router.pick() == "full:1"
     router.release("full:1")
     # quarantined, and the quarantine ends while its heartbeat has run out
-    put(router, "q:1", "READY", 2, ttl_ms=200)
+    put(router, "q:1", "READY", 2, ttl_ms=600)
     router.quarantine("q:1", base=0.1, limit=0.1)
-    time.sleep(0.3)
+    time.sleep(0.8)
     assert router.pick() == "full:1"  # the pick moves q:1's ended quarantine, finds it not alive
     assert "q:1" not in pooled(router)
     assert router._call("heartbeat", "q:1", 2, 60_000) == 1
@@ -299,7 +310,8 @@ def test_registering_1000_targets_loads_the_library_once(tmp_path: Path) -> None
 
         async def one(i: int) -> None:
             async with gate:
-                sink = RedisSink(url, "fleet", f"10.1.{i // 250}.{i % 250}:8000")
+                # a TTL that outlives registering 1,000 on the slowest machine
+                sink = RedisSink(url, "fleet", f"10.1.{i // 250}.{i % 250}:8000", ttl=600)
                 try:
                     await sink.publish(Status(State.STARTING, epoch=1))
                     await sink.publish(Status(State.READY, epoch=2))
@@ -322,3 +334,58 @@ def test_registering_1000_targets_loads_the_library_once(tmp_path: Path) -> None
         r = Router(client, "fleet")
         assert len(r.list()) == 1000 and all(v.pooled for v in r.list())
         client.close()
+
+
+def test_quarantine_of_a_target_the_store_does_not_know(router: Router) -> None:
+    """A pod that is gone refuses connections, so routers quarantine targets that were
+    forgotten: that writes nothing (no strikes or deadlines left behind) and says so."""
+    put(router, "a:1", "READY")
+    assert router.forget("a:1")
+    with pytest.raises(NotFound, match="not a target"):
+        router.quarantine("a:1")
+    assert router.release("a:1") == 0
+    assert not any(router.client.exists(k) for k in router.keys)
+
+
+def test_an_error_reply_keeps_the_connection(router: Router) -> None:
+    from coldstart.errors import Unavailable
+
+    put(router, "a:1", "READY")
+    assert router.pick() == "a:1"
+    pool = router.client.connection_pool
+    [conn] = pool._available_connections
+    with pytest.raises(Unavailable):
+        router._call("quarantine", "a:1", "not-a-number", 1000)  # the Lua fails
+    assert pool._available_connections == [conn] and conn._sock is not None
+    assert router.release("a:1") == 0
+
+
+def test_a_store_that_refuses_the_library_is_unavailable_for_the_sink(
+    redis_server: str,
+) -> None:
+    """A user whose ACL forbids FUNCTION LOAD, on a store without the library: the prober
+    is told the sink is unavailable (and retries), it does not crash on a raw Redis error."""
+    from coldstart.errors import Unavailable
+
+    admin = redis.Redis.from_url(redis_server)
+    user, password = f"probe-{uuid.uuid4().hex[:6]}", "secret"
+    admin.acl_setuser(user, enabled=True, passwords=[f"+{password}"], keys=["*"],
+                      channels=["*"], commands=["+@all", "-function|load"])
+    libraries = admin.function_dump()
+    admin.function_flush()
+    host_port = redis_server.split("//")[1]
+    sink = RedisSink(f"redis://{user}:{password}@{host_port}", "svc-acl", "a:1")
+
+    async def go() -> None:
+        try:
+            with pytest.raises(Unavailable, match="cannot load the coldstart functions"):
+                await sink.publish(Status(State.READY, epoch=1))
+        finally:
+            await sink.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        admin.function_restore(libraries, "REPLACE")  # type: ignore[arg-type]  # a dump is bytes
+        admin.acl_deluser(user)
+        admin.close()
