@@ -61,7 +61,14 @@ import redis  # noqa: E402
 
 from coldstart.config import ProbeTimingConfig  # noqa: E402
 from coldstart.errors import NotFound  # noqa: E402
-from coldstart.probe.router import LIBRARY, Router, channel, function, keys  # noqa: E402
+from coldstart.probe.router import (  # noqa: E402
+    LIBRARY,
+    Router,
+    channel,
+    function,
+    keys,
+    resp_head,
+)
 from coldstart.stack.redis import start_redis  # noqa: E402
 
 V1_LIBRARY = (ROOT / "bench" / "baselines" / "router_v1.lua").read_text()
@@ -93,28 +100,20 @@ def fn(library: str, name: str) -> str:
     return f"coldstart_{name}" if library == "v1" else function(name)
 
 
-def resp(*parts: object) -> bytes:
-    """One command in RESP, encoded once."""
-    out = [b"*%d\r\n" % len(parts)]
-    for p in parts:
-        b = str(p).encode()
-        out.append(b"$%d\r\n%s\r\n" % (len(b), b))
-    return b"".join(out)
-
-
 def target_names(n: int) -> list[str]:
     return [f"10.{i // 62500}.{i // 250 % 250}.{i % 250}:8000" for i in range(n)]
 
 
-def register(url: str, library: str, service: str, n: int) -> None:
+def register(url: str, library: str, service: str, names: list[str], ttl_ms: int) -> None:
+    """Every target READY through the library's ``update``, pipelined 2,000 at a time."""
     client = redis.Redis.from_url(url, socket_timeout=60)
     k = keys(service)
-    for start in range(0, n, 2000):
+    for start in range(0, len(names), 2000):
         pipe = client.pipeline(transaction=False)
-        for t in target_names(n)[start:start + 2000]:
+        for t in names[start:start + 2000]:
             doc = json.dumps({"service": service, "target": t, "state": "READY", "epoch": 1})
-            pipe.fcall(fn(library, "update"), len(k), *k, t, 1, "READY", doc,
-                       int(_T.ttl * 1000), channel(service), 0)
+            pipe.fcall(fn(library, "update"), len(k), *k, t, 1, "READY", doc, ttl_ms,
+                       channel(service), 0)
         assert all(int(x) == 1 for x in pipe.execute())
     client.close()
 
@@ -126,8 +125,9 @@ def heartbeat_main(url: str, library: str, service: str, n: int, stop: Any,
     """Every target's heartbeat once per ``_T.heartbeat`` s, spread evenly in 10 ms ticks."""
     host, port = url.split("//")[1].split("/")[0].split(":")
     k = keys(service)
-    commands = [resp("FCALL", fn(library, "heartbeat"), len(k), *k, t, 1, int(_T.ttl * 1000))
-                for t in target_names(n)]
+    call = ("FCALL", fn(library, "heartbeat"), len(k), *k)
+    ttl_ms = int(_T.ttl * 1000)
+    commands = [resp_head(len(call) + 3, *call, t, 1, ttl_ms) for t in target_names(n)]
     sock = socket.create_connection((host, int(port)))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sent, answers = 0, {"ok": 0, "other": 0}
@@ -265,7 +265,7 @@ def measure(url: str, pid: int, library: str, n: int, args: argparse.Namespace) 
     client = redis.Redis.from_url(url, socket_timeout=60, decode_responses=True)
     client.delete(*keys(service))
     t0 = time.monotonic()
-    register(url, library, service, n)
+    register(url, library, service, target_names(n), int(_T.ttl * 1000))
     registered_s = time.monotonic() - t0
     stop, hb_out = ctx.Event(), ctx.Queue()
     hb = ctx.Process(target=heartbeat_main, args=(url, library, service, n, stop, hb_out))
@@ -384,12 +384,8 @@ def per_call(url: str, library: str, n: int) -> dict[str, float] | None:
     service = f"percall-{library}-{n}"
     k = keys(service)
     client.delete(*k)
-    for start in range(0, n, 2000):
-        pipe = client.pipeline(transaction=False)
-        for i in range(start, min(n, start + 2000)):
-            pipe.fcall(fn(library, "update"), len(k), *k, f"t:{i:012d}", 1, "READY", "{}",
-                       600_000, channel(service), 0)
-        pipe.execute()
+    # the names redis-benchmark's -r makes of t:__rand_int__
+    register(url, library, service, [f"t:{i:012d}" for i in range(n)], 600_000)
     host, port = url.split("//")[1].split("/")[0].split(":")
     out = {}
     pick = ["spread"] if library == "v2" else []

@@ -427,18 +427,19 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _resp_bulk(value: object) -> bytes:
+def resp_bulk(value: object) -> bytes:
     raw = value if isinstance(value, bytes) else str(value).encode()
     return b"$%d\r\n%s\r\n" % (len(raw), raw)
 
 
-def _resp_head(count: int, *parts: object) -> bytes:
-    r"""The start of a RESP command of ``count`` parts: its header and its first ``parts``.
+def resp_head(count: int, *parts: object) -> bytes:
+    r"""The start of a RESP command of ``count`` parts: its header and its first ``parts``
+    (all of them when ``count == len(parts)``).
 
-    >>> _resp_head(3, "FCALL", "f") + _resp_bulk(0)
+    >>> resp_head(3, "FCALL", "f") + resp_bulk(0)
     b'*3\r\n$5\r\nFCALL\r\n$1\r\nf\r\n$1\r\n0\r\n'
     """
-    return b"*%d\r\n" % count + b"".join(_resp_bulk(p) for p in parts)
+    return b"*%d\r\n" % count + b"".join(resp_bulk(p) for p in parts)
 
 
 def _at(at_ms: int | None) -> tuple[str, ...]:
@@ -547,10 +548,10 @@ class Router:
             return client.fcall(fn, len(self.keys), *self.keys, *args)
         head = self._heads.get((fn, len(args)))
         if head is None:
-            head = _resp_head(3 + len(self.keys) + len(args), "FCALL", fn, len(self.keys),
+            head = resp_head(3 + len(self.keys) + len(args), "FCALL", fn, len(self.keys),
                               *self.keys)
             self._heads[(fn, len(args))] = head
-        packed = head + b"".join(_resp_bulk(a) for a in args)
+        packed = head + b"".join(resp_bulk(a) for a in args)
         conn = pool.get_connection()
         try:
             conn.send_packed_command([packed])
