@@ -163,10 +163,15 @@ class ChunkFetcher:
         """Block (the caller's own thread, never a pool thread) while ``limit`` prefetch
         requests are queued or running on the node, so that reads always find free threads
         in the pool; gives up waiting after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
+        self._wait_while(lambda: self._prefetching >= max(1, limit),
+                         time.monotonic() + timeout)
+
+    def _wait_while(self, busy: Callable[[], bool], until: float) -> None:
+        """Block while ``busy()`` (called under the lock, at least every 0.5 s) and the
+        fetcher is open, until monotonic ``until`` at most."""
         with self._lock:
-            while self._prefetching >= max(1, limit) and not self._closed:
-                left = deadline - time.monotonic()
+            while busy() and not self._closed:
+                left = until - time.monotonic()
                 if left <= 0:
                     return
                 self._idle.wait(min(left, 0.5))
@@ -197,12 +202,7 @@ class ChunkFetcher:
         slows exactly those (the server image, profiled: its imports took 5.0 s beside its
         weights' prefetch, 2.7 s without a prefetch at all; issue 49). ``stop``: the layer's
         (unmounted: no more waiting)."""
-        with self._lock:
-            while self._small_sets > 0 and not self._closed and not (stop and stop.is_set()):
-                left = until - time.monotonic()
-                if left <= 0:
-                    return
-                self._idle.wait(min(left, 0.5))
+        self._wait_while(lambda: self._small_sets > 0 and not (stop and stop.is_set()), until)
 
     def inflight(self) -> int:
         with self._lock:
