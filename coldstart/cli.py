@@ -35,6 +35,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("coldstart.commands.router", "router"),
     "node": ("coldstart.commands.node", "node"),
     "cri-proxy": ("coldstart.commands.cri_proxy", "cri_proxy"),
+    "warmup": ("coldstart.commands.warmup", "warmup"),
 }
 
 

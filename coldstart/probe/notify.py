@@ -3,7 +3,8 @@
 The wire format is systemd's (``sd_notify(3)``): newline-separated ``KEY=VALUE`` assignments in one
 datagram. We read ``READY=1``, ``STOPPING=1``, ``RELOADING=1`` and ``STATUS=…``, plus two
 variables of our own, prefixed ``X_`` as systemd recommends for extensions: ``X_PHASE=…`` and
-``X_PROGRESS=0.42``. An app that already calls ``sd_notify`` (or systemd's Python bindings) works
+``X_PROGRESS=0.42``; ``coldstart warmup run`` adds ``X_WARMUP=hit|partial|miss`` to the app's
+``READY=1``. An app that already calls ``sd_notify`` (or systemd's Python bindings) works
 unchanged; one that does not needs two lines::
 
     from coldstart.probe import notify
@@ -98,6 +99,7 @@ def parse_notice(data: bytes) -> Notice:
         status=fields.get("STATUS"),
         phase=fields.get("X_PHASE"),
         progress=progress,
+        warmup=fields.get("X_WARMUP") or None,
     )
 
 

@@ -77,6 +77,7 @@ class Notice:
     status: str | None = None
     phase: str | None = None
     progress: float | None = None
+    warmup: str | None = None       # X_WARMUP: hit | partial | miss (coldstart warmup run)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ class Status:
     progress: float | None = None
     detail: str = ""
     since: float = 0.0  # wall-clock seconds of the last state change
+    warmup: str | None = None  # the warm-up cache's verdict, as the app's READY said it
 
     def to_json(self, target: str, service: str) -> dict[str, object]:
         """A JSON-ready dict; the same document goes to Redis, webhooks and ``/status``."""
@@ -127,6 +129,8 @@ class Status:
             doc["progress"] = self.progress
         if self.detail:
             doc["detail"] = self.detail
+        if self.warmup is not None:
+            doc["warmup"] = self.warmup
         return doc
 
 
@@ -170,8 +174,10 @@ class StateMachine:
     def _move(self, state: State, now: float, detail: str = "", **info: object) -> Status | None:
         phase = info.get("phase", self.status.phase)
         progress = info.get("progress", self.status.progress)
+        warmup = info.get("warmup", self.status.warmup)
         if state is self.status.state and phase == self.status.phase and (
             progress == self.status.progress and (not detail or detail == self.status.detail)
+            and warmup == self.status.warmup
         ):
             return None
         since = now if state is not self.status.state else self.status.since
@@ -180,6 +186,7 @@ class StateMachine:
             self.status, state=state, detail=detail or self.status.detail,
             phase=phase if isinstance(phase, str) else None,
             progress=progress if isinstance(progress, float) else None, since=since,
+            warmup=warmup if isinstance(warmup, str) else None,
         )
         if state is not State.LOADING and state is not State.STARTING:
             # progress means "how far loading got"; it is stale once loading is over
@@ -192,6 +199,8 @@ class StateMachine:
             info["phase"] = result.phase
         if result.progress is not None and math.isfinite(result.progress):
             info["progress"] = min(1.0, max(0.0, float(result.progress)))
+        if isinstance(result, Notice) and result.warmup:
+            info["warmup"] = result.warmup
         return info
 
     def on_check(self, result: CheckResult, now: float) -> Status | None:

@@ -1,0 +1,192 @@
+"""Warm-up caches as OCI artifacts that refer to their image.
+
+One artifact per key (hardware class, model version): its config is the key
+(:class:`~coldstart.warmup.keys.WarmupKey`, canonical JSON), its one layer the bundle
+(zstd:chunked), its subject the image manifest, found through the referrers API or the
+``sha256-<hex>`` fallback tag as :mod:`coldstart.oci.referrers` does. The manifest's
+annotations carry the key's digest (so a node picks its artifact from the referrers list
+without fetching the others), where each role's directory was, and how many compiles the
+capturing start did.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from coldstart.cache.chunks import ChunkCache
+from coldstart.errors import ColdstartError, FormatError, IntegrityError
+from coldstart.format.layer import SeekableLayer, open_layer
+from coldstart.oci.manifest import OCI_MANIFEST, canonical_json, digest_of
+from coldstart.oci.reference import Reference
+from coldstart.oci.referrers import find_referrers, push_referrer
+from coldstart.oci.registry import RegistryClient
+from coldstart.remote.registry_blob import open_blob
+from coldstart.warmup.bundle import Packed, ReadFile
+from coldstart.warmup.keys import WarmupKey, differences
+
+__all__ = ["ARTIFACT_TYPE", "Found", "cached_reader", "find", "open_bundle", "push"]
+
+ARTIFACT_TYPE = "application/vnd.coldstart.warmup.v1"
+KEY_MEDIA_TYPE = "application/vnd.coldstart.warmup.key.v1+json"
+A_KEY = "dev.coldstart.warmup.key"
+A_DIRS = "dev.coldstart.warmup.dirs"
+A_COMPILES = "dev.coldstart.warmup.compiles"
+#: at most this many other artifacts' keys are read to say why none matched
+EXPLAIN = 8
+
+
+def push(client: RegistryClient, image: Reference, key: WarmupKey, packed: Packed, blob: Path,
+         *, dirs: Mapping[str, Path], compiles: int) -> str:
+    """Push the bundle ``blob`` (what :func:`~coldstart.warmup.bundle.pack` wrote) as an
+    artifact of ``image`` under ``key``; its digest."""
+    resolved = client.resolve(image)
+    config = key.canonical()
+    client.push_blob(image, config, digest_of(config))
+    client.push_blob(image, blob, packed.layer.digest)
+    manifest = canonical_json({
+        "schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": ARTIFACT_TYPE,
+        "config": {"mediaType": KEY_MEDIA_TYPE, "digest": digest_of(config),
+                   "size": len(config)},
+        "layers": [{"mediaType": packed.layer.media_type, "digest": packed.layer.digest,
+                    "size": packed.layer.size, "annotations": packed.layer.annotations}],
+        "subject": {"mediaType": resolved.media_type, "digest": resolved.digest,
+                    "size": len(resolved.manifest_bytes)},
+        "annotations": {A_KEY: key.digest,
+                        A_DIRS: json.dumps({r: str(p) for r, p in sorted(dirs.items())},
+                                           separators=(",", ":")),
+                        A_COMPILES: str(compiles)},
+    })
+    return push_referrer(client, image, manifest, artifact_type=ARTIFACT_TYPE)
+
+
+@dataclass
+class Found:
+    """The artifact matching a key, or why none does (``digest`` None)."""
+
+    image: str                       # the image manifest's digest
+    digest: str | None = None        # the artifact's
+    layer: dict[str, Any] = field(default_factory=dict)    # its bundle's descriptor
+    dirs: dict[str, str] = field(default_factory=dict)     # role → directory at capture
+    compiles: int | None = None      # compiles the capturing start did
+    reasons: list[str] = field(default_factory=list)       # why no artifact matched
+
+
+def find(client: RegistryClient, image: Reference, key: WarmupKey) -> Found:
+    """The newest artifact of ``image`` whose key is ``key``; else the reasons, per artifact
+    read, that it is not (another torch, another CPU …)."""
+    resolved = client.resolve(image)
+    found = Found(resolved.digest)
+    descs = find_referrers(client, image, resolved.digest, ARTIFACT_TYPE)
+    same = [d for d in descs if (d.get("annotations") or {}).get(A_KEY) == key.digest]
+    if not descs:
+        found.reasons.append(f"no warm-up artifact refers to {resolved.digest}")
+        return found
+    if not same:
+        for d in descs[-EXPLAIN:]:
+            found.reasons.append(_why_not(client, image, d, key))
+        return found
+    desc = same[-1]
+    body, _, digest = client.get_manifest(image.with_digest(desc["digest"]), (OCI_MANIFEST,))
+    doc = _json(body, f"warm-up artifact {digest}")
+    layers = doc.get("layers")
+    if not isinstance(layers, list) or len(layers) != 1 or not isinstance(layers[0], dict):
+        raise FormatError(f"warm-up artifact {digest}: expected one layer")
+    config = doc.get("config") or {}
+    have = WarmupKey.parse(client.get_blob(image, str(config.get("digest")), max_size=1 << 16))
+    if have.digest != key.digest:     # the annotation said so; the config must agree
+        raise IntegrityError(f"warm-up artifact {digest}: annotated key {key.digest} but its "
+                             f"config is key {have.digest}")
+    ann = doc.get("annotations") or {}
+    found.digest, found.layer = digest, layers[0]
+    try:
+        dirs = json.loads(ann.get(A_DIRS, "{}"))
+        found.dirs = {str(k): str(v) for k, v in dirs.items()} if isinstance(dirs, dict) else {}
+        found.compiles = int(ann[A_COMPILES]) if A_COMPILES in ann else None
+    except (ValueError, AttributeError):
+        found.dirs, found.compiles = {}, None
+    return found
+
+
+def _why_not(client: RegistryClient, image: Reference, desc: Mapping[str, Any],
+             key: WarmupKey) -> str:
+    name = str(desc.get("digest", "?"))[:19]
+    try:
+        body, _, _ = client.get_manifest(image.with_digest(str(desc["digest"])), (OCI_MANIFEST,))
+        config = _json(body, f"artifact {name}").get("config") or {}
+        have = WarmupKey.parse(client.get_blob(image, str(config.get("digest")),
+                                               max_size=1 << 16))
+    except ColdstartError as exc:
+        return f"artifact {name}: unreadable key ({exc})"
+    return f"artifact {name}: " + ("; ".join(differences(key, have)) or "same key")
+
+
+def _json(body: bytes, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(body)
+    except ValueError as exc:
+        raise FormatError(f"{what}: not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise FormatError(f"{what}: not a JSON object")
+    return doc
+
+
+def open_bundle(client: RegistryClient, image: Reference, found: Found, *,
+                timeout: float = 60.0) -> SeekableLayer:
+    """The artifact's bundle, opened lazily from the registry (its TOC verified against the
+    layer's annotation)."""
+    desc = found.layer
+    blob = open_blob(client, image, str(desc.get("digest")), int(desc.get("size") or 0) or None,
+                     timeout=timeout)
+    return open_layer(blob, annotations=desc.get("annotations") or {})
+
+
+@dataclass
+class Fetched:
+    chunks_cached: int = 0     # chunks served by the node's chunk cache
+    chunks_fetched: int = 0    # chunks fetched from the registry (verified, then cached)
+
+
+def cached_reader(cache: ChunkCache | None, stats: Fetched) -> ReadFile:
+    """A file reader for :func:`~coldstart.warmup.bundle.unpack` that takes each chunk from
+    ``cache`` when it is there and fetches, verifies and caches the rest (the whole file is
+    verified against its digest either way)."""
+    import hashlib
+
+    def read(layer: SeekableLayer, name: str) -> bytes:
+        entry = layer.resolve(name)
+        if cache is None:
+            stats.chunks_fetched += len(entry.chunks)
+            return layer.read_file(name)
+        chunks = layer.chunks_for(entry, 0, entry.size)
+        parts: list[bytes | None] = [None] * len(chunks)
+        missing = []
+        for i, c in enumerate(chunks):
+            got = cache.get(c.digest, c.chunk_size) if c.digest and not c.zeros else None
+            if got is not None:
+                parts[i] = bytes(got)
+                stats.chunks_cached += 1
+            else:
+                missing.append(i)
+        if missing:
+            fetched = layer.read_chunks([chunks[i] for i in missing])   # decoded and verified
+            for i, data in zip(missing, fetched, strict=True):
+                parts[i] = data
+                c = chunks[i]
+                if c.digest and not c.zeros:
+                    cache.put(c.digest, data, verified=True)
+            stats.chunks_fetched += len(missing)
+        data = b"".join(p or b"" for p in parts)
+        if chunks:
+            data = data[: entry.size]
+        if entry.digest:
+            got_digest = "sha256:" + hashlib.sha256(data).hexdigest()
+            if got_digest != entry.digest:
+                raise IntegrityError(f"warm-up bundle entry {name!r}: file digest {got_digest} "
+                                     f"does not match {entry.digest}")
+        return data
+
+    return read
