@@ -46,6 +46,8 @@ __all__ = ["MODES", "ModeSpec", "Node", "Workload", "cold_start", "drop_caches",
            "heat_memory", "hot_memory_bytes", "require_root", "start_node"]
 
 IO_MOUNT = "/run/coldstart-bench"        # where the container sees the notify socket
+#: where `coldstart warmup run --report` writes in the io directory (warm-cache modes)
+WARMUP_REPORT = "warmup.json"
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,9 @@ class ModeSpec:
     # (mounted into the container at filewire.DEFAULT_SOCKET's directory; SERVER_LOADER=
     # coldstart for the built-in server images)
     files_socket: bool = False
+    # the app runs under `coldstart warmup run`, which restores the image's warm-up cache
+    # artifact (made once before the runs, as the profile is) before the app compiles
+    warm_cache: bool = False
 
 
 MODES: dict[str, ModeSpec] = {m.name: m for m in (
@@ -91,6 +96,12 @@ MODES: dict[str, ModeSpec] = {m.name: m for m in (
     ModeSpec("coldstart+fill", "coldstart", "zstd:chunked-profile",
              "coldstart+profile with the hybrid fill on (the rest of every layer at the "
              "link's rate, in the background)", background_rate=None),
+    ModeSpec("coldstart+warmcache", "coldstart", "zstd:chunked",
+             "coldstart with the app's compile caches restored from their warm-up artifact "
+             "(coldstart warmup run) before it compiles", warm_cache=True),
+    ModeSpec("coldstart+profile+warmcache", "coldstart", "zstd:chunked-profile",
+             "coldstart+profile with the warm-up artifact restored before the app compiles",
+             warm_cache=True),
     ModeSpec("coldstart+profile-nowarm", "coldstart", "zstd:chunked-profile",
              "coldstart+profile without handing the prefetched chunks to the kernel's page "
              "cache (fuse.page_cache = false; an ablation)", page_cache=False, ablation=True),
@@ -367,6 +378,8 @@ class Workload:
     timeout: float = 600.0
     # more bind mounts into the container: (host path, container path)
     mounts: tuple[tuple[str, str], ...] = ()
+    # the container shares the host's network (it reaches the bench's loopback registry)
+    host_network: bool = False
 
 
 Traffic = Callable[[], tuple[int, int]]   # (bytes served, requests) so far
@@ -388,6 +401,7 @@ def cold_start(node: Node, ref: str, work: Workload, index: int, *, traffic: Tra
     io_dir.mkdir(exist_ok=True)
     log = io_dir / "out.log"
     log.unlink(missing_ok=True)
+    (io_dir / WARMUP_REPORT).unlink(missing_ok=True)
     cpu_client = 0.0
     served0: tuple[int, int] | None = None
     events: ExitEvents | None = None
@@ -439,7 +453,7 @@ def cold_start(node: Node, ref: str, work: Workload, index: int, *, traffic: Tra
                 argv += ["--mount", f"type=bind,src={host},dst={inside},options=rbind:rw"]
             for e in env:
                 argv += ["--env", e]
-            if work.ready.needs_host_network:
+            if work.ready.needs_host_network or work.host_network:
                 argv.append("--net-host")
             # "--": ctr would read the command's own flags (sh -c) as its flags
             node.ctr(*argv, ref, cid, "--", *work.command, timeout=_left(work, t0))
@@ -455,6 +469,7 @@ def cold_start(node: Node, ref: str, work: Workload, index: int, *, traffic: Tra
             run.peak_rss_mb = node.peak_memory()
             run.ready_s = outcome.ready_at
             run.exit_code = outcome.exit_code
+            run.warmup = _warmup_report(io_dir / WARMUP_REPORT)
             for name, a, b in watch.marks.phases(started, outcome.ready_at):
                 run.phases.append(Phase(name, a, b))
     except Exception as exc:   # any failure is this run's, recorded; Ctrl-C is not caught
@@ -472,6 +487,15 @@ def cold_start(node: Node, ref: str, work: Workload, index: int, *, traffic: Tra
             if events is not None:
                 events.close()
     return run
+
+
+def _warmup_report(path: Path) -> dict[str, Any] | None:
+    """What `coldstart warmup run` reported at READY (None: it did not run or wrote nothing)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def _left(work: Workload, t0: float) -> float:

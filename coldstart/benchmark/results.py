@@ -22,8 +22,8 @@ from typing import Any
 from coldstart.errors import FailedPrecondition
 
 __all__ = ["SCHEMA_ID", "SCHEMA_PATH", "BenchResult", "Floor", "Limit", "ModeResult", "Phase",
-           "Run", "Stat", "describe_limit", "plot_timeline", "render_table", "summarise",
-           "to_json"]
+           "Run", "Stat", "describe_floor_cache", "describe_limit", "plot_timeline",
+           "render_table", "summarise", "to_json"]
 
 SCHEMA_ID = "https://coldstart.dev/schemas/bench-result/v1"
 SCHEMA_PATH = Path(__file__).with_name("result_schema.json")
@@ -57,6 +57,9 @@ class Run:
     #: each daemon's peak resident memory (MB) at READY
     peak_rss_mb: dict[str, float] = field(default_factory=dict)
     error_kind: str = ""       # the failure's error class (not in the JSON: ``error`` says it)
+    #: what `coldstart warmup run` said at READY (warm-cache modes): the restore (status,
+    #: bytes fetched, seconds) and the verdict (hit | partial | miss, with the compile work)
+    warmup: dict[str, Any] | None = None
 
     def phase_seconds(self) -> dict[str, float]:
         """Seconds per phase name (a name that occurs twice is summed)."""
@@ -142,6 +145,10 @@ class BenchResult:
     floor: Floor | None = None
     limit: Limit | None = None
     baseline: str = "overlayfs"
+    #: warm starts whose compile caches were already on the node (a directory bind-mounted
+    #: where the app's cache variables point, filled before the run): what a warm-cache mode
+    #: is put against (None unless a warm-cache mode ran)
+    floor_cache: Floor | None = None
 
 
 def summarise(mode: ModeResult) -> dict[str, Any]:
@@ -189,6 +196,12 @@ def to_json(result: BenchResult) -> dict[str, Any]:
         summary["speedup_vs_baseline"] = (base_s / mine if base_s and mine else None)
         if result.floor is not None and mine:
             summary["over_floor"] = mine / result.floor.total_s
+        if result.floor_cache is not None and mine:
+            summary["over_floor_cache"] = mine / result.floor_cache.total_s
+        verdicts = [str(((r.warmup or {}).get("verdict") or {}).get("verdict"))
+                    for r in m.ok_runs() if r.warmup]
+        if verdicts:
+            summary["warmup"] = {v: verdicts.count(v) for v in sorted(set(verdicts))}
         loading = (summary.get("phases") or {}).get("loading")
         if result.limit is not None and loading:
             summary["loading_over_limit"] = loading["median"] / result.limit.seconds
@@ -203,6 +216,8 @@ def to_json(result: BenchResult) -> dict[str, Any]:
         "link": result.link, "runs_per_mode": result.runs_per_mode, "machine": result.machine,
         "started_at": result.started_at, "baseline": result.baseline, "modes": modes,
         "floor": asdict(result.floor) if result.floor is not None else None,
+        "floor_cache": (asdict(result.floor_cache) if result.floor_cache is not None
+                        else None),
         "limit": ({**asdict(result.limit), "seconds": result.limit.seconds}
                   if result.limit is not None else None),
     }
@@ -212,7 +227,7 @@ def _run_json(r: Run) -> dict[str, Any]:
     return {"index": r.index, "ok": r.ok, "error": r.error, "ready_s": r.ready_s,
             "exit_code": r.exit_code, "registry_bytes": r.registry_bytes,
             "registry_requests": r.registry_requests, "cpu_s": r.cpu_s,
-            "peak_rss_mb": r.peak_rss_mb,
+            "peak_rss_mb": r.peak_rss_mb, "warmup": r.warmup,
             "phases": [{"name": p.name, "start_s": p.start_s, "end_s": p.end_s}
                        for p in r.phases]}
 
@@ -245,8 +260,9 @@ def render_table(doc: dict[str, Any]) -> str:
         for n in m["summary"].get("phases", {}):
             if n not in phase_names:
                 phase_names.append(n)
+    cache_col = any("warmup" in m["summary"] for m in modes.values())
     head = ["mode", "READY", "speed-up", *phase_names, "registry", "requests", "CPU",
-            "peak RSS"]
+            "peak RSS", *(["warm-up cache"] if cache_col else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, m in modes.items():
         s = m["summary"]
@@ -263,6 +279,8 @@ def render_table(doc: dict[str, Any]) -> str:
                _fmt(s.get("cpu_total_s"), "s", 1.0, 1),
                ", ".join(f"{k} {v['median']:.0f} MB"
                          for k, v in s.get("peak_rss_mb", {}).items() if v) or "-"]
+        if cache_col:
+            row.append(", ".join(f"{v} {n}" for v, n in s.get("warmup", {}).items()) or "-")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -281,6 +299,17 @@ def describe_floor(doc: dict[str, Any]) -> str | None:
                  f"({floor['link_s']:.2f} s)")
     text += f" = {floor['total_s']:.2f} s"
     return text
+
+
+def describe_floor_cache(doc: dict[str, Any]) -> str | None:
+    """One line on the warm start with the compile caches already local (None: not run)."""
+    floor = doc.get("floor_cache")
+    if not floor:
+        return None
+    runs = floor.get("warm_runs_s") or []
+    spread = (f" (median of {len(runs)}, {min(runs):.2f}-{max(runs):.2f})"
+              if len(runs) > 1 else "")
+    return f"floor with the compile caches local: warm start {floor['total_s']:.2f} s{spread}"
 
 
 def describe_limit(doc: dict[str, Any]) -> str | None:
@@ -343,6 +372,10 @@ def plot_timeline(doc: dict[str, Any], path: Path) -> None:
     if floor:
         ax.axvline(floor["total_s"], color="black", linestyle="--", linewidth=1)
         ax.text(floor["total_s"], -0.6, " floor", fontsize=8)
+    cached = doc.get("floor_cache")
+    if cached:
+        ax.axvline(cached["total_s"], color="grey", linestyle=":", linewidth=1)
+        ax.text(cached["total_s"], -0.3, " floor, caches local", fontsize=8)
     right = max(run["ready_s"] for _, run in rows)
     ax.set_xlim(0, right * 1.12)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), fontsize=7,

@@ -25,7 +25,7 @@ import shutil
 import statistics
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -44,6 +44,7 @@ from coldstart.benchmark.node import (
 from coldstart.benchmark.ready import parse_ready
 from coldstart.benchmark.results import BenchResult, Floor, Limit, ModeResult, Run
 from coldstart.benchmark.shaping import Link
+from coldstart.benchmark.warmcache import WarmPrep, warm_workload
 from coldstart.errors import ColdstartError, FailedPrecondition, InvalidArgument, NotFound
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
@@ -424,10 +425,17 @@ def run_bench(opts: BenchOptions, report: Reporter | None = None) -> BenchResult
                       if opts.limit and active else None)
         # the floor's warm starts (None) and the limit (LIMIT) take a turn in each round,
         # alternated with the modes
+        preps = _warm_preps(opts, active, prepared.refs, workload, work / "n", insecure,
+                            stargz_binary, result, report)
+        active = [s for s in active if not s.warm_cache or preps[s.name].artifact]
+        cache_mounts = (_local_cache(opts, preps, prepared, insecure, work, report)
+                        if floor_ref else None)
         turns: list[ModeSpec | str | None] = [*active, *([None] if floor_ref else []),
+                                              *([FLOOR_CACHE] if cache_mounts else []),
                                               *([LIMIT] if checkpoint else [])]
         total, done = len(turns) * opts.runs, 0
         warm: list[Run] = []
+        warm_cached: list[Run] = []
         rates: list[float] = []
         for i in range(opts.runs):
             order = turns[i % len(turns):] + turns[:i % len(turns)] if turns else []
@@ -443,6 +451,12 @@ def run_bench(opts: BenchOptions, report: Reporter | None = None) -> BenchResult
                     assert floor_ref is not None
                     run = _warm_start(opts, floor_ref, workload, i, work / "n", insecure, report)
                     warm.append(run)
+                elif turn == FLOOR_CACHE:
+                    assert floor_ref is not None and cache_mounts
+                    run = _warm_start(opts, floor_ref, replace(
+                        workload, mounts=(*workload.mounts, *cache_mounts)), i, work / "n",
+                        insecure, report, name=FLOOR_CACHE)
+                    warm_cached.append(run)
                 else:
                     assert isinstance(turn, ModeSpec)
                     run = _mode_run(opts, turn, _via(prepared.refs[turn.name], proxy_host),
@@ -456,6 +470,11 @@ def run_bench(opts: BenchOptions, report: Reporter | None = None) -> BenchResult
                 m.status, m.reason = "failed", m.runs[-1].error
         if floor_ref is not None:
             result.floor = _floor(opts, warm, result, report)
+        cached = [r.ready_s for r in warm_cached if r.ok and r.ready_s is not None]
+        if cached:
+            med = statistics.median(cached)
+            result.floor_cache = Floor(warm_start_s=med, startup_bytes=None, link_s=0.0,
+                                       total_s=med, warm_runs_s=cached)
         if checkpoint is not None and rates:
             result.limit = Limit(file=checkpoint[2], bytes=checkpoint[3],
                                  gbps=statistics.median(rates), runs_gbps=rates)
@@ -559,6 +578,8 @@ def _mode_run(opts: BenchOptions, spec: ModeSpec, ref: str, workload: Workload, 
               traffic: Traffic | None, report: Reporter) -> Run:
     """One cold start of ``spec`` on a node of its own (a node that does not start is a
     failed run)."""
+    if spec.warm_cache:
+        workload = warm_workload(workload, ref)
     try:
         with _node(opts, spec, base, ref, insecure, stargz_binary) as node:
             return cold_start(node, ref, workload, index, traffic=traffic, settle=opts.settle,
@@ -569,23 +590,80 @@ def _mode_run(opts: BenchOptions, spec: ModeSpec, ref: str, workload: Workload, 
 
 
 FLOOR = "floor"     # the name the floor's warm starts go by in progress lines
+#: the warm starts with the compile caches local (a warm-cache mode's own floor)
+FLOOR_CACHE = "floor+cache"
+
+
+def _warm_preps(opts: BenchOptions, active: Sequence[ModeSpec], refs: Mapping[str, str],
+                workload: Workload, base: Path, insecure: tuple[str, ...],
+                stargz_binary: Path | None, result: BenchResult,
+                report: Reporter) -> dict[str, WarmPrep]:
+    """For each warm-cache mode, its artifact: found, or captured by one untimed start (see
+    :mod:`coldstart.benchmark.warmcache`); a mode without one fails with the reason."""
+    from coldstart.benchmark import warmcache
+
+    out: dict[str, WarmPrep] = {}
+    for spec in active:
+        if not spec.warm_cache:
+            continue
+        report.stage(f"{spec.name}: its warm-up artifact (one untimed start under coldstart "
+                     "warmup run --capture; it compiles unless the artifact exists)")
+        ref = refs[spec.name]
+        try:
+            with _node(opts, spec, base, ref, insecure, stargz_binary) as node:
+                prep = warmcache.prepare(node, ref, workload, settle=opts.settle,
+                                         on_phase=functools.partial(report.phase, spec.name,
+                                                                    -1))
+        except ColdstartError as exc:
+            prep = WarmPrep(None, "failed", Run(spec.name, -1, ok=False, error=str(exc)),
+                            error=f"the node did not start: {exc}")
+        out[spec.name] = prep
+        report.stage(f"{spec.name}: {warmcache.describe(prep)}")
+        result.image.setdefault("warmup", {})[spec.name] = {
+            "artifact": prep.artifact, "how": prep.how, "error": prep.error,
+            "prepare_s": prep.run.ready_s, "report": prep.run.warmup}
+        if prep.artifact is None:
+            m = result.modes[spec.name]
+            m.status, m.reason = "failed", f"no warm-up artifact: {prep.error}"
+    return out
+
+
+def _local_cache(opts: BenchOptions, preps: Mapping[str, WarmPrep], prepared: Prepared,
+                 insecure: tuple[str, ...], work: Path,
+                 report: Reporter) -> tuple[tuple[str, str], ...] | None:
+    """Bind mounts that put a warm-up artifact's caches where the app looks, on the node
+    (for the floor with the caches local); None without an artifact."""
+    from coldstart.benchmark import warmcache
+
+    for name, prep in preps.items():
+        if prep.artifact is None:
+            continue
+        report.stage(f"{FLOOR_CACHE}: unpacking {prep.artifact[:19]}… onto the node (once)")
+        with RegistryClient(insecure_hosts=list(insecure), timeout=60) as client:
+            try:
+                return warmcache.local_cache_mounts(client, prepared.refs[name], prep.artifact,
+                                                    prepared.env, work / "local-cache")
+            except ColdstartError as exc:
+                report.stage(f"{FLOOR_CACHE}: skipped: {exc}")
+                return None
+    return None
 
 
 def _warm_start(opts: BenchOptions, ref: str, workload: Workload, index: int, base: Path,
-                insecure: tuple[str, ...], report: Reporter) -> Run:
+                insecure: tuple[str, ...], report: Reporter, *, name: str = FLOOR) -> Run:
     """One warm start of the floor: a fresh node pulls ``ref`` in full (not timed), then the
     container is created and started from the unpacked image with the page cache dropped."""
     try:
         with _node(opts, MODES["overlayfs"], base, ref, insecure, None) as node:
-            report.phase(FLOOR, index, "pull (not timed)")
+            report.phase(name, index, "pull (not timed)")
             node.pull(ref, timeout=opts.timeout)
             # a container name apart from the modes' (runc's state is per host)
             run = cold_start(node, ref, workload, 1000 + index, traffic=None,
                              settle=opts.settle, heat=opts.heat, prepared=True,
-                             on_phase=functools.partial(report.phase, FLOOR, index))
+                             on_phase=functools.partial(report.phase, name, index))
     except Exception as exc:   # the node did not start or the pull failed (or timed out)
-        run = Run(FLOOR, index, ok=False, error=f"the floor's node did not get ready: {exc}")
-    run.mode, run.index = FLOOR, index
+        run = Run(name, index, ok=False, error=f"the floor's node did not get ready: {exc}")
+    run.mode, run.index = name, index
     return run
 
 

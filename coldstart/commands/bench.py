@@ -24,8 +24,8 @@ __all__ = ["bench"]
 
 _EPILOG = """\b
 REF is one of:
-  builtin:NAME       a built-in image (tiny, torch, server, cuda-like), built once and
-                     cached (see `coldstart bench-image`)
+  builtin:NAME       a built-in image (tiny, torch, server, cuda-like, compile), built
+                     once and cached (see `coldstart bench-image`)
   oci:DIR[:TAG]      an OCI image layout (gzip layers)
   REGISTRY/REPO:TAG  an image in a registry; its converted copies are pushed beside it
                      (REPO:TAG-zstd-chunked, REPO:TAG-estargz) unless --image names them
@@ -37,6 +37,7 @@ REF is one of:
 Examples:
   coldstart bench builtin:tiny --embedded --runs 3
   coldstart bench builtin:server --embedded --link 1gbit,2ms --json server.json --plot server.png
+  coldstart bench builtin:compile --mode overlayfs,coldstart,coldstart+warmcache
 
 \b
 Every run starts on a fresh node: a new containerd (empty content store and snapshots), a new
@@ -60,7 +61,12 @@ root. The JSON schema is coldstart/benchmark/result_schema.json.
                    "eStargz), stargz-optimized (its ctr-remote optimized image), "
                    "coldstart+profile (the image from coldstart optimize), coldstart+fill "
                    "(the same with the hybrid fill), coldstart+ctr-profile (coldstart on "
-                   "ctr-remote's optimized image).")
+                   "ctr-remote's optimized image), coldstart+warmcache and "
+                   "coldstart+profile+warmcache (the app under `coldstart warmup run`: its "
+                   "compile caches restored from their warm-up artifact, made by one untimed "
+                   "start first; the floor then also takes warm starts with the caches "
+                   "already on the node, `floor+cache`). The image must ship the coldstart "
+                   "package for the warm-cache modes (builtin:compile does).")
 @click.option("--runs", "-n", default=5, show_default=True, type=click.IntRange(1, 1000),
               help="Cold starts per mode.")
 @click.option("--ready", default=None, metavar="CONDITION",
@@ -145,6 +151,7 @@ def bench(ref: str, modes: str, runs: int, ready: str | None, command: str | Non
     from coldstart.benchmark.ready import parse_ready
     from coldstart.benchmark.results import (
         describe_floor,
+        describe_floor_cache,
         describe_limit,
         plot_timeline,
         render_table,
@@ -217,12 +224,16 @@ def bench(ref: str, modes: str, runs: int, ready: str | None, command: str | Non
         floor = describe_floor(doc)
         if floor:
             click.echo(floor)
+        cached = describe_floor_cache(doc)
+        if cached:
+            click.echo(cached)
         limit = describe_limit(doc)
         if limit:
             click.echo(limit)
         for name, m in doc["modes"].items():
             said = [f"{m['summary'][k]:.2f}x {what}" for k, what in (
                 ("over_floor", "the floor"),
+                ("over_floor_cache", "the warm start with the compile caches local"),
                 ("loading_over_limit", "its loading phase over the checkpoint at the limit"))
                 if m["summary"].get(k)]
             if said:

@@ -28,7 +28,7 @@ from coldstart.remote.registry_blob import open_blob
 from coldstart.warmup.bundle import Packed, ReadFile
 from coldstart.warmup.keys import WarmupKey, differences
 
-__all__ = ["ARTIFACT_TYPE", "Found", "cached_reader", "find", "open_bundle", "push"]
+__all__ = ["ARTIFACT_TYPE", "Found", "cached_reader", "fetch", "find", "open_bundle", "push"]
 
 ARTIFACT_TYPE = "application/vnd.coldstart.warmup.v1"
 KEY_MEDIA_TYPE = "application/vnd.coldstart.warmup.key.v1+json"
@@ -89,15 +89,27 @@ def find(client: RegistryClient, image: Reference, key: WarmupKey) -> Found:
         for d in descs[-EXPLAIN:]:
             found.reasons.append(_why_not(client, image, d, key))
         return found
-    desc = same[-1]
-    body, _, digest = client.get_manifest(image.with_digest(desc["digest"]), (OCI_MANIFEST,))
+    return _load(client, image, str(same[-1]["digest"]), key, found)
+
+
+def fetch(client: RegistryClient, image: Reference, digest: str) -> Found:
+    """Artifact ``digest`` of ``image``'s repository, whatever its key (a node that pinned it,
+    the bench's local copy)."""
+    return _load(client, image, digest, None, Found(""))
+
+
+def _load(client: RegistryClient, image: Reference, digest: str, key: WarmupKey | None,
+          found: Found) -> Found:
+    body, _, digest = client.get_manifest(image.with_digest(digest), (OCI_MANIFEST,))
     doc = _json(body, f"warm-up artifact {digest}")
+    if doc.get("artifactType") != ARTIFACT_TYPE:
+        raise FormatError(f"{digest} is not a warm-up artifact ({doc.get('artifactType')!r})")
     layers = doc.get("layers")
     if not isinstance(layers, list) or len(layers) != 1 or not isinstance(layers[0], dict):
         raise FormatError(f"warm-up artifact {digest}: expected one layer")
     config = doc.get("config") or {}
     have = WarmupKey.parse(client.get_blob(image, str(config.get("digest")), max_size=1 << 16))
-    if have.digest != key.digest:     # the annotation said so; the config must agree
+    if key is not None and have.digest != key.digest:   # the annotation said so; so must it
         raise IntegrityError(f"warm-up artifact {digest}: annotated key {key.digest} but its "
                              f"config is key {have.digest}")
     ann = doc.get("annotations") or {}

@@ -51,15 +51,21 @@ ReadFile = Callable[[SeekableLayer, str], bytes]
 
 
 def cache_dirs(env: Mapping[str, str] | None = None) -> dict[str, Path]:
-    """Each role's directory as a process with ``env`` (default: ours) would use it."""
+    """Each role's directory as a process with ``env`` (default: ours) would use it: the
+    variable, else the default under ``$HOME`` or for ``$USER`` (as getpass finds it)."""
     env = os.environ if env is None else env
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = str(os.getuid())
+    user = env.get("LOGNAME") or env.get("USER") or env.get("LNAME") or env.get("USERNAME")
+    if not user:
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):
+            user = str(os.getuid())
+    home = env.get("HOME") or os.path.expanduser("~")
     out: dict[str, Path] = {}
     for role, (var, default) in ROLES.items():
-        value = env.get(var) or os.path.expanduser(default.format(user=user))
+        value = env.get(var) or default.format(user=user)
+        if value.startswith("~/"):
+            value = home.rstrip("/") + value[1:]
         out[role] = Path(value)
     return out
 

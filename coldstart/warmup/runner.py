@@ -40,6 +40,8 @@ __all__ = ["Captured", "Restored", "Verdict", "capture", "restore", "run_app", "
 log = logging.getLogger(__name__)
 
 VERDICT_ENV = "X_WARMUP"
+#: the X_PHASE `run` reports while it restores (before the app's own phases)
+RESTORE_PHASE = "warmcache-restore"
 #: the chunk cache a restore uses unless told (a node directory mounted into pods shares it)
 CHUNK_CACHE_ENV = "COLDSTART_WARMUP_CHUNKS"
 CHUNK_CACHE_BYTES = 8 << 30
@@ -261,7 +263,14 @@ def run_app(client: RegistryClient | None, opts: RunOptions,
     key = compute_key(opts.model_version)
     dirs = cache_dirs()
     restored: Restored | None = None
+    upstream = os.environ.get("NOTIFY_SOCKET") or None
     if opts.image and client is not None:
+        if upstream:        # the restore is a phase of the start-up, as the app's are
+            from coldstart.probe.notify import notify
+
+            with contextlib.suppress(ColdstartError):
+                notify(phase=RESTORE_PHASE, status="restoring the warm-up cache",
+                       socket_path=upstream)
         restored = restore(client, opts.image, key=key, dirs=dirs, chunk_cache=opts.chunk_cache)
         say(f"warm-up cache: {restored.status}: {restored.reason} ({restored.seconds:.2f} s)")
     before = snapshot(dirs)
@@ -290,7 +299,6 @@ def run_app(client: RegistryClient | None, opts: RunOptions,
             t.start()
         return [f"{VERDICT_ENV}={v.verdict}"]
 
-    upstream = os.environ.get("NOTIFY_SOCKET") or None
     relay = _NotifyRelay(upstream, on_ready)
     env = {**os.environ, "NOTIFY_SOCKET": relay.path}
     try:
@@ -321,12 +329,13 @@ def _capture_after(client: RegistryClient, opts: RunOptions, key: WarmupKey,
     try:
         got = capture(client, opts.image, key=key, dirs=dirs, compiles=v.evidence.compiled)
         report["capture"] = got.to_json()
+        _write_report(opts.report, report)     # before the line: a watcher may stop at it
         say(f"warm-up cache captured: {got.files} files, {got.compressed_bytes} bytes "
             f"compressed, artifact {got.artifact}")
     except ColdstartError as exc:
         report["capture"] = {"error": f"{type(exc).__name__}: {exc}"}
+        _write_report(opts.report, report)
         say(f"warm-up cache not captured: {exc}")
-    _write_report(opts.report, report)
 
 
 def _write_report(path: Path | None, doc: Mapping[str, Any]) -> None:

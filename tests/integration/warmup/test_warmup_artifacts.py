@@ -223,8 +223,12 @@ def test_run_wraps_an_unmodified_app_and_tells_ready(captured: Captured, registr
     sock.bind(sock_path)
     sock.settimeout(120)
     got: list[str] = []
-    listener = threading.Thread(target=lambda: [got.append(sock.recv(4096).decode())
-                                                for _ in range(2)], daemon=True)
+
+    def listen() -> None:
+        while not any("READY=1" in m for m in got):
+            got.append(sock.recv(4096).decode())
+
+    listener = threading.Thread(target=listen, daemon=True)
     listener.start()
     report = tmp_path / "report.json"
     env = {**_env(tmp_path / "node"), "NOTIFY_SOCKET": sock_path}
@@ -237,6 +241,9 @@ def test_run_wraps_an_unmodified_app_and_tells_ready(captured: Captured, registr
     sock.close()
     ready = [m for m in got if "READY=1" in m]
     assert ready and "X_WARMUP=hit" in ready[0].split("\n"), got
+    # the restore is reported as a phase before the app's own
+    assert "X_PHASE=warmcache-restore" in got[0].split("\n"), got
+    assert any("STATUS=warm-up" in m for m in got[1:]), got
     doc = json.loads(report.read_text())
     assert doc["restore"]["status"] == "restored"
     assert doc["verdict"]["verdict"] == "hit" and doc["judged_at"] == "ready"
