@@ -280,7 +280,7 @@ def render_table(doc: dict[str, Any]) -> str:
                ", ".join(f"{k} {v['median']:.0f} MB"
                          for k, v in s.get("peak_rss_mb", {}).items() if v) or "-"]
         if cache_col:
-            row.append(", ".join(f"{v} {n}" for v, n in s.get("warmup", {}).items()) or "-")
+            row.append(", ".join(f"{n} {v}" for v, n in s.get("warmup", {}).items()) or "-")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

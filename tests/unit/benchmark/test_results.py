@@ -119,3 +119,29 @@ def test_the_limit_puts_each_loading_phase_against_the_checkpoint_at_its_rate() 
     assert describe_limit(doc) == ("verified-bytes limit: 0.500 GB/s (median of 3, "
                                    "0.400-0.600), model/model.safetensors (2.00 GB: 4.00 s "
                                    "at that rate)")
+
+
+def test_warm_cache_runs_carry_their_verdict_and_meet_the_local_cache_floor() -> None:
+    from coldstart.benchmark.results import describe_floor_cache
+
+    res = _result()
+    runs = [_run("coldstart+warmcache", i, 1, 1.5 + i, 120) for i in range(3)]
+    for r, v in zip(runs, ("hit", "hit", "partial"), strict=True):
+        r.warmup = {"restore": {"status": "restored", "fetched_bytes": 900_000},
+                    "verdict": {"verdict": v, "reason": "…", "evidence": {"compiled": 0}}}
+    res.modes["coldstart+warmcache"] = ModeResult("coldstart+warmcache", runs=runs)
+    res.floor_cache = Floor(warm_start_s=2.0, startup_bytes=None, link_s=0.0, total_s=2.0,
+                            warm_runs_s=[2.1, 2.0, 1.9])
+    doc = to_json(res)
+    jsonschema.validate(doc, json.loads(SCHEMA_PATH.read_text()))
+    s = doc["modes"]["coldstart+warmcache"]["summary"]
+    assert s["warmup"] == {"hit": 2, "partial": 1}
+    assert s["over_floor_cache"] == pytest.approx((0.1 + 1 + 2.5) / 2.0)
+    assert doc["modes"]["coldstart+warmcache"]["runs"][0]["warmup"]["verdict"]["verdict"] == "hit"
+    table = render_table(doc)
+    assert table.splitlines()[0].endswith("| warm-up cache |")
+    assert any(ln.startswith("| coldstart+warmcache |") and ln.endswith("| 2 hit, 1 partial |")
+               for ln in table.splitlines())
+    assert describe_floor_cache(doc) == ("floor with the compile caches local: warm start "
+                                         "2.00 s (median of 3, 1.90-2.10)")
+    assert describe_floor_cache(to_json(_result())) is None
