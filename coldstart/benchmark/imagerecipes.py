@@ -12,6 +12,13 @@
   multi-GB shared libraries, one of ~49 000 small Python modules, one of 4.6 GB of sharded
   safetensors weights and the server, which imports a tenth of the modules, touches a few per
   cent of the libraries' pages, loads the weights and says ``READY=1``.
+* ``compile`` (issue 51: warm-up caches): torch's OS and torch layers, a C++ toolchain layer
+  (g++, Python 3.11's headers and openssl: what Inductor's C++ backend compiles with;
+  :func:`coldstart.benchmark.imagesteps.toolchain_tree`) and an app layer: ``/app/compile_app.py``
+  (:mod:`coldstart.benchmark.compile_app`), which compiles a small transformer at start
+  (``COMPILE_MODE``: ``jit``, ``aoti``), says ``READY=1`` after the first compiled call and
+  keeps Inductor's caches in ``$TORCHINDUCTOR_CACHE_DIR`` (``/var/cache/warmup/inductor``);
+  with coldstart and what ``python3 -m coldstart.warmup`` needs (httpx and its dependencies).
 
 Each is a :class:`Recipe` in :data:`RECIPES`: a version (bump it when the image's content or
 metadata changes: cached builds of an older one are rebuilt) and a function that writes the
@@ -47,7 +54,13 @@ from coldstart.benchmark.imagelayers import (
     reuse_layers,
     write_layer,
 )
-from coldstart.benchmark.imagesteps import PY_SITE, debian_rootfs, torch_site
+from coldstart.benchmark.imagesteps import (
+    PY_SITE,
+    TOOLCHAIN_PACKAGES,
+    debian_rootfs,
+    toolchain_tree,
+    torch_site,
+)
 
 __all__ = ["RECIPES", "Recipe"]
 
@@ -55,6 +68,7 @@ MiB = 1 << 20
 PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 TORCH_COMMAND = ["python3", "-c", "import torch; print(torch.ones(2).sum())"]
 _SERVER_APP = Path(__file__).resolve().with_name("server_app.py")
+_COMPILE_APP = _SERVER_APP.with_name("compile_app.py")
 _PACKAGE = _SERVER_APP.parents[1]      # the coldstart package
 
 
@@ -141,33 +155,54 @@ def _server_env() -> list[str]:
 WEIGHTS_CLIENT_DISTS = ("msgspec", "PyYAML", "zstandard", "typing_extensions")
 
 
+#: what ``python3 -m coldstart.warmup`` needs besides those: httpx and what it imports
+#: (``importlib.metadata.requires("httpx")``, less the extras; sniffio: httpcore's and httpx's
+#: optional import)
+WARMUP_CLIENT_DISTS = (*WEIGHTS_CLIENT_DISTS, "httpx", "httpcore", "h11", "anyio", "idna",
+                       "certifi", "sniffio")
+
+
+def _package_files() -> list[Path]:
+    """Every source file of the coldstart package (what :func:`weights_client_layer` copies)."""
+    return sorted(_PACKAGE.rglob("*.py"))
+
+
 def _weights_client_files() -> list[Path]:
     """The files of this checkout the server images copy in: the model server and every
-    source file of the coldstart package (what :func:`weights_client_layer` copies)."""
-    return [_SERVER_APP, *sorted(_PACKAGE.rglob("*.py"))]
+    source file of the coldstart package."""
+    return [_SERVER_APP, *_package_files()]
 
 
-def _server_fingerprint() -> str:
+def _fingerprint(files: list[Path], dists: tuple[str, ...], *extra: str) -> str:
+    """What an image copies from this checkout and this interpreter, hashed: the files' names
+    and bytes, the distributions' versions, ``extra``."""
     import hashlib
     import importlib.metadata
 
     h = hashlib.sha256()
-    for path in _weights_client_files():
+    for path in files:
         h.update(str(path.relative_to(_PACKAGE.parent)).encode() + b"\0" + path.read_bytes())
-    for dist in WEIGHTS_CLIENT_DISTS:
+    for dist in dists:
         h.update(f"{dist}={importlib.metadata.version(dist)}".encode())
+    for item in extra:
+        h.update(item.encode())
     return h.hexdigest()[:16]
 
 
-def weights_client_layer(tar: Tar) -> None:
+def _server_fingerprint() -> str:
+    return _fingerprint(_weights_client_files(), WEIGHTS_CLIENT_DISTS)
+
+
+def weights_client_layer(tar: Tar, dists: tuple[str, ...] = WEIGHTS_CLIENT_DISTS) -> None:
     """coldstart itself (its Python sources) and the distributions ``coldstart.weights``
-    imports, from this interpreter's installation, into the image's site-packages: what a
-    user who adopts the fast path does with ``pip install coldstart`` in the image."""
+    imports (or ``dists``), from this interpreter's installation, into the image's
+    site-packages: what a user who adopts the fast path does with ``pip install coldstart`` in
+    the image."""
     import importlib.metadata
 
-    for path in _weights_client_files()[1:]:
+    for path in _package_files():
         tar.file(f"{PY_SITE}/coldstart/{path.relative_to(_PACKAGE)}", path.read_bytes())
-    for dist in WEIGHTS_CLIENT_DISTS:
+    for dist in dists:
         found = importlib.metadata.distribution(dist)
         for rel in sorted(found.files or [], key=str):
             name = str(rel)
@@ -278,6 +313,34 @@ def _build_cuda_like(ctx: Context) -> Built:
     return Built(layers, command, "notify", env)
 
 
+# -- compile -----------------------------------------------------------------------------------
+
+COMPILE_CACHE_DIR = "/var/cache/warmup/inductor"     # the app's $TORCHINDUCTOR_CACHE_DIR
+
+
+def _compile_fingerprint() -> str:
+    return _fingerprint([_COMPILE_APP, *_package_files()], WARMUP_CLIENT_DISTS,
+                        *TOOLCHAIN_PACKAGES)
+
+
+def _build_compile(ctx: Context) -> Built:
+    layers = reuse_layers(ctx, "torch", 2)
+    tree = toolchain_tree(ctx)
+
+    def toolchain_layer(tar: Tar) -> None:
+        add_tree(tar, tree)
+
+    def app_layer(tar: Tar) -> None:
+        tar.file("app/compile_app.py", _COMPILE_APP.read_bytes(), mode=0o755)
+        weights_client_layer(tar, WARMUP_CLIENT_DISTS)
+
+    layers.append(write_layer(ctx, "toolchain-g++-python3-dev-openssl", toolchain_layer))
+    layers.append(write_layer(ctx, "compile-app-coldstart-warmup", app_layer))
+    env = [PATH_ENV, "LANG=C.UTF-8", "PYTHONUNBUFFERED=1",
+           f"TORCHINDUCTOR_CACHE_DIR={COMPILE_CACHE_DIR}"]
+    return Built(layers, ["python3", "/app/compile_app.py"], "notify", env)
+
+
 RECIPES: dict[str, Recipe] = {
     "tiny": Recipe(1, "busybox + an 80 MB demo app; /app/start.sh reads a tenth of its 2000 "
                       "modules, exits (builds in seconds)", _build_tiny),
@@ -288,4 +351,8 @@ RECIPES: dict[str, Recipe] = {
                      _server_fingerprint),
     "cuda-like": Recipe(1, "15.7 GB like a CUDA PyTorch server: 9 GB of libraries, 49k modules, "
                            "4.6 GB of weights; READY=1", _build_cuda_like),
+    "compile": Recipe(1, "torch + g++, Python.h, openssl + an app compiling a 6-block transformer "
+                         "at start (Inductor; COMPILE_MODE jit or aoti; READY=1 after the "
+                         "first compiled call) + coldstart.warmup", _build_compile,
+                      _compile_fingerprint),
 }

@@ -1,9 +1,9 @@
 """The images ``coldstart bench`` runs: reproducible, built on this machine, cached on disk.
 
-Four built-in images (:mod:`coldstart.benchmark.imagerecipes` says what each holds: ``tiny``,
-``torch``, ``server``, ``cuda-like``), each an OCI image-layout directory (gzip layers, tag
-``latest``) with the start-up command, ready condition and sizes recorded beside it in
-``recipe.json``.
+Five built-in images (:mod:`coldstart.benchmark.imagerecipes` says what each holds: ``tiny``,
+``torch``, ``server``, ``cuda-like``, ``compile``), each an OCI image-layout directory (gzip
+layers, tag ``latest``) with the start-up command, ready condition and sizes recorded beside it
+in ``recipe.json``.
 
 >>> image = build_image("tiny")                                       # doctest: +SKIP
 >>> image.layout, image.command, image.ready                           # doctest: +SKIP
@@ -15,7 +15,8 @@ does not depend on the number of threads. A build goes to a temporary directory 
 entry and is renamed into place once complete; ``recipe.json`` is written last, so a directory
 without it is incomplete and is rebuilt; so is one built by an older version of its recipe. One
 builder per image and cache directory at a time (others wait, then reuse its build). What the
-torch image downloads is kept under ``<cache>/_build`` (:mod:`coldstart.benchmark.imagesteps`).
+torch and compile images download is kept under ``<cache>/_build``
+(:mod:`coldstart.benchmark.imagesteps`).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ CREATED = "2023-11-14T22:13:20Z"   # the layers' mtime (imagelayers.MTIME), in t
 class BenchImage:
     """A built benchmark image: where it is, how it starts, how big it is."""
 
-    name: str               # "tiny", "torch", "server", "cuda-like"
+    name: str               # "tiny", "torch", "server", "cuda-like", "compile"
     layout: Path            # an OCI layout directory holding the gzip image, tag "latest"
     command: list[str]      # the start-up argv run in the container
     ready: str              # "exit" (the command exits 0) or "notify" (READY=1 on $NOTIFY_SOCKET)

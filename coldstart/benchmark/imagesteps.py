@@ -1,4 +1,5 @@
-"""The torch image's build steps: a Debian rootfs by debootstrap, torch by the host's pip.
+"""The torch image's build steps: a Debian rootfs by debootstrap, torch by the host's pip; and
+the compile image's: a C++ toolchain over that rootfs (:func:`toolchain_tree`).
 
 Each step runs once per cache (:func:`_cached_step`): into a temporary directory under
 ``<cache>/_build``, renamed into place when done, its stamp (what it was made from) written
@@ -13,6 +14,7 @@ its own session with a timeout; on failure its last 40 lines of output are in th
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -31,7 +33,8 @@ from coldstart.benchmark.imagelayers import Context, Progress, atomic_write
 from coldstart.errors import FailedPrecondition, Unavailable
 from coldstart.stack.mounts import unmount_under
 
-__all__ = ["DEBIAN_SUITE", "PY_SITE", "TORCH_PINS", "debian_rootfs", "torch_site"]
+__all__ = ["DEBIAN_SUITE", "PY_SITE", "TOOLCHAIN_PACKAGES", "TORCH_PINS", "debian_rootfs",
+           "toolchain_tree", "torch_site"]
 
 BUILD_DIR = "_build"               # downloads and intermediate trees shared by builds
 PY_SITE = "usr/local/lib/python3.11/dist-packages"
@@ -148,11 +151,7 @@ def debian_rootfs(ctx: Context) -> Path:
     build = ctx.cache_dir / BUILD_DIR
 
     def make(tmp: Path) -> dict[str, Any]:
-        if shutil.which("debootstrap") is None:
-            raise FailedPrecondition("the torch image's OS layer is made by debootstrap, which "
-                                     "is not installed (apt-get install debootstrap)")
-        if os.geteuid() != 0:
-            raise FailedPrecondition("debootstrap (the torch image's OS layer) needs root")
+        _check_debootstrap("the torch image's OS layer")
         mirror = _debian_mirror()
         debs = build / "debs"
         debs.mkdir(parents=True, exist_ok=True)
@@ -174,6 +173,14 @@ def debian_rootfs(ctx: Context) -> Path:
                 "include": ["python3"]}
 
     return _cached_step(build, f"debian-{DEBIAN_SUITE}", make) / "rootfs"
+
+
+def _check_debootstrap(what: str) -> None:
+    if shutil.which("debootstrap") is None:
+        raise FailedPrecondition(f"{what} is made by debootstrap, which is not installed "
+                                 "(apt-get install debootstrap)")
+    if os.geteuid() != 0:
+        raise FailedPrecondition(f"debootstrap ({what}) needs root")
 
 
 def _strip_rootfs(root: Path) -> None:
@@ -204,6 +211,162 @@ def _strip_rootfs(root: Path) -> None:
                 f[2] = "19675"
             lines.append(":".join(f))
         shadow.write_text("\n".join(lines) + "\n")
+
+
+# what Inductor's C++ backend compiles with: g++ (binutils, libstdc++'s and libc's headers come
+# with it), Python.h (python3-dev: libpython3.11-dev's /usr/include/python3.11) and openssl: the
+# precompiled headers (on by default, jit and AOTInductor) are keyed by `openssl sha512` of the
+# preprocessed header, which fails with "No such file or directory: 'openssl'" without it
+TOOLCHAIN_PACKAGES = ("g++", "python3-dev", "openssl")
+_NOT_IN_LAYERS = ("dev", "proc", "sys", "run", "tmp")     # the os layer keeps these empty
+_CHECK_CPP = b"""#include <Python.h>
+#include <vector>
+#include <cstdio>
+int main() {
+    std::vector<double> v{1.0, 2.0};
+    std::printf("ok %d.%d %g\\n", PY_MAJOR_VERSION, PY_MINOR_VERSION, v[0] + v[1]);
+    return 0;
+}
+"""
+
+
+def toolchain_tree(ctx: Context) -> Path:
+    """The files a Debian 12 rootfs with :data:`TOOLCHAIN_PACKAGES` installed has beyond
+    :func:`debian_rootfs` (new, or of other content, mode or owner; dpkg's database included),
+    with their parent directories: a layer over the OS layer. Made by a second debootstrap
+    (sharing the downloaded packages), stripped and byte-compiled the same way, compared file by
+    file, then checked: ``g++ --version`` and a C++ program including ``<Python.h>`` compile and
+    run in a chroot of the base rootfs with the tree copied over it. Cached."""
+    build = ctx.cache_dir / BUILD_DIR
+    base = debian_rootfs(ctx)
+    include = ",".join(("python3", *TOOLCHAIN_PACKAGES))
+
+    def make(tmp: Path) -> dict[str, Any]:
+        _check_debootstrap("the compile image's toolchain layer")
+        mirror = _debian_mirror()
+        full = tmp / "full"
+        ctx.progress(f"debootstrap {DEBIAN_SUITE} (minbase + {include}) from {mirror}")
+        _run(["debootstrap", "--variant=minbase", f"--include={include}",
+              f"--cache-dir={(build / 'debs').resolve()}", DEBIAN_SUITE, str(full), mirror],
+             "debootstrap (toolchain)", timeout=1800)
+        _strip_rootfs(full)
+        for sub in ("usr/lib/python3.11", "usr/lib/python3/dist-packages"):
+            if (full / sub).is_dir():
+                _compile_tree(full / sub, str(full), "/", timeout=1800)
+        tree = tmp / "tree"
+        files, size = _tree_delta(base, full, tree)
+        shutil.rmtree(full)
+        ctx.progress(f"toolchain: {files} files ({size / 1e6:.0f} MB) beyond the base rootfs")
+        version = _check_toolchain(base, tree, tmp / "check")
+        ctx.progress(f"toolchain checked in a chroot: {version}")
+        return {"suite": DEBIAN_SUITE, "mirror": mirror, "variant": "minbase",
+                "include": include.split(","), "files": files, "bytes": size, "g++": version}
+
+    key = hashlib.sha256(include.encode()).hexdigest()[:8]     # another package list: made anew
+    return _cached_step(build, f"toolchain-{DEBIAN_SUITE}-{key}", make) / "tree"
+
+
+def _tree_delta(base: Path, full: Path, out: Path) -> tuple[int, int]:
+    """Copy into ``out`` what of ``full`` is not in ``base`` as it is there (files and
+    symlinks new or changed, directories new or of other mode or owner) and the parent
+    directories of all that (their metadata from ``full``); hard links kept. Returns the
+    number of files and symlinks copied and the files' bytes."""
+    import filecmp
+    import stat
+
+    links: dict[tuple[int, int], Path] = {}
+    count = size = 0
+
+    def meta(st: os.stat_result) -> tuple[int, int, int, int]:
+        return stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
+
+    def same(src: Path, st: os.stat_result, old: Path) -> bool:
+        try:
+            ost = old.lstat()
+        except FileNotFoundError:
+            return False
+        if meta(st) != meta(ost):
+            return False
+        if stat.S_ISLNK(st.st_mode):
+            return os.readlink(src) == os.readlink(old)
+        if stat.S_ISREG(st.st_mode):
+            return st.st_size == ost.st_size and filecmp.cmp(src, old, shallow=False)
+        return True
+
+    def ensure_dir(rel: Path) -> None:
+        """``out/rel`` and its parents, with ``full``'s modes and owners."""
+        if (out / rel).is_dir():
+            return
+        if rel != Path("."):
+            ensure_dir(rel.parent)
+        st = (full / rel).lstat()
+        (out / rel).mkdir()
+        os.chown(out / rel, st.st_uid, st.st_gid)
+        os.chmod(out / rel, stat.S_IMODE(st.st_mode))
+
+    def walk(rel: Path) -> None:
+        nonlocal count, size
+        with os.scandir(full / rel) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        for e in entries:
+            r = rel / e.name
+            if rel == Path(".") and e.name in _NOT_IN_LAYERS:
+                continue
+            src, st = Path(e.path), e.stat(follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                if not same(src, st, base / r):
+                    ensure_dir(r)
+                walk(r)
+                continue
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)) \
+                    or same(src, st, base / r):
+                continue
+            ensure_dir(rel)
+            dst = out / r
+            key = (st.st_dev, st.st_ino)
+            if stat.S_ISLNK(st.st_mode):
+                os.symlink(os.readlink(src), dst)
+            elif st.st_nlink > 1 and key in links:
+                os.link(links[key], dst)
+            else:
+                shutil.copyfile(src, dst)
+                os.chmod(dst, stat.S_IMODE(st.st_mode))
+                links[key] = dst
+                size += st.st_size
+            os.lchown(dst, st.st_uid, st.st_gid)
+            count += 1
+
+    out.mkdir()
+    walk(Path("."))
+    return count, size
+
+
+def _check_toolchain(base: Path, tree: Path, root: Path) -> str:
+    """Compile and run a C++ program including <Python.h> with g++ in a chroot of ``base``
+    with ``tree`` copied over it (then removed), hash it with ``openssl sha512``; returns
+    ``g++ --version``'s first line."""
+    try:
+        _run(["cp", "-a", f"{base}/.", f"{root}/"], "copying the base rootfs", timeout=600)
+        _run(["cp", "-a", f"{tree}/.", f"{root}/"], "copying the toolchain", timeout=600)
+        (root / "tmp").mkdir(exist_ok=True)
+        (root / "tmp/check.cpp").write_bytes(_CHECK_CPP)
+        env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+               "LANG": "C.UTF-8"}
+        version = _run(["chroot", str(root), "g++", "--version"], "g++ --version (chroot)",
+                       timeout=60, env=env).splitlines()[0]
+        flags = _run(["chroot", str(root), "python3-config", "--includes"],
+                     "python3-config --includes (chroot)", timeout=60, env=env).split()
+        _run(["chroot", str(root), "g++", "-O1", *flags, "/tmp/check.cpp", "-o", "/tmp/check"],
+             "compiling a C++ program including <Python.h> (chroot)", timeout=300, env=env)
+        out = _run(["chroot", str(root), "/tmp/check"], "running it (chroot)", timeout=60,
+                   env=env).strip()
+        if out != "ok 3.11 3":
+            raise Unavailable(f"the toolchain check printed {out!r}, not 'ok 3.11 3'")
+        _run(["chroot", str(root), "openssl", "sha512", "/tmp/check.cpp"],
+             "openssl sha512 (chroot)", timeout=60, env=env)
+        return version
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _check_host_python() -> None:
