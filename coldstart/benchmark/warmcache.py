@@ -36,7 +36,7 @@ def warm_command(command: Sequence[str], ref: str, *, capture: bool = False) -> 
     image's Python runs it: the image ships the coldstart package, as the built-in ``compile``
     image does)."""
     host = Reference.parse(ref).registry
-    return ["python3", "-m", "coldstart.warmup", "run", "--image", ref, "--insecure", host,
+    return ["python3", "-m", "coldstart.commands.warmup", "run", "--image", ref, "--insecure", host,
             "--report", f"{IO_MOUNT}/{WARMUP_REPORT}", *(["--capture"] if capture else []),
             "--", *command]
 

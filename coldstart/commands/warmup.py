@@ -173,3 +173,10 @@ def run(image: str | None, do_capture: bool, report: Path | None, model_version:
     with registry_client(insecure, tls_verify, authfile, hosts_dir, timeout=timeout) as client:
         code = run_app(client, opts, say)
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    # python3 -m coldstart.commands.warmup …: for images that ship the package, not the script
+    from coldstart.commands._common import add_common_options
+
+    add_common_options(warmup)(prog_name="coldstart warmup")

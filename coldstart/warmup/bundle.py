@@ -32,7 +32,8 @@ from coldstart.errors import FormatError, InvalidArgument
 from coldstart.format.layer import SeekableLayer
 from coldstart.format.writer import LayerResult, convert_layer
 
-__all__ = ["ROLES", "Evidence", "Unpacked", "cache_dirs", "evidence", "pack", "snapshot", "unpack"]
+__all__ = ["OFF_IN_CONTAINERS", "ROLES", "WATCHED", "Evidence", "Unpacked", "cache_dirs",
+           "evidence", "pack", "snapshot", "unpack", "watched_dirs"]
 
 #: role → (environment variable, default directory; ``{user}``/``~`` expanded)
 ROLES: dict[str, tuple[str, str]] = {
@@ -41,6 +42,13 @@ ROLES: dict[str, tuple[str, str]] = {
     "vllm": ("VLLM_CACHE_ROOT", "~/.cache/vllm"),
     "cuda": ("CUDA_CACHE_PATH", "~/.nv/ComputeCache"),
 }
+#: directories watched for compile work but not shipped: Inductor's precompiled headers live
+#: under its *default* cache directory whatever TORCHINDUCTOR_CACHE_DIR says (149 MB for a
+#: six-block transformer); ``coldstart warmup run`` turns them off (:data:`OFF_IN_CONTAINERS`)
+WATCHED: dict[str, str] = {"headers": "/tmp/torchinductor_{user}/precompiled_headers"}
+#: settings ``coldstart warmup run`` gives the app unless its environment has them: what a
+#: container would rebuild on every start outside the shipped directories
+OFF_IN_CONTAINERS: dict[str, str] = {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0"}
 # what a cache directory holds that is not cache: locks, half-written temporaries
 _SKIP_SUFFIXES = (".lock", ".tmp")
 _SKIP_PREFIXES = ("tmp", ".tmp")
@@ -50,16 +58,22 @@ MAX_FILES = 200_000
 ReadFile = Callable[[SeekableLayer, str], bytes]
 
 
+def _user(env: Mapping[str, str]) -> str:
+    """The user name as getpass finds it (the environment first), for the defaults' ``{user}``."""
+    user = env.get("LOGNAME") or env.get("USER") or env.get("LNAME") or env.get("USERNAME")
+    if user:
+        return user
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
 def cache_dirs(env: Mapping[str, str] | None = None) -> dict[str, Path]:
     """Each role's directory as a process with ``env`` (default: ours) would use it: the
-    variable, else the default under ``$HOME`` or for ``$USER`` (as getpass finds it)."""
+    variable, else the default under ``$HOME`` or for ``$USER``."""
     env = os.environ if env is None else env
-    user = env.get("LOGNAME") or env.get("USER") or env.get("LNAME") or env.get("USERNAME")
-    if not user:
-        try:
-            user = getpass.getuser()
-        except (KeyError, OSError):
-            user = str(os.getuid())
+    user = _user(env)
     home = env.get("HOME") or os.path.expanduser("~")
     out: dict[str, Path] = {}
     for role, (var, default) in ROLES.items():
@@ -68,6 +82,13 @@ def cache_dirs(env: Mapping[str, str] | None = None) -> dict[str, Path]:
             value = home.rstrip("/") + value[1:]
         out[role] = Path(value)
     return out
+
+
+def watched_dirs(env: Mapping[str, str] | None = None) -> dict[str, Path]:
+    """:func:`cache_dirs` plus the directories only watched for compile work (:data:`WATCHED`)."""
+    env = os.environ if env is None else env
+    user = _user(env)
+    return {**cache_dirs(env), **{role: Path(p.format(user=user)) for role, p in WATCHED.items()}}
 
 
 def _skipped(name: str) -> bool:
@@ -197,6 +218,7 @@ _COMPILED = {
     "triton": (".cubin", ".hsaco", ".so"),
     "vllm": (".so",),
     "cuda": ("",),     # the driver's JIT cache: any new file is a PTX compile
+    "headers": (".gch",),
 }
 
 
@@ -231,7 +253,7 @@ def evidence(before: Mapping[str, set[str]], dirs: Mapping[str, Path]) -> Eviden
             if role == "inductor" and head in ("fxgraph", "aotautograd"):
                 ev.graphs += 1
             elif any(rel.endswith(s) for s in _COMPILED.get(role, ())) and \
-                    head != "precompiled_headers":
+                    head != "precompiled_headers" and "/locks/" not in f"/{rel}":
                 ev.compiled += 1
                 if len(ev.examples or []) < 3:
                     assert ev.examples is not None

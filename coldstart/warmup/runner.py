@@ -32,7 +32,16 @@ from coldstart.errors import ColdstartError, InvalidArgument
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
 from coldstart.warmup import artifacts
-from coldstart.warmup.bundle import Evidence, cache_dirs, evidence, pack, snapshot, unpack
+from coldstart.warmup.bundle import (
+    OFF_IN_CONTAINERS,
+    Evidence,
+    cache_dirs,
+    evidence,
+    pack,
+    snapshot,
+    unpack,
+    watched_dirs,
+)
 from coldstart.warmup.keys import WarmupKey, compute_key
 
 __all__ = ["Captured", "Restored", "Verdict", "capture", "restore", "run_app", "verdict"]
@@ -273,7 +282,8 @@ def run_app(client: RegistryClient | None, opts: RunOptions,
                        socket_path=upstream)
         restored = restore(client, opts.image, key=key, dirs=dirs, chunk_cache=opts.chunk_cache)
         say(f"warm-up cache: {restored.status}: {restored.reason} ({restored.seconds:.2f} s)")
-    before = snapshot(dirs)
+    watched = watched_dirs()
+    before = snapshot(watched)
     report: dict[str, Any] = {"key": key.to_json(),
                               "restore": restored.to_json() if restored else None}
     lock = threading.Lock()
@@ -283,7 +293,7 @@ def run_app(client: RegistryClient | None, opts: RunOptions,
     def judge(at: str) -> Verdict:
         with lock:
             if not judged:
-                v = verdict(restored, evidence(before, dirs))
+                v = verdict(restored, evidence(before, watched))
                 judged.append(v)
                 report.update(verdict=v.to_json(), judged_at=at)
                 _write_report(opts.report, report)
@@ -300,7 +310,7 @@ def run_app(client: RegistryClient | None, opts: RunOptions,
         return [f"{VERDICT_ENV}={v.verdict}"]
 
     relay = _NotifyRelay(upstream, on_ready)
-    env = {**os.environ, "NOTIFY_SOCKET": relay.path}
+    env = {**OFF_IN_CONTAINERS, **os.environ, "NOTIFY_SOCKET": relay.path}
     try:
         proc = subprocess.Popen(list(opts.argv), env=env)
     except OSError as exc:

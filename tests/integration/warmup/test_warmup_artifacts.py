@@ -20,7 +20,7 @@ import pytest
 from coldstart.oci.registry import RegistryClient
 from coldstart.stack.registry import Registry
 from coldstart.warmup import artifacts
-from coldstart.warmup.bundle import cache_dirs, evidence, snapshot
+from coldstart.warmup.bundle import OFF_IN_CONTAINERS, cache_dirs, evidence, snapshot
 from coldstart.warmup.keys import compute_key
 from coldstart.warmup.runner import capture, restore, verdict
 from tests.integration.pull.pull_env import push_image
@@ -61,7 +61,9 @@ def _env(root: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "TRITON_"))}
     env.update(TORCHINDUCTOR_CACHE_DIR=str(root / "inductor"),
                TRITON_CACHE_DIR=str(root / "triton"), VLLM_CACHE_ROOT=str(root / "vllm"),
-               CUDA_CACHE_PATH=str(root / "cuda"), HOME=str(root / "home"))
+               CUDA_CACHE_PATH=str(root / "cuda"), HOME=str(root / "home"),
+               # as `coldstart warmup run` sets it (the headers live outside the cache dirs)
+               **OFF_IN_CONTAINERS)
     return env
 
 
@@ -232,7 +234,7 @@ def test_run_wraps_an_unmodified_app_and_tells_ready(captured: Captured, registr
     listener.start()
     report = tmp_path / "report.json"
     env = {**_env(tmp_path / "node"), "NOTIFY_SOCKET": sock_path}
-    out = subprocess.run([sys.executable, "-m", "coldstart.warmup", "run", "--image",
+    out = subprocess.run([sys.executable, "-m", "coldstart.commands.warmup", "run", "--image",
                           captured.image, "--insecure", registry.host, "--report", str(report),
                           "--", sys.executable, str(app)],
                          env=env, capture_output=True, text=True, timeout=300)

@@ -85,9 +85,13 @@ RULES: dict[str, Rule] = {
     "stack": rule(_BELOW_BENCH, "bcrypt@stack.registry"),
     # httpx@benchmark.ready: the `--ready http://...` condition's GET of the benchmarked app
     # (a probe of the app, as probe.sinks' POST is a report; blobs go through remote and oci)
-    "benchmark": rule(_BELOW_BENCH + " stack",
+    # warm-up caches: packed like layers (format), fetched like them (oci, remote, cache);
+    # probe.notify: the relay adds the verdict to the app's READY=1
+    "warmup": rule("errors config format remote oci cache probe.notify", "torch@warmup"),
+    "benchmark": rule(_BELOW_BENCH + " stack warmup",
                       "httpx@benchmark.ready matplotlib@benchmark.results "
                       "numpy@benchmark.imagecontent torch@benchmark.server_app "
+                      "torch@benchmark.compile_app "
                       "safetensors@benchmark.server_app"),
     "cli": rule("*", "click"),
     "commands": rule("*", "click rich@commands.bench rich@commands._progress "

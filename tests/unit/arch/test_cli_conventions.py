@@ -252,7 +252,7 @@ def test_errors_say_what_to_do() -> None:
     assert r.returncode == 2, r.stderr                 # before anything is built or started
     assert r.stderr.strip().splitlines() == [
         "coldstart: error: unknown bench image 'nope' (built-in: tiny, torch, server, "
-        "cuda-like; see `coldstart bench-image list`)"]
+        "cuda-like, compile; see `coldstart bench-image list`)"]
     r = cli_run("weights", "load", "oci:./model", timeout=20)
     assert r.returncode == 2 and "registry://REGISTRY/REPO@sha256:" in r.stderr
 
