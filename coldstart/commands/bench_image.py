@@ -41,6 +41,8 @@ def bench_image() -> None:
                  debootstrap; downloads ~300 MB once)
       server     torch + 2.7 GB of bf16 weights + a model server (sd_notify, GET /infer)
       cuda-like  15.7 GB shaped like a CUDA PyTorch server image; a few minutes to build
+      compile    torch + g++ + an app that compiles a small transformer at start
+                 (torch.compile, Inductor's C++ backend; COMPILE_MODE=jit|aoti)
     """
 
 
