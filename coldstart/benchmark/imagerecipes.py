@@ -159,11 +159,11 @@ def _server_env() -> list[str]:
 WEIGHTS_CLIENT_DISTS = ("msgspec", "PyYAML", "zstandard", "typing_extensions")
 
 
-#: what ``python3 -m coldstart.warmup`` needs besides those: httpx and what it imports
-#: (``importlib.metadata.requires("httpx")``, less the extras; sniffio: httpcore's and httpx's
-#: optional import)
+#: what ``python3 -m coldstart.commands.warmup`` needs besides those: click, httpx and what it
+#: imports (``importlib.metadata.requires("httpx")``, less the extras; sniffio: httpcore's and
+#: httpx's optional import)
 WARMUP_CLIENT_DISTS = (*WEIGHTS_CLIENT_DISTS, "httpx", "httpcore", "h11", "anyio", "idna",
-                       "certifi", "sniffio")
+                       "certifi", "sniffio", "click")
 
 
 def _package_files() -> list[Path]:

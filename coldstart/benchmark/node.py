@@ -454,7 +454,9 @@ def cold_start(node: Node, ref: str, work: Workload, index: int, *, traffic: Tra
             for e in env:
                 argv += ["--env", e]
             if work.ready.needs_host_network or work.host_network:
-                argv.append("--net-host")
+                # "=true": ctr (urfave/cli) reorders its flags and takes the word after a
+                # bare flag for its value, so the image ref after "--net-host" would vanish
+                argv.append("--net-host=true")
             # "--": ctr would read the command's own flags (sh -c) as its flags
             node.ctr(*argv, ref, cid, "--", *work.command, timeout=_left(work, t0))
             phase("create")
