@@ -99,9 +99,10 @@ MODES: dict[str, ModeSpec] = {m.name: m for m in (
     ModeSpec("coldstart+warmcache", "coldstart", "zstd:chunked",
              "coldstart with the app's compile caches restored from their warm-up artifact "
              "(coldstart warmup run) before it compiles", warm_cache=True),
-    ModeSpec("coldstart+profile+warmcache", "coldstart", "zstd:chunked-profile",
-             "coldstart+profile with the warm-up artifact restored before the app compiles",
-             warm_cache=True),
+    ModeSpec("coldstart+profile+warmcache", "coldstart", "zstd:chunked-profile-warmcache",
+             "coldstart+profile with the warm-up artifact restored before the app compiles "
+             "(its profile recorded under coldstart warmup run, the wrapper's own start-up "
+             "included)", warm_cache=True),
     ModeSpec("coldstart+profile-nowarm", "coldstart", "zstd:chunked-profile",
              "coldstart+profile without handing the prefetched chunks to the kernel's page "
              "cache (fuse.page_cache = false; an ablation)", page_cache=False, ablation=True),

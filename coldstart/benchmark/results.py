@@ -202,6 +202,9 @@ def to_json(result: BenchResult) -> dict[str, Any]:
                     for r in m.ok_runs() if r.warmup]
         if verdicts:
             summary["warmup"] = {v: verdicts.count(v) for v in sorted(set(verdicts))}
+            summary["warmup_fetched_bytes"] = _stat(
+                float(((r.warmup or {}).get("restore") or {}).get("fetched_bytes") or 0)
+                for r in m.ok_runs() if r.warmup)
         loading = (summary.get("phases") or {}).get("loading")
         if result.limit is not None and loading:
             summary["loading_over_limit"] = loading["median"] / result.limit.seconds

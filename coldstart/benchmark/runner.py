@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from coldstart.benchmark import SETTLE_S
+from coldstart.benchmark import SETTLE_S, warmcache
 from coldstart.benchmark.node import (
     MODES,
     ModeSpec,
@@ -270,11 +270,16 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
         dst = (f"{base}:{fmt.replace(':', '-')}" if layout is not None
                else f"{base}:{suffix}-{fmt.replace(':', '-')}")
         key = f"{src if layout is None else _layout_digest(layout, tag)} {fmt}"
-        saved = kept / f"{Reference.parse(dst).repository.replace('/', '-')}.json"
-        if fmt in ("estargz-optimized", "zstd:chunked-profile"):
+        saved = kept / (f"{Reference.parse(dst).repository.replace('/', '-')}"
+                        f"{'-warmcache' if fmt == WARM_PROFILE else ''}.json")
+        # the warm-cache profile is recorded with the app under `coldstart warmup run`, so
+        # that the wrapper's own start-up is in it too
+        recorded = (warmcache.warm_command(command, gzip_ref) if fmt == WARM_PROFILE
+                    else command)
+        if fmt in ("estargz-optimized", *PROFILED):
             # what the optimizer ran decides what it recorded
-            key += " " + json.dumps([command, env])
-        if fmt == "zstd:chunked-profile":
+            key += " " + json.dumps([recorded, env])
+        if fmt in PROFILED:
             key += f" cuts={CUT_GAP}/{CUT_ALIGN}"    # how its files' chunks are cut
         if fmt.startswith("zstd:chunked-profile"):
             key += f" overfetch={OVERFETCH}"           # what its prefetch ranges hold
@@ -284,7 +289,7 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
         if fmt.startswith("estargz") and opts.estargz_level is not None:
             key += f" level={opts.estargz_level}"
             dst += f"-l{opts.estargz_level}"
-        if conv.get(client, key, dst) and (fmt != "zstd:chunked-profile" or saved.exists()):
+        if conv.get(client, key, dst) and (fmt not in PROFILED or saved.exists()):
             refs[mode.name] = dst
             continue
         if fmt == "zstd:chunked":
@@ -296,13 +301,13 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
             report.stage(f"writing {saved} first, in fixed-size chunks only: {dst}")
             convert_image(src, dst, format="zstd:chunked", client=client, workdir=work,
                           profile=load_profile(saved), cut_chunks=False)
-        elif fmt == "zstd:chunked-profile":
+        elif fmt in PROFILED:
             from coldstart.benchmark.optimize import OptimizeOptions, optimize_image
 
             report.stage(f"recording the start-up and writing it first (coldstart optimize): "
                          f"{dst}")
             result = optimize_image(src, dst, OptimizeOptions(
-                command=command, env=env, ready=ready, timeout=opts.timeout,
+                command=recorded, env=env, ready=ready, timeout=opts.timeout,
                 insecure=tuple(insecure), workdir=work), progress=report.stage)
             kept.mkdir(parents=True, exist_ok=True)
             saved.write_text(result.profile.dumps())
@@ -329,6 +334,12 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
         sizes[mode_name] = _layers_size(client, r)
     return Prepared(display=ref, refs=refs, sizes=sizes, command=command, env=env,
                     ready=ready, info=info), traffic
+
+
+#: the formats `coldstart optimize` records a profile for: the plain one, and the one recorded
+#: under `coldstart warmup run` (coldstart+profile+warmcache)
+WARM_PROFILE = "zstd:chunked-profile-warmcache"
+PROFILED = ("zstd:chunked-profile", WARM_PROFILE)
 
 
 def _layout_digest(layout: Path, tag: str) -> str:
@@ -600,8 +611,6 @@ def _warm_preps(opts: BenchOptions, active: Sequence[ModeSpec], refs: Mapping[st
                 report: Reporter) -> dict[str, WarmPrep]:
     """For each warm-cache mode, its artifact: found, or captured by one untimed start (see
     :mod:`coldstart.benchmark.warmcache`); a mode without one fails with the reason."""
-    from coldstart.benchmark import warmcache
-
     out: dict[str, WarmPrep] = {}
     for spec in active:
         if not spec.warm_cache:
@@ -633,8 +642,6 @@ def _local_cache(opts: BenchOptions, preps: Mapping[str, WarmPrep], prepared: Pr
                  report: Reporter) -> tuple[tuple[str, str], ...] | None:
     """Bind mounts that put a warm-up artifact's caches where the app looks, on the node
     (for the floor with the caches local); None without an artifact."""
-    from coldstart.benchmark import warmcache
-
     for name, prep in preps.items():
         if prep.artifact is None:
             continue

@@ -136,6 +136,7 @@ def test_warm_cache_runs_carry_their_verdict_and_meet_the_local_cache_floor() ->
     jsonschema.validate(doc, json.loads(SCHEMA_PATH.read_text()))
     s = doc["modes"]["coldstart+warmcache"]["summary"]
     assert s["warmup"] == {"hit": 2, "partial": 1}
+    assert s["warmup_fetched_bytes"]["median"] == 900_000
     assert s["over_floor_cache"] == pytest.approx((0.1 + 1 + 2.5) / 2.0)
     assert doc["modes"]["coldstart+warmcache"]["runs"][0]["warmup"]["verdict"]["verdict"] == "hit"
     table = render_table(doc)
