@@ -103,6 +103,9 @@ MODES: dict[str, ModeSpec] = {m.name: m for m in (
              "coldstart+profile with the warm-up artifact restored before the app compiles "
              "(its profile recorded under coldstart warmup run, the wrapper's own start-up "
              "included)", warm_cache=True),
+    ModeSpec("coldstart+fill+warmcache", "coldstart", "zstd:chunked-profile-warmcache",
+             "coldstart+profile+warmcache with the hybrid fill on (the product's default)",
+             background_rate=None, warm_cache=True),
     ModeSpec("coldstart+profile-nowarm", "coldstart", "zstd:chunked-profile",
              "coldstart+profile without handing the prefetched chunks to the kernel's page "
              "cache (fuse.page_cache = false; an ablation)", page_cache=False, ablation=True),

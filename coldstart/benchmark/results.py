@@ -22,8 +22,8 @@ from typing import Any
 from coldstart.errors import FailedPrecondition
 
 __all__ = ["SCHEMA_ID", "SCHEMA_PATH", "BenchResult", "Floor", "Limit", "ModeResult", "Phase",
-           "Run", "Stat", "describe_floor_cache", "describe_limit", "plot_timeline",
-           "render_table", "summarise", "to_json"]
+           "Run", "Stat", "describe_floor_cache", "describe_limit", "phase_medians",
+           "plot_timeline", "render_table", "summarise", "to_json"]
 
 SCHEMA_ID = "https://coldstart.dev/schemas/bench-result/v1"
 SCHEMA_PATH = Path(__file__).with_name("result_schema.json")
@@ -109,6 +109,15 @@ class Floor:
     #: each successful warm start's seconds, in the order they ran (one per round, alternated
     #: with the modes)
     warm_runs_s: list[float] = field(default_factory=list)
+    #: the median seconds of each phase over those warm starts (create, start, the app's own)
+    phases_s: dict[str, float] = field(default_factory=dict)
+
+
+def phase_medians(runs: Sequence[Run]) -> dict[str, float]:
+    """The median seconds of each phase over ``runs`` (the successful ones), in run order."""
+    ok = [r for r in runs if r.ok and r.ready_s is not None]
+    return {n: statistics.median(r.phase_seconds().get(n, 0.0) for r in ok)
+            for n in _phase_order(ok)}
 
 
 @dataclass(frozen=True)
@@ -198,7 +207,7 @@ def to_json(result: BenchResult) -> dict[str, Any]:
             summary["over_floor"] = mine / result.floor.total_s
         if result.floor_cache is not None and mine:
             summary["over_floor_cache"] = mine / result.floor_cache.total_s
-        verdicts = [str(((r.warmup or {}).get("verdict") or {}).get("verdict"))
+        verdicts = [str(((r.warmup or {}).get("verdict") or {}).get("verdict") or "unknown")
                     for r in m.ok_runs() if r.warmup]
         if verdicts:
             summary["warmup"] = {v: verdicts.count(v) for v in sorted(set(verdicts))}

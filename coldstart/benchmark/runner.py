@@ -42,7 +42,14 @@ from coldstart.benchmark.node import (
     start_node,
 )
 from coldstart.benchmark.ready import parse_ready
-from coldstart.benchmark.results import BenchResult, Floor, Limit, ModeResult, Run
+from coldstart.benchmark.results import (
+    BenchResult,
+    Floor,
+    Limit,
+    ModeResult,
+    Run,
+    phase_medians,
+)
 from coldstart.benchmark.shaping import Link
 from coldstart.benchmark.warmcache import WarmPrep, warm_workload
 from coldstart.errors import ColdstartError, FailedPrecondition, InvalidArgument, NotFound
@@ -464,9 +471,13 @@ def run_bench(opts: BenchOptions, report: Reporter | None = None) -> BenchResult
                     warm.append(run)
                 elif turn == FLOOR_CACHE:
                     assert floor_ref is not None and cache_mounts
+                    # each warm start its own copy of the caches, its compile work proven
+                    mounts = warmcache.fresh_copies(cache_mounts, work / "floor-cache")
+                    before = warmcache.snapshot_mounts(mounts)
                     run = _warm_start(opts, floor_ref, replace(
-                        workload, mounts=(*workload.mounts, *cache_mounts)), i, work / "n",
+                        workload, mounts=(*workload.mounts, *mounts)), i, work / "n",
                         insecure, report, name=FLOOR_CACHE)
+                    run.warmup = warmcache.local_verdict(before, mounts)
                     warm_cached.append(run)
                 else:
                     assert isinstance(turn, ModeSpec)
@@ -481,11 +492,16 @@ def run_bench(opts: BenchOptions, report: Reporter | None = None) -> BenchResult
                 m.status, m.reason = "failed", m.runs[-1].error
         if floor_ref is not None:
             result.floor = _floor(opts, warm, result, report)
+        if warm_cached:     # what each warm start with the caches local compiled, if any
+            result.image.setdefault("warmup", {})[FLOOR_CACHE] = {"runs": [
+                {"ok": r.ok, "ready_s": r.ready_s, "error": r.error,
+                 "verdict": (r.warmup or {}).get("verdict")} for r in warm_cached]}
         cached = [r.ready_s for r in warm_cached if r.ok and r.ready_s is not None]
         if cached:
             med = statistics.median(cached)
             result.floor_cache = Floor(warm_start_s=med, startup_bytes=None, link_s=0.0,
-                                       total_s=med, warm_runs_s=cached)
+                                       total_s=med, warm_runs_s=cached,
+                                       phases_s=phase_medians(warm_cached))
         if checkpoint is not None and rates:
             result.limit = Limit(file=checkpoint[2], bytes=checkpoint[3],
                                  gbps=statistics.median(rates), runs_gbps=rates)
@@ -623,9 +639,9 @@ def _warm_preps(opts: BenchOptions, active: Sequence[ModeSpec], refs: Mapping[st
                 prep = warmcache.prepare(node, ref, workload, settle=opts.settle,
                                          on_phase=functools.partial(report.phase, spec.name,
                                                                     -1))
-        except ColdstartError as exc:
+        except Exception as exc:    # this mode fails, with the reason; the others run
             prep = WarmPrep(None, "failed", Run(spec.name, -1, ok=False, error=str(exc)),
-                            error=f"the node did not start: {exc}")
+                            error=f"the node did not start: {type(exc).__name__}: {exc}")
         out[spec.name] = prep
         report.stage(f"{spec.name}: {warmcache.describe(prep)}")
         result.image.setdefault("warmup", {})[spec.name] = {
@@ -650,8 +666,8 @@ def _local_cache(opts: BenchOptions, preps: Mapping[str, WarmPrep], prepared: Pr
             try:
                 return warmcache.local_cache_mounts(client, prepared.refs[name], prep.artifact,
                                                     prepared.env, work / "local-cache")
-            except ColdstartError as exc:
-                report.stage(f"{FLOOR_CACHE}: skipped: {exc}")
+            except Exception as exc:    # no floor+cache; the modes still run
+                report.stage(f"{FLOOR_CACHE}: skipped: {type(exc).__name__}: {exc}")
                 return None
     return None
 
@@ -692,6 +708,7 @@ def _floor(opts: BenchOptions, warm_runs: list[Run], result: BenchResult,
               else 0.0)
     warm_s = statistics.median(warm)
     return Floor(warm_start_s=warm_s, startup_bytes=startup, link_s=link_s,
+                 phases_s=phase_medians(warm_runs),
                  total_s=warm_s + link_s, warm_runs_s=warm)
 
 

@@ -25,7 +25,8 @@ from coldstart.benchmark.results import Run
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
 
-__all__ = ["WarmPrep", "describe", "local_cache_mounts", "prepare", "warm_command", "warm_workload"]
+__all__ = ["WarmPrep", "describe", "fresh_copies", "local_cache_mounts", "local_verdict",
+           "prepare", "snapshot_mounts", "warm_command", "warm_workload"]
 
 #: the log lines of `coldstart warmup run --capture` that end the preparing start
 _PREP_DONE = r"log:coldstart warmup: warm-up cache (captured|not captured|hit)"
@@ -104,3 +105,34 @@ def describe(prep: WarmPrep) -> str:
     took = f" ({prep.run.ready_s:.1f} s)" if prep.run.ready_s is not None else ""
     return f"warm-up artifact {prep.artifact[:19]}… {prep.how}{took}"
 
+
+def fresh_copies(mounts: Sequence[tuple[str, str]], dst: Path) -> tuple[tuple[str, str], ...]:
+    """A copy of each host directory of ``mounts`` under ``dst`` (one warm start's own: what
+    an earlier one wrote is not in it), with the same container paths."""
+    import shutil
+
+    if dst.exists():
+        shutil.rmtree(dst)
+    out = []
+    for i, (host, inside) in enumerate(mounts):
+        copy = dst / str(i)
+        shutil.copytree(host, copy, symlinks=True)
+        out.append((str(copy), inside))
+    return tuple(out)
+
+
+def local_verdict(before: Mapping[str, set[str]], mounts: Sequence[tuple[str, str]]
+                  ) -> dict[str, object]:
+    """What a warm start with the caches local compiled, read on the host side of its mounts
+    (the same proof `coldstart warmup run` gives, for a start that ran without it)."""
+    from coldstart.warmup.bundle import evidence
+    from coldstart.warmup.runner import verdict
+
+    dirs = {str(i): Path(host) for i, (host, _) in enumerate(mounts)}
+    return {"verdict": verdict(None, evidence(before, dirs), had_files=True).to_json()}
+
+
+def snapshot_mounts(mounts: Sequence[tuple[str, str]]) -> dict[str, set[str]]:
+    from coldstart.warmup.bundle import snapshot
+
+    return snapshot({str(i): Path(host) for i, (host, _) in enumerate(mounts)})

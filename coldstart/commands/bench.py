@@ -61,9 +61,10 @@ root. The JSON schema is coldstart/benchmark/result_schema.json.
                    "eStargz), stargz-optimized (its ctr-remote optimized image), "
                    "coldstart+profile (the image from coldstart optimize), coldstart+fill "
                    "(the same with the hybrid fill), coldstart+ctr-profile (coldstart on "
-                   "ctr-remote's optimized image), coldstart+warmcache and "
-                   "coldstart+profile+warmcache (the app under `coldstart warmup run`: its "
-                   "compile caches restored from their warm-up artifact, made by one untimed "
+                   "ctr-remote's optimized image), coldstart+warmcache, "
+                   "coldstart+profile+warmcache and coldstart+fill+warmcache (the app "
+                   "under `coldstart warmup run`: its compile caches restored from their "
+                   "warm-up artifact, made by one untimed "
                    "start first; the floor then also takes warm starts with the caches "
                    "already on the node, `floor+cache`). The image must ship the coldstart "
                    "package for the warm-cache modes (builtin:compile does).")

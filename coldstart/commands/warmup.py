@@ -159,7 +159,10 @@ def run(image: str | None, do_capture: bool, report: Path | None, model_version:
 
     The app's sd_notify messages are relayed to $NOTIFY_SOCKET; the one with READY=1 gets
     X_WARMUP=hit|partial|miss (`coldstart probe` publishes it). Signals are passed on; the
-    exit code is the app's.
+    exit code is the app's (128 + N when signal N ended it). Without --image nothing is
+    restored and the verdict says whether the caches already here were enough. Run it with
+    the app's own Python (the key names the torch that Python imports); as PID 1 of a
+    container it does not reap orphans: use the runtime's init (`--init`, tini) for that.
     """
     from coldstart.warmup.runner import RunOptions, run_app
 

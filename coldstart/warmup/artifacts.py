@@ -35,8 +35,15 @@ KEY_MEDIA_TYPE = "application/vnd.coldstart.warmup.key.v1+json"
 A_KEY = "dev.coldstart.warmup.key"
 A_DIRS = "dev.coldstart.warmup.dirs"
 A_COMPILES = "dev.coldstart.warmup.compiles"
+A_CREATED = "org.opencontainers.image.created"
 #: at most this many other artifacts' keys are read to say why none matched
 EXPLAIN = 8
+
+
+def _now() -> str:
+    import datetime as dt
+
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def push(client: RegistryClient, image: Reference, key: WarmupKey, packed: Packed, blob: Path,
@@ -55,7 +62,7 @@ def push(client: RegistryClient, image: Reference, key: WarmupKey, packed: Packe
                     "size": packed.layer.size, "annotations": packed.layer.annotations}],
         "subject": {"mediaType": resolved.media_type, "digest": resolved.digest,
                     "size": len(resolved.manifest_bytes)},
-        "annotations": {A_KEY: key.digest,
+        "annotations": {A_KEY: key.digest, A_CREATED: _now(),
                         A_DIRS: json.dumps({r: str(p) for r, p in sorted(dirs.items())},
                                            separators=(",", ":")),
                         A_COMPILES: str(compiles)},
@@ -81,15 +88,30 @@ def find(client: RegistryClient, image: Reference, key: WarmupKey) -> Found:
     resolved = client.resolve(image)
     found = Found(resolved.digest)
     descs = find_referrers(client, image, resolved.digest, ARTIFACT_TYPE)
-    same = [d for d in descs if (d.get("annotations") or {}).get(A_KEY) == key.digest]
     if not descs:
         found.reasons.append(f"no warm-up artifact refers to {resolved.digest}")
         return found
-    if not same:
-        for d in descs[-EXPLAIN:]:
+
+    def ann(d: Mapping[str, Any]) -> Mapping[str, Any]:
+        a = d.get("annotations")
+        return a if isinstance(a, Mapping) else {}
+
+    # the newest first: by when our pushes say they were made, else the fallback index's
+    # order (newest last; the referrers API promises no order)
+    descs = sorted(reversed(descs), key=lambda d: str(ann(d).get(A_CREATED, "")), reverse=True)
+    same = [d for d in descs if ann(d).get(A_KEY) == key.digest]
+    if same:
+        return _load(client, image, str(same[0]["digest"]), key, found)
+    for d in descs[:EXPLAIN]:
+        if A_KEY in ann(d):      # annotated with another key: say how it differs
             found.reasons.append(_why_not(client, image, d, key))
-        return found
-    return _load(client, image, str(same[-1]["digest"]), key, found)
+            continue
+        # a registry may leave the annotations out of the list: read the key itself
+        try:
+            return _load(client, image, str(d["digest"]), key, Found(found.image))
+        except IntegrityError:
+            found.reasons.append(_why_not(client, image, d, key))
+    return found
 
 
 def fetch(client: RegistryClient, image: Reference, digest: str) -> Found:
@@ -109,9 +131,9 @@ def _load(client: RegistryClient, image: Reference, digest: str, key: WarmupKey 
         raise FormatError(f"warm-up artifact {digest}: expected one layer")
     config = doc.get("config") or {}
     have = WarmupKey.parse(client.get_blob(image, str(config.get("digest")), max_size=1 << 16))
-    if key is not None and have.digest != key.digest:   # the annotation said so; so must it
-        raise IntegrityError(f"warm-up artifact {digest}: annotated key {key.digest} but its "
-                             f"config is key {have.digest}")
+    if key is not None and have.digest != key.digest:
+        raise IntegrityError(f"warm-up artifact {digest}: wanted key {key.digest}, its config "
+                             f"is key {have.digest}")
     ann = doc.get("annotations") or {}
     found.digest, found.layer = digest, layers[0]
     try:
@@ -151,9 +173,14 @@ def open_bundle(client: RegistryClient, image: Reference, found: Found, *,
     """The artifact's bundle, opened lazily from the registry (its TOC verified against the
     layer's annotation)."""
     desc = found.layer
-    blob = open_blob(client, image, str(desc.get("digest")), int(desc.get("size") or 0) or None,
-                     timeout=timeout)
-    return open_layer(blob, annotations=desc.get("annotations") or {})
+    size = desc.get("size")
+    annotations = desc.get("annotations")
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0 or \
+            not isinstance(annotations, dict):
+        raise FormatError(f"warm-up artifact {found.digest}: its layer descriptor has no size "
+                          "or no annotations")
+    blob = open_blob(client, image, str(desc.get("digest")), size, timeout=timeout)
+    return open_layer(blob, annotations=annotations)
 
 
 @dataclass
@@ -194,11 +221,16 @@ def cached_reader(cache: ChunkCache | None, stats: Fetched) -> ReadFile:
         data = b"".join(p or b"" for p in parts)
         if chunks:
             data = data[: entry.size]
-        if entry.digest:
-            got_digest = "sha256:" + hashlib.sha256(data).hexdigest()
-            if got_digest != entry.digest:
-                raise IntegrityError(f"warm-up bundle entry {name!r}: file digest {got_digest} "
-                                     f"does not match {entry.digest}")
+        if entry.digest and "sha256:" + hashlib.sha256(data).hexdigest() != entry.digest:
+            if from_cache := [c for i, c in enumerate(chunks) if i not in missing]:
+                # a chunk the cache held is wrong (its disk, its owner): drop those and read
+                # the file from the registry, verified, instead of refusing every restore
+                for c in from_cache:
+                    if c.digest:
+                        cache.remove(c.digest)
+                return layer.read_file(name)
+            raise IntegrityError(f"warm-up bundle entry {name!r}: file digest does not match "
+                                 f"{entry.digest}")
         return data
 
     return read

@@ -5,9 +5,10 @@ a tar of ``<role>/<path inside that directory>``, converted to zstd:chunked (a d
 chunk, so a node's chunk cache verifies and deduplicates it like an image layer). Unpacking
 reads every file through the verified layer reader (the TOC against its manifest checksum,
 each chunk against its digest, each whole file against its digest): nothing unverified is
-written. Files land under a staging directory first and are renamed into place one by one, so
-an interrupted restore leaves whole files or none; files already there are kept (a local
-entry is as good as a shipped one).
+written. Each file is written whole (a temporary file beside it, renamed), through
+directories opened without following symlinks, so an interrupted restore leaves whole files or
+none and nothing lands outside the directories; files already there are kept (a local entry
+is as good as a shipped one).
 
 Measured with torch 2.13 (CPU, Inductor's C++ backend): a cache copied to another directory,
 with new mtimes, is hit; a cache used with ``CXX`` pointing at a wrapper of g++ (or a wrapper
@@ -18,11 +19,14 @@ in the caches, new compiler outputs and new graph entries, and never wraps the c
 
 from __future__ import annotations
 
-import getpass
+import contextlib
+import errno
 import os
-import shutil
+import pwd
+import re
 import tarfile
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -32,23 +36,22 @@ from coldstart.errors import FormatError, InvalidArgument
 from coldstart.format.layer import SeekableLayer
 from coldstart.format.writer import LayerResult, convert_layer
 
-__all__ = ["OFF_IN_CONTAINERS", "ROLES", "WATCHED", "Evidence", "Unpacked", "cache_dirs",
-           "evidence", "pack", "snapshot", "unpack", "watched_dirs"]
+__all__ = ["HEADERS", "OFF_IN_CONTAINERS", "ROLES", "Evidence", "Unpacked", "cache_dirs",
+           "evidence", "inductor_default", "pack", "snapshot", "unpack", "watched_dirs"]
 
-#: role → (environment variable, default directory; ``{user}``/``~`` expanded)
-ROLES: dict[str, tuple[str, str]] = {
-    "inductor": ("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_{user}"),
-    "triton": ("TRITON_CACHE_DIR", "~/.triton/cache"),
-    "vllm": ("VLLM_CACHE_ROOT", "~/.cache/vllm"),
-    "cuda": ("CUDA_CACHE_PATH", "~/.nv/ComputeCache"),
+#: role → the environment variable that names its directory (the defaults: :func:`cache_dirs`)
+ROLES: dict[str, str] = {
+    "inductor": "TORCHINDUCTOR_CACHE_DIR",
+    "triton": "TRITON_CACHE_DIR",
+    "vllm": "VLLM_CACHE_ROOT",
+    "cuda": "CUDA_CACHE_PATH",
 }
-#: directories watched for compile work but not shipped: Inductor's precompiled headers live
-#: under its *default* cache directory whatever TORCHINDUCTOR_CACHE_DIR says (149 MB for a
-#: six-block transformer); ``coldstart warmup run`` turns them off (:data:`OFF_IN_CONTAINERS`)
-WATCHED: dict[str, str] = {"headers": "/tmp/torchinductor_{user}/precompiled_headers"}
-#: settings ``coldstart warmup run`` gives the app unless its environment has them: what a
-#: container would rebuild on every start outside the shipped directories
+#: settings ``coldstart warmup run`` gives the app unless its environment has them: Inductor's
+#: precompiled headers live under its *default* directory whatever TORCHINDUCTOR_CACHE_DIR
+#: says (149 MB for a six-block transformer), so a fresh container rebuilds them on every start
 OFF_IN_CONTAINERS: dict[str, str] = {"TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0"}
+#: never shipped, only watched for compile work (they are rebuilt where they are needed)
+HEADERS = "precompiled_headers"
 # what a cache directory holds that is not cache: locks, half-written temporaries
 _SKIP_SUFFIXES = (".lock", ".tmp")
 _SKIP_PREFIXES = ("tmp", ".tmp")
@@ -59,36 +62,52 @@ ReadFile = Callable[[SeekableLayer, str], bytes]
 
 
 def _user(env: Mapping[str, str]) -> str:
-    """The user name as getpass finds it (the environment first), for the defaults' ``{user}``."""
+    """The user name as torch's ``default_cache_dir`` finds it (getpass: the environment
+    first, then the password database; ``uid_<n>`` without one), sanitised as torch does."""
     user = env.get("LOGNAME") or env.get("USER") or env.get("LNAME") or env.get("USERNAME")
-    if user:
-        return user
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return str(os.getuid())
+    if not user:
+        try:
+            user = pwd.getpwuid(os.getuid()).pw_name
+        except KeyError:
+            user = f"uid_{os.getuid()}"
+    return re.sub(r'[\\/:*?"<>|]', "_", user)
+
+
+def _tmp(env: Mapping[str, str]) -> str:
+    """``tempfile.gettempdir()`` as a process with ``env`` would find it."""
+    for var in ("TMPDIR", "TEMP", "TMP"):
+        if env.get(var):
+            return env[var]
+    return "/tmp"
+
+
+def inductor_default(env: Mapping[str, str] | None = None) -> Path:
+    """Inductor's default cache directory (``<tmp>/torchinductor_<user>``): its precompiled
+    headers live here even when TORCHINDUCTOR_CACHE_DIR names another."""
+    env = os.environ if env is None else env
+    return Path(_tmp(env), f"torchinductor_{_user(env)}")
 
 
 def cache_dirs(env: Mapping[str, str] | None = None) -> dict[str, Path]:
-    """Each role's directory as a process with ``env`` (default: ours) would use it: the
-    variable, else the default under ``$HOME`` or for ``$USER``."""
+    """Each role's directory as a process with ``env`` (default: ours) would use it, by the
+    compilers' own rules: the variable, else Inductor's ``<tmp>/torchinductor_<user>``,
+    Triton's ``$TRITON_HOME/.triton/cache``, vLLM's ``$XDG_CACHE_HOME/vllm`` and the CUDA
+    driver's ``~/.nv/ComputeCache``; relative paths against the working directory."""
     env = os.environ if env is None else env
-    user = _user(env)
     home = env.get("HOME") or os.path.expanduser("~")
-    out: dict[str, Path] = {}
-    for role, (var, default) in ROLES.items():
-        value = env.get(var) or default.format(user=user)
-        if value.startswith("~/"):
-            value = home.rstrip("/") + value[1:]
-        out[role] = Path(value)
-    return out
+    defaults = {
+        "inductor": str(inductor_default(env)),
+        "triton": os.path.join(env.get("TRITON_HOME") or home, ".triton", "cache"),
+        "vllm": os.path.join(env.get("XDG_CACHE_HOME") or os.path.join(home, ".cache"), "vllm"),
+        "cuda": os.path.join(home, ".nv", "ComputeCache"),
+    }
+    return {role: Path(os.path.abspath(env.get(var) or defaults[role]))
+            for role, var in ROLES.items()}
 
 
 def watched_dirs(env: Mapping[str, str] | None = None) -> dict[str, Path]:
-    """:func:`cache_dirs` plus the directories only watched for compile work (:data:`WATCHED`)."""
-    env = os.environ if env is None else env
-    user = _user(env)
-    return {**cache_dirs(env), **{role: Path(p.format(user=user)) for role, p in WATCHED.items()}}
+    """:func:`cache_dirs` plus the precompiled headers' directory (watched, not shipped)."""
+    return {**cache_dirs(env), "headers": inductor_default(env) / HEADERS}
 
 
 def _skipped(name: str) -> bool:
@@ -98,7 +117,8 @@ def _skipped(name: str) -> bool:
 def _walk(root: Path) -> Iterator[tuple[str, Path]]:
     """``(relative posix path, path)`` of the regular files under ``root``, sorted."""
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not _skipped(d))
+        dirnames[:] = sorted(d for d in dirnames if not _skipped(d) and
+                             not (d == HEADERS and dirpath == str(root)))
         for name in sorted(filenames):
             path = Path(dirpath) / name
             if _skipped(name) or path.is_symlink() or not path.is_file():
@@ -115,30 +135,42 @@ class Packed:
 
 
 def pack(dirs: Mapping[str, Path], dst: BinaryIO, *, max_bytes: int = 4 << 30) -> Packed:
-    """Write the files of ``dirs`` (role → directory) as one zstd:chunked layer to ``dst``."""
+    """Write the files of ``dirs`` (role → directory) as one zstd:chunked layer to ``dst``.
+
+    A role whose directory lies inside another's is left to that one (Inductor puts Triton's
+    cache under its own); the precompiled headers are never shipped; a file that disappears
+    while it is packed (a compiler replacing it) is skipped."""
     roles: dict[str, int] = {}
     total = files = 0
+    for role in dirs:
+        if role not in ROLES:
+            raise InvalidArgument(f"unknown warm-up cache role {role!r}")
+    roots = {r: Path(os.path.abspath(p)) for r, p in dirs.items()}
+    nested = {r for r, p in roots.items()
+              if any(o != r and p != q and p.is_relative_to(q) for o, q in roots.items())}
     with tempfile.TemporaryFile() as spool:
         with tarfile.open(fileobj=spool, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            for role in sorted(dirs):
-                if role not in ROLES:
-                    raise InvalidArgument(f"unknown warm-up cache role {role!r}")
-                root = dirs[role]
+            for role in sorted(set(roots) - nested):
+                root = roots[role]
                 if not root.is_dir():
                     continue
                 for rel, path in _walk(root):
-                    files += 1
-                    if files > MAX_FILES:
-                        raise InvalidArgument(f"{root}: more than {MAX_FILES} files; not a "
-                                              "compile cache?")
-                    st = path.stat()
-                    total += st.st_size
-                    if total > max_bytes:
-                        raise InvalidArgument(f"the caches hold more than {max_bytes} bytes "
-                                              f"(raise --max-bytes)")
-                    info = tarfile.TarInfo(f"{role}/{rel}")
-                    info.size, info.mode, info.mtime = st.st_size, st.st_mode & 0o755, 0
-                    with open(path, "rb") as f:
+                    try:
+                        f = open(path, "rb")    # noqa: SIM115 - closed below
+                    except FileNotFoundError:
+                        continue
+                    with f:
+                        st = os.fstat(f.fileno())   # the size of what is open, not of a path
+                        files += 1
+                        if files > MAX_FILES:
+                            raise InvalidArgument(f"{root}: more than {MAX_FILES} files; not "
+                                                  "a compile cache?")
+                        total += st.st_size
+                        if total > max_bytes:
+                            raise InvalidArgument(f"the caches hold more than {max_bytes} "
+                                                  "bytes (raise --max-bytes)")
+                        info = tarfile.TarInfo(f"{role}/{rel}")
+                        info.size, info.mode, info.mtime = st.st_size, st.st_mode & 0o755, 0
                         tar.addfile(info, f)
                     roles[role] = roles.get(role, 0) + 1
         spool.seek(0)
@@ -164,15 +196,69 @@ class Unpacked:
     bytes: int = 0         # uncompressed, written
 
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_parent(root: Path, rel: PurePosixPath) -> int:
+    """A descriptor of ``rel``'s parent under ``root``, each directory below the root created
+    if missing and opened without following a symlink (FormatError if one is a symlink or not
+    a directory): nothing is written outside the root, whatever was planted in it."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)   # the root: as named
+    try:
+        for part in rel.parts[:-1]:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, 0o755, dir_fd=fd)
+            try:
+                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise FormatError(f"{root}/{rel}: {part!r} is a symlink or not a directory: "
+                                      "refusing to write through it") from None
+                raise
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _write_at(dirfd: int, name: str, data: bytes) -> bool:
+    """Write ``name`` in ``dirfd`` whole (a temporary file renamed over it); False when a file
+    (or anything) is there already: it is kept."""
+    try:
+        os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+        return False
+    except FileNotFoundError:
+        pass
+    tmp = f".tmp-coldstart-{os.getpid()}-{threading.get_ident()}-{name}"[:255]
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o644, dir_fd=dirfd)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dirfd)
+        raise
+    return True
+
+
 def unpack(layer: SeekableLayer, dirs: Mapping[str, Path], *,
            read: ReadFile | None = None) -> Unpacked:
     """Write the bundle's files under ``dirs`` (role → directory), each verified first.
 
-    ``read(layer, name)``: a file's bytes, verified (default :meth:`SeekableLayer.read_file`;
+    The whole TOC is checked before anything is written (names that escape, unknown roles,
+    entries other than files and directories refuse the bundle). Each file is written whole
+    (temporary file, rename), through directories opened without following symlinks; files
+    already there are kept. Roles not in ``dirs`` are skipped. ``read(layer, name)``: a
+    file's bytes, verified (default :meth:`SeekableLayer.read_file`;
     :func:`coldstart.warmup.artifacts.cached_reader` goes through a chunk cache)."""
     reader: ReadFile = read or (lambda lay, name: lay.read_file(name))
     out = Unpacked()
-    plan: list[tuple[str, Path]] = []
+    plan: list[tuple[str, str, PurePosixPath]] = []
     for name, entry in layer.toc.entries.items():
         if entry.type == "dir":
             if name.strip("/") not in ("", "."):    # the TOC's root
@@ -182,44 +268,37 @@ def unpack(layer: SeekableLayer, dirs: Mapping[str, Path], *,
             raise FormatError(f"warm-up bundle entry {name!r} is a {entry.type}; only files "
                               "and directories are restored")
         role, rel = _target(name, dirs)
-        if role not in dirs:
-            continue
-        plan.append((name, dirs[role] / rel))
-    stages: dict[Path, Path] = {}
-    try:
-        for name, dst in plan:
-            if dst.exists():
+        if role in dirs and rel.parts and rel.parts[0] != HEADERS:
+            plan.append((name, role, rel))
+    for name, role, rel in plan:
+        dirfd = _open_parent(Path(dirs[role]), rel)
+        try:
+            try:
+                os.stat(rel.name, dir_fd=dirfd, follow_symlinks=False)
                 out.kept += 1
                 continue
+            except FileNotFoundError:
+                pass
             data = reader(layer, name)
-            root = next(d for d in dirs.values() if dst.is_relative_to(d))
-            stage = stages.get(root)
-            if stage is None:
-                root.mkdir(parents=True, exist_ok=True)
-                stage = stages[root] = Path(tempfile.mkdtemp(prefix=".tmp-coldstart-",
-                                                             dir=root))
-            tmp = stage / f"{out.files}"
-            tmp.write_bytes(data)
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp, dst)
-            out.files += 1
-            out.bytes += len(data)
-    finally:
-        for stage in stages.values():
-            shutil.rmtree(stage, ignore_errors=True)
+            if _write_at(dirfd, rel.name, data):
+                out.files += 1
+                out.bytes += len(data)
+            else:
+                out.kept += 1
+        finally:
+            os.close(dirfd)
     return out
 
 
 # -- evidence of compile work ---------------------------------------------------------------
 
-#: what a compiler's output looks like in each role's directory: a new one is a compile
-_COMPILED = {
-    "inductor": (".so", ".o"),
-    "triton": (".cubin", ".hsaco", ".so"),
-    "vllm": (".so",),
-    "cuda": ("",),     # the driver's JIT cache: any new file is a PTX compile
-    "headers": (".gch",),
-}
+#: what a compiler leaves in a cache, wherever it lies: a new one is one compile (a C++ or
+#: Triton kernel, an AOTInductor library, a precompiled header); in the CUDA driver's cache any
+#: new file is one PTX compile
+_COMPILED_SUFFIXES = (".so", ".o", ".cubin", ".hsaco", ".gch", ".pt2")
+#: directories whose new entries are graphs the cache did not hold (Inductor's FX graph and
+#: AOTAutograd caches, whoever's directory they are in: vLLM keeps its own)
+_GRAPH_DIRS = ("fxgraph", "aotautograd")
 
 
 def snapshot(dirs: Mapping[str, Path]) -> dict[str, set[str]]:
@@ -242,18 +321,23 @@ class Evidence:
 
 def evidence(before: Mapping[str, set[str]], dirs: Mapping[str, Path]) -> Evidence:
     """What compile work left in the caches since ``before``: each new compiler output is one
-    compile, each new FX graph or AOTAutograd entry one graph that was not in the cache."""
+    compile, each new FX graph or AOTAutograd entry one graph that was not in the cache.
+    Files are classified by what they are, not by whose directory holds them."""
     now = snapshot(dirs)
     ev = Evidence(examples=[])
+    seen: set[Path] = set()     # a directory watched under two roles counts once
     for role, files in now.items():
-        new = sorted(files - before.get(role, set()))
-        ev.new_files += len(new)
-        for rel in new:
-            head = rel.split("/", 1)[0]
-            if role == "inductor" and head in ("fxgraph", "aotautograd"):
+        root = Path(os.path.abspath(dirs[role]))
+        for rel in sorted(files - before.get(role, set())):
+            path = root / rel
+            if path in seen:
+                continue
+            seen.add(path)
+            ev.new_files += 1
+            parts = rel.split("/")
+            if any(p in _GRAPH_DIRS for p in parts[:-1]):
                 ev.graphs += 1
-            elif any(rel.endswith(s) for s in _COMPILED.get(role, ())) and \
-                    head != "precompiled_headers" and "/locks/" not in f"/{rel}":
+            elif rel.endswith(_COMPILED_SUFFIXES) or role == "cuda":
                 ev.compiled += 1
                 if len(ev.examples or []) < 3:
                     assert ev.examples is not None

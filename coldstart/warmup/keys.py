@@ -101,16 +101,34 @@ class WarmupKey:
         return {"digest": self.digest, "components": dict(self.components)}
 
 
-def _dist(name: str) -> str:
-    """``<version> record:<sha256 of RECORD, 16 hex>`` of an installed distribution; ``none``."""
-    try:
-        dist = importlib.metadata.distribution(name)
-    except importlib.metadata.PackageNotFoundError:
-        return NONE
-    record = dist.read_text("RECORD")
-    if record is None:      # an install without a RECORD: the version alone
-        return f"{dist.version} record:none"
-    return f"{dist.version} record:{hashlib.sha256(record.encode()).hexdigest()[:16]}"
+def _dist(*names: str) -> str:
+    """``<version> record:<16 hex>`` of the first of ``names`` installed; ``none``.
+
+    The digest covers the sorted lines of the distribution's ``RECORD`` that name a file of
+    the package with its hash: not the console scripts (``../../bin/…``, or ``bin/…`` under
+    ``pip install --target``: their shebang names the interpreter's path), the metadata
+    (``*.dist-info/``: installer, direct URL) or the bytecode an installer may or may not
+    have compiled: the same wheel installed anywhere, by any installer, has the same key."""
+    for name in names:
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        record = dist.read_text("RECORD")
+        if record is None:      # an install without a RECORD: the version alone
+            return f"{dist.version} record:none"
+        lines = sorted(line for line in record.splitlines() if _package_file(line))
+        digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+        return f"{dist.version} record:{digest}"
+    return NONE
+
+
+def _package_file(line: str) -> bool:
+    path, _, rest = line.partition(",")
+    first = path.split("/", 1)[0]
+    return bool(rest.split(",", 1)[0]) and not path.startswith(("../", "/")) and \
+        first not in ("bin", "Scripts") and not first.endswith((".dist-info", ".data")) and \
+        not path.endswith(".pyc") and "__pycache__/" not in path
 
 
 def _python() -> str:
@@ -156,10 +174,19 @@ def _gpu(timeout: float = 5.0) -> tuple[str, str]:
 
 
 def _cuda(torch_version: str) -> str:
-    """The CUDA version a torch build names in its local version (``2.5.1+cu124`` → 12.4)."""
+    """The CUDA version torch was built for: its local version (``2.5.1+cu124`` → 12.4), else
+    (PyPI's default CUDA wheels carry none) the CUDA runtime wheel it installed beside it."""
     local = torch_version.split(" ", 1)[0].partition("+")[2]
     m = re.fullmatch(r"cu(\d+)(\d)", local)
-    return f"{m.group(1)}.{m.group(2)}" if m else NONE
+    if m:
+        return f"{m.group(1)}.{m.group(2)}"
+    for runtime in ("nvidia-cuda-runtime-cu13", "nvidia-cuda-runtime-cu12",
+                    "nvidia-cuda-runtime-cu11", "nvidia-cuda-runtime"):
+        try:
+            return ".".join(importlib.metadata.version(runtime).split(".")[:2])
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return NONE
 
 
 def compute_key(model_version: str | None = None, *,
@@ -171,7 +198,9 @@ def compute_key(model_version: str | None = None, *,
     gpu, driver = _gpu()
     comps = {
         "torch": torch,
-        "triton": _dist("triton"),
+        # torch's own Triton builds go by other names
+        "triton": _dist("triton", "pytorch-triton", "pytorch-triton-rocm",
+                        "pytorch-triton-xpu"),
         "python": _python(),
         "isa": cpu_isa(),
         "gpu": gpu,
@@ -183,6 +212,11 @@ def compute_key(model_version: str | None = None, *,
     return WarmupKey(comps)
 
 
+def _some(flags: list[str], most: int = 6) -> str:
+    more = f" (+{len(flags) - most} more)" if len(flags) > most else ""
+    return " ".join(flags[:most]) + more
+
+
 def differences(want: WarmupKey, have: WarmupKey) -> list[str]:
     """Why ``have`` (an artifact's key) is not ``want`` (this node's): one phrase per component
     that differs, e.g. ``isa: this CPU lacks avx512_bf16``."""
@@ -191,14 +225,17 @@ def differences(want: WarmupKey, have: WarmupKey) -> list[str]:
         a, b = want.components[c], have.components[c]
         if a == b:
             continue
-        if c == "isa":
+        if c == "isa" and a.partition(":")[0] != b.partition(":")[0]:
+            out.append(f"isa: the artifact is for {b.partition(':')[0]}, this machine is "
+                       f"{a.partition(':')[0]}")
+        elif c == "isa":
             mine, theirs = set(a.partition(":")[2].split()), set(b.partition(":")[2].split())
             lacks, extra = sorted(theirs - mine), sorted(mine - theirs)
             what = []
             if lacks:
-                what.append(f"this CPU lacks {' '.join(lacks[:6])}")
+                what.append(f"this CPU lacks {_some(lacks)}")
             if extra:
-                what.append(f"the artifact's CPU lacked {' '.join(extra[:6])}")
+                what.append(f"the artifact's CPU lacked {_some(extra)}")
             out.append(f"isa: {'; '.join(what) or f'{b} vs {a}'}")
         else:
             out.append(f"{c}: artifact {b!r}, here {a!r}")

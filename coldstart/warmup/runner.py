@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -31,6 +32,7 @@ from coldstart.cache.chunks import ChunkCache
 from coldstart.errors import ColdstartError, InvalidArgument
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
+from coldstart.probe.notify import notify, parse_notice
 from coldstart.warmup import artifacts
 from coldstart.warmup.bundle import (
     OFF_IN_CONTAINERS,
@@ -125,7 +127,7 @@ def restore(client: RegistryClient, image: str | Reference, *, key: WarmupKey | 
         out.status = "restored"
         out.reason = (f"{done.files} files ({done.bytes} bytes) from {found.digest[:19]}, "
                       f"{done.kept} already here")
-    except ColdstartError as exc:
+    except Exception as exc:    # a cache may make a start faster, never make it fail
         out.status = "refused" if out.artifact else "miss"
         out.reason = f"{type(exc).__name__}: {exc}"
         log.warning("warm-up cache not restored (the app compiles): %s", out.reason)
@@ -145,12 +147,18 @@ class Verdict:
                 "evidence": self.evidence.to_json()}
 
 
-def verdict(restored: Restored | None, ev: Evidence) -> Verdict:
-    """hit: restored and no compile work since; partial: restored, some compiled; miss: not
-    restored, or as much compile work as the capturing start did (the cache was not used)."""
+def verdict(restored: Restored | None, ev: Evidence, *, had_files: bool = False) -> Verdict:
+    """hit: restored (or, with no restore asked, caches already there: ``had_files``) and no
+    compile work since; partial: some compiled; miss: nothing restored, or as much compile work
+    as the capturing start did (the cache was not used)."""
     work = f"{ev.compiled} compiles, {ev.graphs} new graph entries"
     if restored is None:
-        return Verdict("miss", f"no restore asked; {work}", ev)
+        if had_files and ev.compiled == 0 and ev.graphs == 0:
+            return Verdict("hit", "no restore asked; the caches were here and nothing "
+                           "compiled", ev)
+        if had_files:
+            return Verdict("partial", f"no restore asked; {work} beside the caches here", ev)
+        return Verdict("miss", f"no restore asked and no caches here; {work}", ev)
     if restored.status != "restored":
         return Verdict("miss", f"{restored.status}: {restored.reason}; {work}", ev)
     if ev.compiled == 0 and ev.graphs == 0:
@@ -190,6 +198,8 @@ def capture(client: RegistryClient, image: str | Reference, *, key: WarmupKey | 
         blob = Path(tmp) / "bundle"
         with open(blob, "wb") as f:
             packed = pack(dirs, f, max_bytes=max_bytes)
+        if compiles <= 0:   # not told: what the caches hold is what that start compiled
+            compiles = evidence({}, dirs).compiled
         if packed.files == 0:
             raise InvalidArgument("the compile caches are empty ("
                                   + ", ".join(f"{r}: {p}" for r, p in sorted(dirs.items()))
@@ -213,7 +223,8 @@ class _NotifyRelay:
         self.path = os.path.join(self._dir, "notify.sock")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(self.path)
-        os.chmod(self.path, 0o777)      # the app may drop privileges
+        os.chmod(self._dir, 0o711)      # the app may drop privileges: it must reach the socket
+        os.chmod(self.path, 0o777)
         self._sock.settimeout(0.2)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="warmup-notify", daemon=True)
@@ -228,7 +239,7 @@ class _NotifyRelay:
             except OSError:
                 return
             lines = data.decode("utf-8", errors="replace").split("\n")
-            if "READY=1" in lines and not self.ready.is_set():
+            if parse_notice(data).ready and not self.ready.is_set():
                 try:
                     lines += self.on_ready()
                 except Exception:   # the relay must pass READY on whatever happens
@@ -247,7 +258,7 @@ class _NotifyRelay:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2)
+        self._thread.join()     # a verdict being judged (and its capture's start) finishes
         self._sock.close()
         with contextlib.suppress(OSError):
             os.unlink(self.path)
@@ -266,17 +277,39 @@ class RunOptions:
 
 def run_app(client: RegistryClient | None, opts: RunOptions,
             say: Callable[[str], None] = lambda s: None) -> int:
-    """Run ``opts.argv`` with its warm-up cache restored first; its exit code."""
+    """Run ``opts.argv`` with its warm-up cache restored first; its exit code (128 + N when a
+    signal N ended it, as a shell says)."""
     if not opts.argv:
         raise InvalidArgument("say what to run after --")
+    # a SIGTERM before the app runs (during the restore) ends us at once, as it would the app
+    child: list[subprocess.Popen[bytes]] = []
+
+    def on_signal(n: int, _frame: object) -> None:
+        if child:
+            child[0].send_signal(n)
+        else:
+            raise SystemExit(128 + n)
+
+    previous = {s: signal.signal(s, on_signal)
+                for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        return _run(client, opts, say, child)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _run(client: RegistryClient | None, opts: RunOptions, say: Callable[[str], None],
+         child: list[subprocess.Popen[bytes]]) -> int:
     key = compute_key(opts.model_version)
+    if key.components["torch"] == "none":
+        say("torch is not installed for this Python (" + sys.executable + "): the key names "
+            "no torch build; run coldstart with the app's own interpreter")
     dirs = cache_dirs()
     restored: Restored | None = None
     upstream = os.environ.get("NOTIFY_SOCKET") or None
     if opts.image and client is not None:
         if upstream:        # the restore is a phase of the start-up, as the app's are
-            from coldstart.probe.notify import notify
-
             with contextlib.suppress(ColdstartError):
                 notify(phase=RESTORE_PHASE, status="restoring the warm-up cache",
                        socket_path=upstream)
@@ -284,6 +317,7 @@ def run_app(client: RegistryClient | None, opts: RunOptions,
         say(f"warm-up cache: {restored.status}: {restored.reason} ({restored.seconds:.2f} s)")
     watched = watched_dirs()
     before = snapshot(watched)
+    had_files = any(before[r] for r in dirs)
     report: dict[str, Any] = {"key": key.to_json(),
                               "restore": restored.to_json() if restored else None}
     lock = threading.Lock()
@@ -293,7 +327,7 @@ def run_app(client: RegistryClient | None, opts: RunOptions,
     def judge(at: str) -> Verdict:
         with lock:
             if not judged:
-                v = verdict(restored, evidence(before, watched))
+                v = verdict(restored, evidence(before, watched), had_files=had_files)
                 judged.append(v)
                 report.update(verdict=v.to_json(), judged_at=at)
                 _write_report(opts.report, report)
@@ -312,21 +346,18 @@ def run_app(client: RegistryClient | None, opts: RunOptions,
     relay = _NotifyRelay(upstream, on_ready)
     env = {**OFF_IN_CONTAINERS, **os.environ, "NOTIFY_SOCKET": relay.path}
     try:
-        proc = subprocess.Popen(list(opts.argv), env=env)
+        child.append(subprocess.Popen(list(opts.argv), env=env))
     except OSError as exc:
         relay.close()
         raise InvalidArgument(f"cannot run {opts.argv[0]!r}: {exc}") from None
-    forwarded = {s: signal.signal(s, lambda n, _f: proc.send_signal(n))
-                 for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
-        code = proc.wait()
+        code = child[0].wait()
     finally:
-        for s, h in forwarded.items():
-            signal.signal(s, h)
         relay.close()
     judge("exit")
     for t in captures:      # a capture that began at READY finishes before we exit
         t.join()
+    code = 128 - code if code < 0 else code
     report["exit_code"] = code
     _write_report(opts.report, report)
     return code
@@ -342,15 +373,18 @@ def _capture_after(client: RegistryClient, opts: RunOptions, key: WarmupKey,
         _write_report(opts.report, report)     # before the line: a watcher may stop at it
         say(f"warm-up cache captured: {got.files} files, {got.compressed_bytes} bytes "
             f"compressed, artifact {got.artifact}")
-    except ColdstartError as exc:
+    except Exception as exc:    # the app runs on; the bench waits for one of these lines
         report["capture"] = {"error": f"{type(exc).__name__}: {exc}"}
         _write_report(opts.report, report)
-        say(f"warm-up cache not captured: {exc}")
+        say(f"warm-up cache not captured: {type(exc).__name__}: {exc}")
 
 
 def _write_report(path: Path | None, doc: Mapping[str, Any]) -> None:
     if path is None:
         return
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:      # the report is for whoever watches; the app runs on
+        log.warning("cannot write the warm-up report %s: %s", path, exc)

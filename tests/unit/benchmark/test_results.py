@@ -146,3 +146,19 @@ def test_warm_cache_runs_carry_their_verdict_and_meet_the_local_cache_floor() ->
     assert describe_floor_cache(doc) == ("floor with the compile caches local: warm start "
                                          "2.00 s (median of 3, 1.90-2.10)")
     assert describe_floor_cache(to_json(_result())) is None
+
+
+def test_the_floors_keep_their_phase_medians() -> None:
+    from coldstart.benchmark.results import phase_medians
+
+    runs = [_run("floor", i, 0.0, 2 + i, 0) for i in range(3)] + [Run("floor", 3, ok=False)]
+    got = phase_medians(runs)
+    assert list(got) == ["resolve", "pull", "create", "start", "importing"]
+    assert got["importing"] == pytest.approx(3.0)
+    res = _result()
+    res.floor_cache = Floor(warm_start_s=2.0, startup_bytes=None, link_s=0.0, total_s=2.0,
+                            phases_s=got)
+    doc = to_json(res)
+    jsonschema.validate(doc, json.loads(SCHEMA_PATH.read_text()))
+    assert doc["floor_cache"]["phases_s"]["importing"] == pytest.approx(3.0)
+    assert phase_medians([]) == {}

@@ -167,3 +167,32 @@ def test_entries_that_escape_or_name_no_role_are_refused(tmp_path: Path) -> None
         refused_by_unpack += 1
         assert not any(tmp_path.rglob("passwd")) and not (tmp_path / "x").exists()
     assert refused_by_unpack >= 1
+
+
+def test_the_torch_component_ignores_where_and_how_torch_was_installed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same wheel installed by pip into a venv (scripts naming that venv's python, .pyc
+    lines) or with --target --no-compile (no .pyc lines, scripts elsewhere) has one key."""
+    from coldstart.warmup.keys import _dist
+
+    files = ["fakecc/__init__.py,sha256=aaaa,10", "fakecc/lib/x.so,sha256=bbbb,99"]
+    venv = tmp_path / "venv"
+    target = tmp_path / "target"
+    for root, extra in ((venv, ["../../../bin/fakecc,sha256=scriptvenv,50",
+                                "fakecc/__pycache__/__init__.cpython-311.pyc,,",
+                                "fakecc-1.0.dist-info/INSTALLER,sha256=pip,4",
+                                "fakecc-1.0.dist-info/RECORD,,"]),
+                        (target, ["bin/fakecc,sha256=scripttarget,50",
+                                  "fakecc-1.0.dist-info/INSTALLER,sha256=uv,3",
+                                  "fakecc-1.0.dist-info/direct_url.json,sha256=x,9"])):
+        info = root / "fakecc-1.0.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fakecc\nVersion: 1.0\n")
+        (info / "RECORD").write_text("\n".join(extra[:1] + files + extra[1:]) + "\n")
+    with monkeypatch.context() as m:
+        m.syspath_prepend(str(venv))
+        a = _dist("fakecc")
+    with monkeypatch.context() as m:
+        m.syspath_prepend(str(target))
+        b = _dist("fakecc")
+    assert a == b != "none"
