@@ -25,8 +25,6 @@ from coldstart.warmup.keys import compute_key
 from coldstart.warmup.runner import capture, restore, verdict
 from tests.integration.pull.pull_env import push_image
 
-pytest.importorskip("torch")
-
 # a compiled function small enough to compile in seconds, with a C++ kernel (Inductor, CPU)
 APP = r"""
 import json, os, socket, sys

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
-
 APP = Path(__file__).resolve().parents[3] / "coldstart" / "benchmark" / "compile_app.py"
 
 
