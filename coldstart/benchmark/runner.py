@@ -284,8 +284,10 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
         recorded = (warmcache.warm_command(command, gzip_ref) if fmt == WARM_PROFILE
                     else command)
         if fmt in ("estargz-optimized", *PROFILED):
-            # what the optimizer ran decides what it recorded
-            key += " " + json.dumps([recorded, env])
+            # what the optimizer ran decides what it recorded (the registry's port, which
+            # changes from run to run, left out)
+            key += " " + json.dumps([command if fmt != WARM_PROFILE else
+                                     warmcache.warm_command(command, "registry/image"), env])
         if fmt in PROFILED:
             key += f" cuts={CUT_GAP}/{CUT_ALIGN}"    # how its files' chunks are cut
         if fmt.startswith("zstd:chunked-profile"):
@@ -477,7 +479,8 @@ def run_bench(opts: BenchOptions, report: Reporter | None = None) -> BenchResult
                     run = _warm_start(opts, floor_ref, replace(
                         workload, mounts=(*workload.mounts, *mounts)), i, work / "n",
                         insecure, report, name=FLOOR_CACHE)
-                    run.warmup = warmcache.local_verdict(before, mounts)
+                    if run.ok:
+                        run.warmup = warmcache.local_verdict(before, mounts)
                     warm_cached.append(run)
                 else:
                     assert isinstance(turn, ModeSpec)

@@ -114,8 +114,8 @@ def fresh_copies(mounts: Sequence[tuple[str, str]], dst: Path) -> tuple[tuple[st
     if dst.exists():
         shutil.rmtree(dst)
     out = []
-    for i, (host, inside) in enumerate(mounts):
-        copy = dst / str(i)
+    for host, inside in mounts:
+        copy = dst / Path(host).name        # the role's name (local_cache_mounts names them)
         shutil.copytree(host, copy, symlinks=True)
         out.append((str(copy), inside))
     return tuple(out)
@@ -128,11 +128,11 @@ def local_verdict(before: Mapping[str, set[str]], mounts: Sequence[tuple[str, st
     from coldstart.warmup.bundle import evidence
     from coldstart.warmup.runner import verdict
 
-    dirs = {str(i): Path(host) for i, (host, _) in enumerate(mounts)}
+    dirs = {Path(host).name: Path(host) for host, _ in mounts}
     return {"verdict": verdict(None, evidence(before, dirs), had_files=True).to_json()}
 
 
 def snapshot_mounts(mounts: Sequence[tuple[str, str]]) -> dict[str, set[str]]:
     from coldstart.warmup.bundle import snapshot
 
-    return snapshot({str(i): Path(host) for i, (host, _) in enumerate(mounts)})
+    return snapshot({Path(host).name: Path(host) for host, _ in mounts})

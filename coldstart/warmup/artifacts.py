@@ -99,18 +99,21 @@ def find(client: RegistryClient, image: Reference, key: WarmupKey) -> Found:
     # the newest first: by when our pushes say they were made, else the fallback index's
     # order (newest last; the referrers API promises no order)
     descs = sorted(reversed(descs), key=lambda d: str(ann(d).get(A_CREATED, "")), reverse=True)
+    # ours first (annotated with this key), then those whose list entry says no key (a
+    # registry may leave the annotations out): each is read, and one that fails (deleted,
+    # malformed, another subject or key) leaves its reason and the next is tried
     same = [d for d in descs if ann(d).get(A_KEY) == key.digest]
-    if same:
-        return _load(client, image, str(same[0]["digest"]), key, found)
-    for d in descs[:EXPLAIN]:
-        if A_KEY in ann(d):      # annotated with another key: say how it differs
-            found.reasons.append(_why_not(client, image, d, key))
-            continue
-        # a registry may leave the annotations out of the list: read the key itself
+    unsaid = [d for d in descs if A_KEY not in ann(d)]
+    for d in [*same, *unsaid]:
         try:
             return _load(client, image, str(d["digest"]), key, Found(found.image))
-        except IntegrityError:
-            found.reasons.append(_why_not(client, image, d, key))
+        except ColdstartError as exc:
+            if d in same or not isinstance(exc, IntegrityError):
+                found.reasons.append(f"artifact {str(d.get('digest'))[:19]}: {exc}")
+            else:
+                found.reasons.append(_why_not(client, image, d, key))
+    for d in [d for d in descs if d not in same and d not in unsaid][:EXPLAIN]:
+        found.reasons.append(_why_not(client, image, d, key))     # another key: how it differs
     return found
 
 
@@ -129,6 +132,11 @@ def _load(client: RegistryClient, image: Reference, digest: str, key: WarmupKey 
     layers = doc.get("layers")
     if not isinstance(layers, list) or len(layers) != 1 or not isinstance(layers[0], dict):
         raise FormatError(f"warm-up artifact {digest}: expected one layer")
+    subject = doc.get("subject")
+    if found.image and (not isinstance(subject, dict) or subject.get("digest") != found.image):
+        raise IntegrityError(f"warm-up artifact {digest} refers to "
+                             f"{subject.get('digest') if isinstance(subject, dict) else None}, "
+                             f"not to {found.image}")
     config = doc.get("config") or {}
     have = WarmupKey.parse(client.get_blob(image, str(config.get("digest")), max_size=1 << 16))
     if key is not None and have.digest != key.digest:

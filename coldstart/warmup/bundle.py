@@ -24,9 +24,10 @@ import errno
 import os
 import pwd
 import re
+import secrets
+import stat
 import tarfile
 import tempfile
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -74,9 +75,10 @@ def _user(env: Mapping[str, str]) -> str:
 
 
 def _tmp(env: Mapping[str, str]) -> str:
-    """``tempfile.gettempdir()`` as a process with ``env`` would find it."""
+    """``tempfile.gettempdir()`` as a process with ``env`` would find it (the first of
+    ``$TMPDIR``, ``$TEMP``, ``$TMP`` that is a directory, else ``/tmp``)."""
     for var in ("TMPDIR", "TEMP", "TMP"):
-        if env.get(var):
+        if env.get(var) and os.path.isdir(env[var]):
             return env[var]
     return "/tmp"
 
@@ -101,8 +103,15 @@ def cache_dirs(env: Mapping[str, str] | None = None) -> dict[str, Path]:
         "vllm": os.path.join(env.get("XDG_CACHE_HOME") or os.path.join(home, ".cache"), "vllm"),
         "cuda": os.path.join(home, ".nv", "ComputeCache"),
     }
-    return {role: Path(os.path.abspath(env.get(var) or defaults[role]))
-            for role, var in ROLES.items()}
+    out: dict[str, Path] = {}
+    for role, var in ROLES.items():
+        value = env.get(var)
+        if value is None:           # torch tests for None: an empty value is the cwd
+            value = defaults[role]
+        if role == "vllm" and value.startswith("~"):      # vLLM expands it, the others not
+            value = home.rstrip("/") + value[1:]
+        out[role] = Path(os.path.abspath(value))
+    return out
 
 
 def watched_dirs(env: Mapping[str, str] | None = None) -> dict[str, Path]:
@@ -145,9 +154,12 @@ def pack(dirs: Mapping[str, Path], dst: BinaryIO, *, max_bytes: int = 4 << 30) -
     for role in dirs:
         if role not in ROLES:
             raise InvalidArgument(f"unknown warm-up cache role {role!r}")
-    roots = {r: Path(os.path.abspath(p)) for r, p in dirs.items()}
+    roots = {r: Path(os.path.realpath(p)) for r, p in dirs.items()}
+    # a role inside another's directory (or in the same one, after the first by name) is
+    # packed by that one
     nested = {r for r, p in roots.items()
-              if any(o != r and p != q and p.is_relative_to(q) for o, q in roots.items())}
+              if any(o != r and p.is_relative_to(q) and (p != q or o < r)
+                     for o, q in roots.items())}
     with tempfile.TemporaryFile() as spool:
         with tarfile.open(fileobj=spool, mode="w", format=tarfile.PAX_FORMAT) as tar:
             for role in sorted(set(roots) - nested):
@@ -155,12 +167,17 @@ def pack(dirs: Mapping[str, Path], dst: BinaryIO, *, max_bytes: int = 4 << 30) -
                 if not root.is_dir():
                     continue
                 for rel, path in _walk(root):
-                    try:
-                        f = open(path, "rb")    # noqa: SIM115 - closed below
-                    except FileNotFoundError:
-                        continue
-                    with f:
+                    try:    # not through a symlink, nor blocking on a FIFO swapped in
+                        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK |
+                                     os.O_CLOEXEC)
+                    except (FileNotFoundError, OSError) as exc:
+                        if isinstance(exc, FileNotFoundError) or exc.errno == errno.ELOOP:
+                            continue
+                        raise
+                    with os.fdopen(fd, "rb") as f:
                         st = os.fstat(f.fileno())   # the size of what is open, not of a path
+                        if not stat.S_ISREG(st.st_mode):
+                            continue
                         files += 1
                         if files > MAX_FILES:
                             raise InvalidArgument(f"{root}: more than {MAX_FILES} files; not "
@@ -232,12 +249,14 @@ def _write_at(dirfd: int, name: str, data: bytes) -> bool:
         return False
     except FileNotFoundError:
         pass
-    tmp = f".tmp-coldstart-{os.getpid()}-{threading.get_ident()}-{name}"[:255]
+    tmp = f".tmp-coldstart-{secrets.token_hex(8)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                  0o644, dir_fd=dirfd)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())    # a crash leaves no short file under the final name
         os.replace(tmp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -247,7 +266,7 @@ def _write_at(dirfd: int, name: str, data: bytes) -> bool:
 
 
 def unpack(layer: SeekableLayer, dirs: Mapping[str, Path], *,
-           read: ReadFile | None = None) -> Unpacked:
+           read: ReadFile | None = None, into: Unpacked | None = None) -> Unpacked:
     """Write the bundle's files under ``dirs`` (role → directory), each verified first.
 
     The whole TOC is checked before anything is written (names that escape, unknown roles,
@@ -257,7 +276,7 @@ def unpack(layer: SeekableLayer, dirs: Mapping[str, Path], *,
     file's bytes, verified (default :meth:`SeekableLayer.read_file`;
     :func:`coldstart.warmup.artifacts.cached_reader` goes through a chunk cache)."""
     reader: ReadFile = read or (lambda lay, name: lay.read_file(name))
-    out = Unpacked()
+    out = into if into is not None else Unpacked()     # counted as it goes (a failure midway)
     plan: list[tuple[str, str, PurePosixPath]] = []
     for name, entry in layer.toc.entries.items():
         if entry.type == "dir":
@@ -325,8 +344,10 @@ def evidence(before: Mapping[str, set[str]], dirs: Mapping[str, Path]) -> Eviden
     Files are classified by what they are, not by whose directory holds them."""
     now = snapshot(dirs)
     ev = Evidence(examples=[])
-    seen: set[Path] = set()     # a directory watched under two roles counts once
-    for role, files in now.items():
+    seen: set[Path] = set()     # a directory watched under two roles counts once: under the
+    # deepest (CUDA_CACHE_PATH inside TORCHINDUCTOR_CACHE_DIR is the driver's)
+    for role, files in sorted(now.items(), key=lambda kv: -len(Path(
+            os.path.abspath(dirs[kv[0]])).parts)):
         root = Path(os.path.abspath(dirs[role]))
         for rel in sorted(files - before.get(role, set())):
             path = root / rel

@@ -24,8 +24,10 @@ Paths, host names, user names, pod IPs and times are never read.
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import importlib.metadata
+import io
 import json
 import os
 import platform
@@ -117,18 +119,22 @@ def _dist(*names: str) -> str:
         record = dist.read_text("RECORD")
         if record is None:      # an install without a RECORD: the version alone
             return f"{dist.version} record:none"
-        lines = sorted(line for line in record.splitlines() if _package_file(line))
-        digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+        rows = sorted(",".join(row) for row in csv.reader(io.StringIO(record))
+                      if _package_file(row))
+        digest = hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
         return f"{dist.version} record:{digest}"
     return NONE
 
 
-def _package_file(line: str) -> bool:
-    path, _, rest = line.partition(",")
+def _package_file(row: list[str]) -> bool:
+    """A ``RECORD`` row (CSV: path, hash, size) that names a file of the package itself."""
+    if len(row) < 2 or not row[1]:
+        return False
+    path = row[0]
     first = path.split("/", 1)[0]
-    return bool(rest.split(",", 1)[0]) and not path.startswith(("../", "/")) and \
-        first not in ("bin", "Scripts") and not first.endswith((".dist-info", ".data")) and \
-        not path.endswith(".pyc") and "__pycache__/" not in path
+    return not path.startswith(("../", "/")) and first not in ("bin", "Scripts") and \
+        not first.endswith((".dist-info", ".data")) and not path.endswith(".pyc") and \
+        "__pycache__/" not in path
 
 
 def _python() -> str:
@@ -180,12 +186,17 @@ def _cuda(torch_version: str) -> str:
     m = re.fullmatch(r"cu(\d+)(\d)", local)
     if m:
         return f"{m.group(1)}.{m.group(2)}"
-    for runtime in ("nvidia-cuda-runtime-cu13", "nvidia-cuda-runtime-cu12",
-                    "nvidia-cuda-runtime-cu11", "nvidia-cuda-runtime"):
-        try:
-            return ".".join(importlib.metadata.version(runtime).split(".")[:2])
-        except importlib.metadata.PackageNotFoundError:
-            continue
+    try:        # the runtime torch itself requires, not any other package's
+        wanted = [re.split(r"[\s;<>=!~\[]", r, maxsplit=1)[0].lower()
+                  for r in importlib.metadata.requires("torch") or []]
+    except importlib.metadata.PackageNotFoundError:
+        return NONE
+    for runtime in wanted:
+        if runtime.startswith("nvidia-cuda-runtime"):
+            try:
+                return ".".join(importlib.metadata.version(runtime).split(".")[:2])
+            except importlib.metadata.PackageNotFoundError:
+                continue
     return NONE
 
 

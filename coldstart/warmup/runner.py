@@ -32,11 +32,12 @@ from coldstart.cache.chunks import ChunkCache
 from coldstart.errors import ColdstartError, InvalidArgument
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
-from coldstart.probe.notify import notify, parse_notice
+from coldstart.probe.notify import MAX_DATAGRAM, notify, parse_notice
 from coldstart.warmup import artifacts
 from coldstart.warmup.bundle import (
     OFF_IN_CONTAINERS,
     Evidence,
+    Unpacked,
     cache_dirs,
     evidence,
     pack,
@@ -114,16 +115,17 @@ def restore(client: RegistryClient, image: str | Reference, *, key: WarmupKey | 
         layer = artifacts.open_bundle(client, ref, found)
         stats = artifacts.Fetched()
         cache = _chunk_cache(chunk_cache)
+        done = Unpacked()
         try:
-            done = unpack(layer, dirs, read=artifacts.cached_reader(cache, stats))
-        finally:
+            unpack(layer, dirs, read=artifacts.cached_reader(cache, stats), into=done)
+        finally:        # what was written before a failure is counted too
             blob = layer.blob
             out.fetched_bytes = int(getattr(blob, "bytes", 0))
             out.requests = int(getattr(blob, "requests", 0))
+            out.files, out.kept, out.bytes = done.files, done.kept, done.bytes
+            out.chunks_cached, out.chunks_fetched = stats.chunks_cached, stats.chunks_fetched
             if cache is not None:
                 cache.close()
-        out.files, out.kept, out.bytes = done.files, done.kept, done.bytes
-        out.chunks_cached, out.chunks_fetched = stats.chunks_cached, stats.chunks_fetched
         out.status = "restored"
         out.reason = (f"{done.files} files ({done.bytes} bytes) from {found.digest[:19]}, "
                       f"{done.kept} already here")
@@ -152,15 +154,15 @@ def verdict(restored: Restored | None, ev: Evidence, *, had_files: bool = False)
     compile work since; partial: some compiled; miss: nothing restored, or as much compile work
     as the capturing start did (the cache was not used)."""
     work = f"{ev.compiled} compiles, {ev.graphs} new graph entries"
-    if restored is None:
-        if had_files and ev.compiled == 0 and ev.graphs == 0:
-            return Verdict("hit", "no restore asked; the caches were here and nothing "
-                           "compiled", ev)
+    if restored is None or restored.status != "restored":
+        why = ("no restore asked" if restored is None
+               else f"{restored.status}: {restored.reason}")
+        if (had_files or (restored is not None and restored.files)) and \
+                ev.compiled == 0 and ev.graphs == 0:
+            return Verdict("hit", f"{why}; the caches here were enough: nothing compiled", ev)
         if had_files:
-            return Verdict("partial", f"no restore asked; {work} beside the caches here", ev)
-        return Verdict("miss", f"no restore asked and no caches here; {work}", ev)
-    if restored.status != "restored":
-        return Verdict("miss", f"{restored.status}: {restored.reason}; {work}", ev)
+            return Verdict("partial", f"{why}; {work} beside the caches here", ev)
+        return Verdict("miss", f"{why}; {work}", ev)
     if ev.compiled == 0 and ev.graphs == 0:
         return Verdict("hit", f"no compile after restoring {restored.files + restored.kept} "
                        "files", ev)
@@ -233,7 +235,7 @@ class _NotifyRelay:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                data = self._sock.recv(4096)
+                data = self._sock.recv(MAX_DATAGRAM)
             except TimeoutError:
                 continue
             except OSError:
@@ -259,6 +261,13 @@ class _NotifyRelay:
     def close(self) -> None:
         self._stop.set()
         self._thread.join()     # a verdict being judged (and its capture's start) finishes
+        self._sock.setblocking(False)
+        while True:             # what the app sent last (STOPPING=1 as it exits) goes on too
+            try:
+                data = self._sock.recv(MAX_DATAGRAM)
+            except OSError:
+                break
+            self._send(data)
         self._sock.close()
         with contextlib.suppress(OSError):
             os.unlink(self.path)
@@ -281,26 +290,33 @@ def run_app(client: RegistryClient | None, opts: RunOptions,
     signal N ended it, as a shell says)."""
     if not opts.argv:
         raise InvalidArgument("say what to run after --")
-    # a SIGTERM before the app runs (during the restore) ends us at once, as it would the app
+    # a SIGTERM before the app runs (the restore) ends us at once, as it would the app; one
+    # while it starts is passed on once it runs; one after it exited (a capture still being
+    # pushed) ends us too
     child: list[subprocess.Popen[bytes]] = []
+    state = {"starting": False, "done": False}
+    pending: list[int] = []
 
     def on_signal(n: int, _frame: object) -> None:
-        if child:
+        if child and not state["done"]:
             child[0].send_signal(n)
+        elif state["starting"] and not state["done"]:
+            pending.append(n)
         else:
             raise SystemExit(128 + n)
 
     previous = {s: signal.signal(s, on_signal)
                 for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
-        return _run(client, opts, say, child)
+        return _run(client, opts, say, child, state, pending)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
 
 
 def _run(client: RegistryClient | None, opts: RunOptions, say: Callable[[str], None],
-         child: list[subprocess.Popen[bytes]]) -> int:
+         child: list[subprocess.Popen[bytes]], state: dict[str, bool],
+         pending: list[int]) -> int:
     key = compute_key(opts.model_version)
     if key.components["torch"] == "none":
         say("torch is not installed for this Python (" + sys.executable + "): the key names "
@@ -346,12 +362,15 @@ def _run(client: RegistryClient | None, opts: RunOptions, say: Callable[[str], N
     relay = _NotifyRelay(upstream, on_ready)
     env = {**OFF_IN_CONTAINERS, **os.environ, "NOTIFY_SOCKET": relay.path}
     try:
-        child.append(subprocess.Popen(list(opts.argv), env=env))
-    except OSError as exc:
-        relay.close()
-        raise InvalidArgument(f"cannot run {opts.argv[0]!r}: {exc}") from None
-    try:
+        state["starting"] = True
+        try:
+            child.append(subprocess.Popen(list(opts.argv), env=env))
+        except OSError as exc:
+            raise InvalidArgument(f"cannot run {opts.argv[0]!r}: {exc}") from None
+        for n in pending:           # signals that came while it started
+            child[0].send_signal(n)
         code = child[0].wait()
+        state["done"] = True
     finally:
         relay.close()
     judge("exit")
@@ -368,7 +387,8 @@ def _capture_after(client: RegistryClient, opts: RunOptions, key: WarmupKey,
                    say: Callable[[str], None]) -> None:
     assert opts.image is not None
     try:
-        got = capture(client, opts.image, key=key, dirs=dirs, compiles=v.evidence.compiled)
+        # (compiles=0: all the caches hold, not only what this start added)
+        got = capture(client, opts.image, key=key, dirs=dirs, compiles=0)
         report["capture"] = got.to_json()
         _write_report(opts.report, report)     # before the line: a watcher may stop at it
         say(f"warm-up cache captured: {got.files} files, {got.compressed_bytes} bytes "

@@ -176,3 +176,25 @@ def test_run_exits_as_a_shell_would_when_a_signal_ends_the_app(tmp_path: Path) -
                         env={**os.environ, "HOME": str(tmp_path), "TMPDIR": str(tmp_path)})
     assert ok.returncode == 3
     assert "warm-up cache miss: no restore asked and no caches here" in ok.stderr
+
+
+def test_a_cache_inside_another_counts_as_its_own(tmp_path: Path) -> None:
+    """CUDA_CACHE_PATH inside TORCHINDUCTOR_CACHE_DIR: the driver's JIT files (no suffix)
+    are compiles; two roles naming one directory are packed once."""
+    ind = tmp_path / "cache"
+    dirs = {"inductor": ind, "cuda": ind / "cuda"}
+    dirs["cuda"].mkdir(parents=True)
+    before = snapshot(dirs)
+    _tree(ind, {"cuda/ComputeCache/a/b1c2": b"ptx jit"})
+    ev = evidence(before, dirs)
+    assert ev.compiled == 1 and ev.new_files == 1
+    buf = io.BytesIO()
+    same = pack({"inductor": ind, "triton": ind}, buf)
+    assert same.roles == {"inductor": 1} and same.files == 1
+
+
+def test_a_refused_restore_that_wrote_files_and_compiled_nothing_is_a_hit() -> None:
+    key = compute_key()
+    part = Restored("refused", "IntegrityError: …", key, files=3)
+    assert verdict(part, Evidence()).verdict == "hit"
+    assert verdict(part, Evidence(compiled=2), had_files=True).verdict == "partial"
