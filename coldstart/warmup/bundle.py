@@ -241,28 +241,35 @@ def _open_parent(root: Path, rel: PurePosixPath) -> int:
     return fd
 
 
-def _write_at(dirfd: int, name: str, data: bytes) -> bool:
-    """Write ``name`` in ``dirfd`` whole (a temporary file renamed over it); False when a file
-    (or anything) is there already: it is kept."""
+def _kept(dirfd: int, name: str, size: int) -> bool | None:
+    """Whether ``name`` in ``dirfd`` is kept as it is: True for a regular file of ``size``
+    bytes (a local entry is as good as a shipped one), False for nothing there, None for
+    something else (a file of another size: one a crash cut short, replaced; a symlink or a
+    directory: left alone, and the entry is not restored)."""
     try:
-        os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-        return False
+        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
     except FileNotFoundError:
-        pass
+        return False
+    if stat.S_ISREG(st.st_mode):
+        return True if st.st_size == size else None
+    return True
+
+
+def _write_at(dirfd: int, name: str, data: bytes) -> None:
+    """Write ``name`` in ``dirfd`` whole: a temporary file (a random name, never followed)
+    renamed over it. No fsync: a file a crash cut short has the wrong size and is written
+    again by the next restore (:func:`_kept`)."""
     tmp = f".tmp-coldstart-{secrets.token_hex(8)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                  0o644, dir_fd=dirfd)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())    # a crash leaves no short file under the final name
         os.replace(tmp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dirfd)
         raise
-    return True
 
 
 def unpack(layer: SeekableLayer, dirs: Mapping[str, Path], *,
@@ -292,18 +299,13 @@ def unpack(layer: SeekableLayer, dirs: Mapping[str, Path], *,
     for name, role, rel in plan:
         dirfd = _open_parent(Path(dirs[role]), rel)
         try:
-            try:
-                os.stat(rel.name, dir_fd=dirfd, follow_symlinks=False)
+            if _kept(dirfd, rel.name, layer.resolve(name).size):
                 out.kept += 1
                 continue
-            except FileNotFoundError:
-                pass
             data = reader(layer, name)
-            if _write_at(dirfd, rel.name, data):
-                out.files += 1
-                out.bytes += len(data)
-            else:
-                out.kept += 1
+            _write_at(dirfd, rel.name, data)
+            out.files += 1
+            out.bytes += len(data)
         finally:
             os.close(dirfd)
     return out

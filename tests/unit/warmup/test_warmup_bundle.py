@@ -198,3 +198,15 @@ def test_a_refused_restore_that_wrote_files_and_compiled_nothing_is_a_hit() -> N
     part = Restored("refused", "IntegrityError: …", key, files=3)
     assert verdict(part, Evidence()).verdict == "hit"
     assert verdict(part, Evidence(compiled=2), had_files=True).verdict == "partial"
+
+
+def test_a_file_a_crash_cut_short_is_written_again(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    _tree(src, {"ab/cab.so": b"x" * 5000, "ab/other.so": b"y" * 10})
+    layer = _bundle(tmp_path, {"inductor": src})
+    dst = tmp_path / "dst"
+    _tree(dst, {"ab/cab.so": b"x" * 1000, "ab/other.so": b"z" * 10})  # short; same size
+    done = unpack(layer, {"inductor": dst})
+    assert done.files == 1 and done.kept == 1
+    assert (dst / "ab/cab.so").read_bytes() == b"x" * 5000
+    assert (dst / "ab/other.so").read_bytes() == b"z" * 10     # a local entry is kept
