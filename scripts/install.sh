@@ -47,8 +47,9 @@ esac
 
 cd "$(dirname "$0")/.."
 
+# g++ and openssl: what torch.compile's C++ backend (Inductor) runs, for the warm-up tests
 APT_PACKAGES=(
-  python3 python3-venv python3-dev gcc pkg-config
+  python3 python3-venv python3-dev gcc g++ openssl pkg-config
   containerd runc docker-registry skopeo stargz-snapshotter redis-server
   fuse3 busybox-static zstd util-linux procps debootstrap
   golang-go golang-github-containerd-stargz-snapshotter-dev golang-github-containerd-containerd-dev

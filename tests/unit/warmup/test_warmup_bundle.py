@@ -48,9 +48,14 @@ def _bundle(tmp_path: Path, dirs: dict[str, Path]) -> SeekableLayer:
 
 
 def test_the_directories_follow_the_compilers_own_rules(tmp_path: Path) -> None:
-    env = {"HOME": "/home/u", "USER": "alice", "TMPDIR": "/scratch"}
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env = {"HOME": "/home/u", "USER": "alice", "TMPDIR": str(scratch)}
     d = cache_dirs(env)
-    assert d["inductor"] == Path("/scratch/torchinductor_alice")    # tempfile.gettempdir()
+    assert d["inductor"] == scratch / "torchinductor_alice"    # tempfile.gettempdir()
+    # a TMPDIR that is not a directory is passed over, as tempfile does
+    assert cache_dirs({**env, "TMPDIR": str(tmp_path / "nope")})["inductor"] == \
+        Path("/tmp/torchinductor_alice")
     assert d["triton"] == Path("/home/u/.triton/cache")
     assert d["vllm"] == Path("/home/u/.cache/vllm")
     assert d["cuda"] == Path("/home/u/.nv/ComputeCache")
@@ -60,7 +65,7 @@ def test_the_directories_follow_the_compilers_own_rules(tmp_path: Path) -> None:
     assert d2["triton"] == Path("/th/.triton/cache") and d2["vllm"] == Path("/xdg/vllm")
     assert d2["inductor"] == Path(os.path.abspath("rel/ind"))
     # the precompiled headers stay under the default, whatever the variable says
-    assert watched_dirs(env2)["headers"] == Path("/scratch/torchinductor_a_b/precompiled_headers")
+    assert watched_dirs(env2)["headers"] == scratch / "torchinductor_a_b/precompiled_headers"
     assert inductor_default({"HOME": "/h"}).parent == Path("/tmp")
 
 
@@ -175,7 +180,7 @@ def test_run_exits_as_a_shell_would_when_a_signal_ends_the_app(tmp_path: Path) -
                         capture_output=True, text=True, timeout=60,
                         env={**os.environ, "HOME": str(tmp_path), "TMPDIR": str(tmp_path)})
     assert ok.returncode == 3
-    assert "warm-up cache miss: no restore asked and no caches here" in ok.stderr
+    assert "warm-up cache miss: no restore asked; 0 compiles" in ok.stderr
 
 
 def test_a_cache_inside_another_counts_as_its_own(tmp_path: Path) -> None:
