@@ -11,10 +11,11 @@ none and nothing lands outside the directories; files already there are kept (a 
 is as good as a shipped one).
 
 Measured with torch 2.13 (CPU, Inductor's C++ backend): a cache copied to another directory,
-with new mtimes, is hit; a cache used with ``CXX`` pointing at a wrapper of g++ (or a wrapper
-named ``g++`` first on ``PATH``) is missed, entry by entry, because the compiler's command is
-part of Inductor's key. So the proof of a hit (:func:`evidence`) reads what compile work left
-in the caches, new compiler outputs and new graph entries, and never wraps the compiler.
+with new mtimes, is hit; with ``CXX`` pointing at a wrapper of g++ the FX graph misses (the
+compiler's name is in Inductor's config), and with a wrapper named ``g++`` first on ``PATH``
+the graph hits but every C++ kernel is rebuilt (their keys hold the compiler's resolved path).
+So the proof of a hit (:func:`evidence`) reads what compile work left in the caches, new
+compiler outputs and new graph entries, and never wraps the compiler.
 """
 
 from __future__ import annotations
