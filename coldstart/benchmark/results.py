@@ -297,15 +297,20 @@ def render_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _spread(runs: Sequence[float], digits: int) -> str:
+    """`` (median of N, min-max)`` for more than one measurement, else nothing."""
+    if len(runs) < 2:
+        return ""
+    return f" (median of {len(runs)}, {min(runs):.{digits}f}-{max(runs):.{digits}f})"
+
+
 def describe_floor(doc: dict[str, Any]) -> str | None:
     """One line on the floor (None when it was not measured)."""
     floor = doc.get("floor")
     if not floor:
         return None
     text = f"floor: warm start {floor['warm_start_s']:.2f} s"
-    runs = floor.get("warm_runs_s") or []
-    if len(runs) > 1:
-        text += f" (median of {len(runs)}, {min(runs):.2f}-{max(runs):.2f})"
+    text += _spread(floor.get("warm_runs_s") or [], 2)
     if floor["startup_bytes"] is not None and doc.get("link"):
         text += (f" + {floor['startup_bytes'] / 1e6:.1f} MB at {doc['link']['text']} "
                  f"({floor['link_s']:.2f} s)")
@@ -318,9 +323,7 @@ def describe_floor_cache(doc: dict[str, Any]) -> str | None:
     floor = doc.get("floor_cache")
     if not floor:
         return None
-    runs = floor.get("warm_runs_s") or []
-    spread = (f" (median of {len(runs)}, {min(runs):.2f}-{max(runs):.2f})"
-              if len(runs) > 1 else "")
+    spread = _spread(floor.get("warm_runs_s") or [], 2)
     return f"floor with the compile caches local: warm start {floor['total_s']:.2f} s{spread}"
 
 
@@ -329,9 +332,7 @@ def describe_limit(doc: dict[str, Any]) -> str | None:
     limit = doc.get("limit")
     if not limit:
         return None
-    runs = limit.get("runs_gbps") or []
-    spread = (f" (median of {len(runs)}, {min(runs):.3f}-{max(runs):.3f})"
-              if len(runs) > 1 else "")
+    spread = _spread(limit.get("runs_gbps") or [], 3)
     return (f"verified-bytes limit: {limit['gbps']:.3f} GB/s{spread}, {limit['file']} "
             f"({limit['bytes'] / 1e9:.2f} GB: {limit['seconds']:.2f} s at that rate)")
 

@@ -128,11 +128,16 @@ def local_verdict(before: Mapping[str, set[str]], mounts: Sequence[tuple[str, st
     from coldstart.warmup.bundle import evidence
     from coldstart.warmup.runner import verdict
 
-    dirs = {Path(host).name: Path(host) for host, _ in mounts}
-    return {"verdict": verdict(None, evidence(before, dirs), had_files=True).to_json()}
+    return {"verdict": verdict(None, evidence(before, _roles(mounts)),
+                               had_files=True).to_json()}
 
 
 def snapshot_mounts(mounts: Sequence[tuple[str, str]]) -> dict[str, set[str]]:
     from coldstart.warmup.bundle import snapshot
 
-    return snapshot({Path(host).name: Path(host) for host, _ in mounts})
+    return snapshot(_roles(mounts))
+
+
+def _roles(mounts: Sequence[tuple[str, str]]) -> dict[str, Path]:
+    """Role → host directory of ``mounts`` (each host directory is named for its role)."""
+    return {Path(host).name: Path(host) for host, _ in mounts}
