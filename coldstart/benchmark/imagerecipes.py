@@ -61,6 +61,7 @@ from coldstart.benchmark.imagelayers import (
 from coldstart.benchmark.imagesteps import (
     PY_SITE,
     TOOLCHAIN_PACKAGES,
+    compile_tree,
     debian_rootfs,
     toolchain_tree,
     torch_site,
@@ -200,19 +201,31 @@ def _server_fingerprint() -> str:
 def weights_client_layer(tar: Tar, dists: tuple[str, ...] = WEIGHTS_CLIENT_DISTS) -> None:
     """coldstart itself (its Python sources) and the distributions ``coldstart.weights``
     imports (or ``dists``), from this interpreter's installation, into the image's
-    site-packages: what a user who adopts the fast path does with ``pip install coldstart`` in
-    the image."""
+    site-packages, byte-compiled as the torch layer is: what a user who adopts the fast path
+    does with ``pip install coldstart`` in the image (without the bytecode, every start would
+    compile each module it imports)."""
     import importlib.metadata
+    import tempfile
 
-    for path in _package_files():
-        tar.file(f"{PY_SITE}/coldstart/{path.relative_to(_PACKAGE)}", path.read_bytes())
-    for dist in dists:
-        found = importlib.metadata.distribution(dist)
-        for rel in sorted(found.files or [], key=str):
-            name = str(rel)
-            if name.startswith("..") or "__pycache__" in name or name.endswith(".pyc"):
-                continue
-            tar.file(f"{PY_SITE}/{name}", Path(str(found.locate_file(rel))).read_bytes())
+    with tempfile.TemporaryDirectory(prefix="coldstart-client-layer-") as tmp:
+        site = Path(tmp)
+
+        def put(name: str, data: bytes) -> None:
+            dst = site / name
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(data)
+
+        for path in _package_files():
+            put(f"coldstart/{path.relative_to(_PACKAGE)}", path.read_bytes())
+        for dist in dists:
+            found = importlib.metadata.distribution(dist)
+            for rel in sorted(found.files or [], key=str):
+                name = str(rel)
+                if name.startswith("..") or "__pycache__" in name or name.endswith(".pyc"):
+                    continue
+                put(name, Path(str(found.locate_file(rel))).read_bytes())
+        compile_tree(site, str(site), "/" + PY_SITE, timeout=600)
+        add_tree(tar, site, PY_SITE + "/", keep_owner=False)
 
 
 def _build_server(ctx: Context) -> Built:

@@ -33,8 +33,8 @@ from coldstart.benchmark.imagelayers import Context, Progress, atomic_write
 from coldstart.errors import FailedPrecondition, Unavailable
 from coldstart.stack.mounts import unmount_under
 
-__all__ = ["DEBIAN_SUITE", "PY_SITE", "TOOLCHAIN_PACKAGES", "TORCH_PINS", "debian_rootfs",
-           "toolchain_tree", "torch_site"]
+__all__ = ["DEBIAN_SUITE", "PY_SITE", "TOOLCHAIN_PACKAGES", "TORCH_PINS", "compile_tree",
+           "debian_rootfs", "toolchain_tree", "torch_site"]
 
 BUILD_DIR = "_build"               # downloads and intermediate trees shared by builds
 PY_SITE = "usr/local/lib/python3.11/dist-packages"
@@ -133,7 +133,7 @@ def _cached_step(build: Path, key: str, make: Callable[[Path], dict[str, Any]]) 
     return final
 
 
-def _compile_tree(tree: Path, strip: str, prepend: str, timeout: float) -> None:
+def compile_tree(tree: Path, strip: str, prepend: str, timeout: float) -> None:
     """Byte-compile every module under ``tree`` hash-based and unchecked (valid whatever the
     files' mtimes), as the image's Python 3.11 would import it; PYTHONHASHSEED fixed so the
     bytecode is reproducible. Files that do not compile are skipped (nor can they be imported)."""
@@ -168,7 +168,7 @@ def debian_rootfs(ctx: Context) -> Path:
         ctx.progress("byte-compiling the rootfs' Python modules (hash-based)")
         for sub in ("usr/lib/python3.11", "usr/lib/python3/dist-packages"):
             if (root / sub).is_dir():
-                _compile_tree(root / sub, str(root), "/", timeout=1800)
+                compile_tree(root / sub, str(root), "/", timeout=1800)
         return {"suite": DEBIAN_SUITE, "mirror": mirror, "variant": "minbase",
                 "include": ["python3"]}
 
@@ -252,7 +252,7 @@ def toolchain_tree(ctx: Context) -> Path:
         _strip_rootfs(full)
         for sub in ("usr/lib/python3.11", "usr/lib/python3/dist-packages"):
             if (full / sub).is_dir():
-                _compile_tree(full / sub, str(full), "/", timeout=1800)
+                compile_tree(full / sub, str(full), "/", timeout=1800)
         tree = tmp / "tree"
         files, size = _tree_delta(base, full, tree)
         shutil.rmtree(full)
@@ -410,7 +410,7 @@ def torch_site(ctx: Context) -> Path:
               "--no-compile", "--no-warn-script-location", *TORCH_PINS],
              "pip install (torch)", timeout=1800)
         ctx.progress("byte-compiling site-packages (hash-based)")
-        _compile_tree(site, str(site), "/" + PY_SITE, timeout=1800)
+        compile_tree(site, str(site), "/" + PY_SITE, timeout=1800)
         return {"pins": list(TORCH_PINS)}
 
     return _cached_step(build, "site-torch-2.13.0", install) / "site"

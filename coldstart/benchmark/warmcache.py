@@ -85,7 +85,7 @@ def local_cache_mounts(client: RegistryClient, ref: str, artifact: str, env: Seq
     image = Reference.parse(ref)
     found = artifacts.fetch(client, image, artifact)
     host = {role: dst / role for role in ("inductor", "triton", "vllm", "cuda")}
-    unpack(artifacts.open_bundle(client, image, found), host)
+    unpack(artifacts.open_bundle(client, image, found, whole=True), host)
     inside = cache_dirs(_env_map(env))
     return tuple((str(host[r]), str(inside[r])) for r in sorted(host) if host[r].is_dir())
 

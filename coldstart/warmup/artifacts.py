@@ -15,11 +15,11 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from coldstart.cache.chunks import ChunkCache
 from coldstart.errors import ColdstartError, FormatError, IntegrityError
 from coldstart.format.layer import SeekableLayer, open_layer
+from coldstart.format.readat import BytesReadAt, ReadAt
 from coldstart.oci.manifest import OCI_MANIFEST, canonical_json, digest_of
 from coldstart.oci.reference import Reference
 from coldstart.oci.referrers import find_referrers, push_referrer
@@ -27,6 +27,9 @@ from coldstart.oci.registry import RegistryClient
 from coldstart.remote.registry_blob import open_blob
 from coldstart.warmup.bundle import Packed, ReadFile
 from coldstart.warmup.keys import WarmupKey, differences
+
+if TYPE_CHECKING:
+    from coldstart.cache.chunks import ChunkCache
 
 __all__ = ["ARTIFACT_TYPE", "Found", "cached_reader", "fetch", "find", "open_bundle", "push"]
 
@@ -176,10 +179,25 @@ def _json(body: bytes, what: str) -> dict[str, Any]:
     return doc
 
 
+#: a bundle up to this size is fetched whole when asked (:func:`open_bundle`): one request
+#: instead of its tail and then a read per file, for a restore that reads every file anyway
+WHOLE_MAX = 256 << 20
+
+
+class _WholeBlob(BytesReadAt):
+    """A bundle fetched whole and verified against its digest (counted as a registry blob is)."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.bytes, self.requests = len(data), 1
+
+
 def open_bundle(client: RegistryClient, image: Reference, found: Found, *,
-                timeout: float = 60.0) -> SeekableLayer:
-    """The artifact's bundle, opened lazily from the registry (its TOC verified against the
-    layer's annotation)."""
+                timeout: float = 60.0, whole: bool = False) -> SeekableLayer:
+    """The artifact's bundle (its TOC verified against the layer's annotation): fetched whole
+    in one request and verified against its digest when ``whole`` and it is at most
+    :data:`WHOLE_MAX` bytes, else opened lazily from the registry (range reads of what is
+    read). Either way each chunk and file read is verified against the TOC's digests."""
     desc = found.layer
     size = desc.get("size")
     annotations = desc.get("annotations")
@@ -187,7 +205,12 @@ def open_bundle(client: RegistryClient, image: Reference, found: Found, *,
             not isinstance(annotations, dict):
         raise FormatError(f"warm-up artifact {found.digest}: its layer descriptor has no size "
                           "or no annotations")
-    blob = open_blob(client, image, str(desc.get("digest")), size, timeout=timeout)
+    digest = str(desc.get("digest"))
+    blob: ReadAt
+    if whole and size <= WHOLE_MAX:
+        blob = _WholeBlob(client.get_blob(image, digest, max_size=size, timeout=timeout))
+    else:
+        blob = open_blob(client, image, digest, size, timeout=timeout)
     return open_layer(blob, annotations=annotations)
 
 

@@ -32,11 +32,13 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from coldstart.errors import FormatError, InvalidArgument
 from coldstart.format.layer import SeekableLayer
-from coldstart.format.writer import LayerResult, convert_layer
+
+if TYPE_CHECKING:       # the writer only packs: a restore does not import it
+    from coldstart.format.writer import LayerResult
 
 __all__ = ["HEADERS", "OFF_IN_CONTAINERS", "ROLES", "Evidence", "Unpacked", "cache_dirs",
            "evidence", "inductor_default", "pack", "snapshot", "unpack", "watched_dirs"]
@@ -192,6 +194,8 @@ def pack(dirs: Mapping[str, Path], dst: BinaryIO, *, max_bytes: int = 4 << 30) -
                         tar.addfile(info, f)
                     roles[role] = roles.get(role, 0) + 1
         spool.seek(0)
+        from coldstart.format.writer import convert_layer
+
         layer = convert_layer(spool, dst, format="zstd:chunked")
     return Packed(layer, files, total, roles)
 

@@ -26,9 +26,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from coldstart.cache.chunks import ChunkCache
 from coldstart.errors import ColdstartError, InvalidArgument
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
@@ -46,6 +45,9 @@ from coldstart.warmup.bundle import (
     watched_dirs,
 )
 from coldstart.warmup.keys import WarmupKey, compute_key
+
+if TYPE_CHECKING:
+    from coldstart.cache.chunks import ChunkCache
 
 __all__ = ["Captured", "Restored", "Verdict", "capture", "restore", "run_app", "verdict"]
 
@@ -91,7 +93,11 @@ class Restored:
 
 def _chunk_cache(path: str | os.PathLike[str] | None) -> ChunkCache | None:
     path = path if path is not None else os.environ.get(CHUNK_CACHE_ENV) or None
-    return ChunkCache(path, max_bytes=CHUNK_CACHE_BYTES) if path else None
+    if not path:
+        return None
+    from coldstart.cache.chunks import ChunkCache
+
+    return ChunkCache(path, max_bytes=CHUNK_CACHE_BYTES)
 
 
 def restore(client: RegistryClient, image: str | Reference, *, key: WarmupKey | None = None,
@@ -112,18 +118,21 @@ def restore(client: RegistryClient, image: str | Reference, *, key: WarmupKey | 
             out.reason = "; ".join(found.reasons) or "no artifact"
             return out
         out.artifact, out.compiles_at_capture = found.digest, found.compiles
-        layer = artifacts.open_bundle(client, ref, found)
-        stats = artifacts.Fetched()
         cache = _chunk_cache(chunk_cache)
-        done = Unpacked()
         try:
-            unpack(layer, dirs, read=artifacts.cached_reader(cache, stats), into=done)
-        finally:        # what was written before a failure is counted too
-            blob = layer.blob
-            out.fetched_bytes = int(getattr(blob, "bytes", 0))
-            out.requests = int(getattr(blob, "requests", 0))
-            out.files, out.kept, out.bytes = done.files, done.kept, done.bytes
-            out.chunks_cached, out.chunks_fetched = stats.chunks_cached, stats.chunks_fetched
+            # without a chunk cache to serve some of its chunks, the bundle is fetched whole
+            layer = artifacts.open_bundle(client, ref, found, whole=cache is None)
+            stats = artifacts.Fetched()
+            done = Unpacked()
+            try:
+                unpack(layer, dirs, read=artifacts.cached_reader(cache, stats), into=done)
+            finally:        # what was written before a failure is counted too
+                blob = layer.blob
+                out.fetched_bytes = int(getattr(blob, "bytes", 0))
+                out.requests = int(getattr(blob, "requests", 0))
+                out.files, out.kept, out.bytes = done.files, done.kept, done.bytes
+                out.chunks_cached, out.chunks_fetched = stats.chunks_cached, stats.chunks_fetched
+        finally:
             if cache is not None:
                 cache.close()
         out.status = "restored"

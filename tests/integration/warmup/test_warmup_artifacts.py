@@ -188,9 +188,22 @@ def test_keys_side_by_side_each_node_gets_its_own(captured: Captured, client: Re
     assert _files(_dirs(tmp_path / "h100")) == {"triton/abc/k.cubin": b"not really a cubin"}
 
 
+def test_without_a_chunk_cache_the_bundle_comes_in_one_request(
+        captured: Captured, client: RegistryClient, tmp_path: Path) -> None:
+    from coldstart.oci.reference import Reference
+
+    found = artifacts.find(client, Reference.parse(captured.image), compute_key())
+    got = restore(client, captured.image, dirs=_dirs(tmp_path))
+    assert got.status == "restored", got.reason
+    assert got.requests == 1 and got.fetched_bytes == found.layer["size"]
+    assert _files(_dirs(tmp_path)) == captured.files
+
+
+# the bundle fetched whole (its digest) and chunk by chunk through a chunk cache (each chunk's)
+@pytest.mark.parametrize("chunk_cache", [False, True], ids=["whole", "chunks"])
 def test_a_flipped_byte_is_never_restored(captured: Captured, client: RegistryClient,
-                                          registry: Registry, app: Path,
-                                          tmp_path: Path) -> None:
+                                          registry: Registry, app: Path, tmp_path: Path,
+                                          chunk_cache: bool) -> None:
     from coldstart.oci.reference import Reference
 
     found = artifacts.find(client, Reference.parse(captured.image), compute_key())
@@ -204,7 +217,8 @@ def test_a_flipped_byte_is_never_restored(captured: Captured, client: RegistryCl
     try:
         blob.write_bytes(original[:at] + bytes([original[at] ^ 0x01]) + original[at + 1:])
         dirs = _dirs(tmp_path)
-        got = restore(client, captured.image, dirs=dirs)
+        got = restore(client, captured.image, dirs=dirs,
+                      chunk_cache=tmp_path / "chunks" if chunk_cache else None)
         assert got.status == "refused"
         assert "IntegrityError" in got.reason or "FormatError" in got.reason, got.reason
         for name, data in _files(dirs).items():    # what was written is what was captured
