@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -185,6 +186,7 @@ def _fingerprint(files: list[Path], dists: tuple[str, ...], *extra: str) -> str:
     import importlib.metadata
 
     h = hashlib.sha256()
+    h.update(sys.implementation.cache_tag.encode())     # the bytecode it writes is for this
     for path in files:
         h.update(str(path.relative_to(_PACKAGE.parent)).encode() + b"\0" + path.read_bytes())
     for dist in dists:

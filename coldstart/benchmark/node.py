@@ -102,7 +102,9 @@ MODES: dict[str, ModeSpec] = {m.name: m for m in (
     ModeSpec("coldstart+profile+warmcache", "coldstart", "zstd:chunked-profile-warmcache",
              "coldstart+profile with the warm-up artifact restored before the app compiles "
              "(its profile recorded under coldstart warmup run, the wrapper's own start-up "
-             "included)", warm_cache=True),
+             "included, from a start whose caches were warm: the restore itself not "
+             "recorded)",
+             warm_cache=True),
     ModeSpec("coldstart+fill+warmcache", "coldstart", "zstd:chunked-profile-warmcache",
              "coldstart+profile+warmcache with the hybrid fill on (the product's default)",
              background_rate=None, warm_cache=True),

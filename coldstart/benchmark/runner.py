@@ -290,6 +290,8 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
                                      warmcache.warm_command(command, "registry/image"), env])
         if fmt in PROFILED:
             key += f" cuts={CUT_GAP}/{CUT_ALIGN}"    # how its files' chunks are cut
+        if fmt == WARM_PROFILE:
+            key += " caches=warm"       # recorded from a start whose caches were warm
         if fmt.startswith("zstd:chunked-profile"):
             key += f" overfetch={OVERFETCH}"           # what its prefetch ranges hold
         if fmt == "zstd:chunked-profile-grid":
@@ -311,13 +313,34 @@ def _prepare(opts: BenchOptions, modes: list[ModeSpec], stack: contextlib.ExitSt
             convert_image(src, dst, format="zstd:chunked", client=client, workdir=work,
                           profile=load_profile(saved), cut_chunks=False)
         elif fmt in PROFILED:
-            from coldstart.benchmark.optimize import OptimizeOptions, optimize_image
+            from coldstart.benchmark.optimize import (
+                OptimizeOptions,
+                optimize_image,
+                record_profile,
+            )
 
+            mounts: tuple[tuple[str, str], ...] = ()
+            if fmt == WARM_PROFILE:
+                # what a start with its caches restored reads (the wrapper, tracing, loading
+                # the kernels), not what a compiling one does (g++, headers): the caches are
+                # filled by a first start on the recording node, and the recorded one finds
+                # them (the recording container has no network to restore from)
+                filled = work / "warm-profile-caches"
+                mounts = warmcache.recording_mounts(env, filled)
+                report.stage("filling the compile caches for the warm-cache recording "
+                             "(coldstart optimize's node, the same command, not recorded)")
+                record_profile(src, OptimizeOptions(
+                    command=recorded, env=env, ready=ready, timeout=opts.timeout,
+                    insecure=tuple(insecure), workdir=work, mounts=mounts),
+                    progress=report.stage)
+                if not any(p.is_file() for p in filled.rglob("*")):
+                    report.stage("warning: the first start left the compile caches empty: "
+                                 "the warm-cache profile is that of a compiling start")
             report.stage(f"recording the start-up and writing it first (coldstart optimize): "
                          f"{dst}")
             result = optimize_image(src, dst, OptimizeOptions(
                 command=recorded, env=env, ready=ready, timeout=opts.timeout,
-                insecure=tuple(insecure), workdir=work), progress=report.stage)
+                insecure=tuple(insecure), workdir=work, mounts=mounts), progress=report.stage)
             kept.mkdir(parents=True, exist_ok=True)
             saved.write_text(result.profile.dumps())
             report.stage(f"profile: {saved} ({result.profile.files} files)")

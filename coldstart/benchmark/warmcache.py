@@ -26,7 +26,7 @@ from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
 
 __all__ = ["WarmPrep", "describe", "fresh_copies", "local_cache_mounts", "local_verdict",
-           "prepare", "snapshot_mounts", "warm_command", "warm_workload"]
+           "prepare", "recording_mounts", "snapshot_mounts", "warm_command", "warm_workload"]
 
 #: the log lines of `coldstart warmup run --capture` that end the preparing start
 _PREP_DONE = r"log:coldstart warmup: warm-up cache (captured|not captured|hit)"
@@ -88,6 +88,23 @@ def local_cache_mounts(client: RegistryClient, ref: str, artifact: str, env: Seq
     unpack(artifacts.open_bundle(client, image, found, whole=True), host)
     inside = cache_dirs(_env_map(env))
     return tuple((str(host[r]), str(inside[r])) for r in sorted(host) if host[r].is_dir())
+
+
+def recording_mounts(env: Sequence[str], dst: Path) -> tuple[tuple[str, str], ...]:
+    """An empty host directory per cache role under ``dst``, bind-mounted where the
+    container's ``env`` puts that cache: a first start fills them, a second finds them warm."""
+    import shutil
+
+    from coldstart.warmup.bundle import cache_dirs
+
+    if dst.exists():
+        shutil.rmtree(dst)
+    inside = cache_dirs(_env_map(env))
+    out = []
+    for role in sorted(inside):
+        (dst / role).mkdir(parents=True)
+        out.append((str(dst / role), str(inside[role])))
+    return tuple(out)
 
 
 def _env_map(env: Sequence[str]) -> Mapping[str, str]:

@@ -13,15 +13,18 @@ unchanged; one that does not needs two lines::
 
 from __future__ import annotations
 
-import asyncio
 import math
 import os
 import socket
 import stat
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from coldstart.errors import InvalidArgument, Unavailable
 from coldstart.probe.states import Notice
+
+if TYPE_CHECKING:       # a sender (an app, `coldstart warmup run`) needs no event loop
+    import asyncio
 
 __all__ = ["NotifyListener", "notify", "parse_notice"]
 
@@ -103,12 +106,14 @@ def parse_notice(data: bytes) -> Notice:
     )
 
 
-class _Protocol(asyncio.DatagramProtocol):
-    def __init__(self, deliver: Callable[[Notice], None]) -> None:
-        self._deliver = deliver
+def _protocol(deliver: Callable[[Notice], None]) -> asyncio.DatagramProtocol:
+    import asyncio
 
-    def datagram_received(self, data: bytes, addr: object) -> None:
-        self._deliver(parse_notice(data))
+    class Protocol(asyncio.DatagramProtocol):
+        def datagram_received(self, data: bytes, addr: object) -> None:
+            deliver(parse_notice(data))
+
+    return Protocol()
 
 
 class NotifyListener:
@@ -134,9 +139,11 @@ class NotifyListener:
         except OSError as exc:
             sock.close()
             raise Unavailable(f"cannot bind notify socket {self.path}: {exc}") from exc
+        import asyncio
+
         loop = asyncio.get_running_loop()
         transport, _ = await loop.create_datagram_endpoint(
-            lambda: _Protocol(self._deliver), sock=sock
+            lambda: _protocol(self._deliver), sock=sock
         )
         self._transport = transport
 

@@ -189,8 +189,12 @@ def test_keys_side_by_side_each_node_gets_its_own(captured: Captured, client: Re
 
 
 def test_without_a_chunk_cache_the_bundle_comes_in_one_request(
-        captured: Captured, client: RegistryClient, tmp_path: Path) -> None:
+        captured: Captured, client: RegistryClient, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     from coldstart.oci.reference import Reference
+    from coldstart.warmup.runner import CHUNK_CACHE_ENV
+
+    monkeypatch.delenv(CHUNK_CACHE_ENV, raising=False)
 
     found = artifacts.find(client, Reference.parse(captured.image), compute_key())
     got = restore(client, captured.image, dirs=_dirs(tmp_path))
