@@ -23,8 +23,7 @@ It then stays up until SIGTERM or SIGINT (exit 0); ``COMPILE_EXIT_WHEN_READY=1``
   ``$TORCHINDUCTOR_CACHE_DIR``);
 * ``aoti``: AOTInductor: the package ``$TORCHINDUCTOR_CACHE_DIR/coldstart-aoti/model.pt2`` is
   loaded when there; else (or when it does not load: a warning on stderr) the model is exported,
-  compiled (Inductor's files in a scratch cache, removed after) and packaged there (a temporary
-  name, then renamed), and loaded;
+  compiled and packaged there (a temporary name, then renamed), and loaded;
 * ``eager``: no compilation (the tests' mode).
 
 ``$TORCHINDUCTOR_CACHE_DIR`` defaults to ``<tmp>/coldstart-inductor``; the app creates it.
@@ -36,7 +35,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -117,21 +115,11 @@ def aoti_runner(torch: Any, model: Any, x: Any, package: str) -> Any:
                   f"({type(exc).__name__}: {exc}); compiling again", file=sys.stderr, flush=True)
     os.makedirs(os.path.dirname(package), exist_ok=True)
     tmp = f"{package[:-len('.pt2')]}.tmp-{os.getpid()}.pt2"    # the packager wants .pt2
-    # the package is all a later start needs: the compile's own files (the generated C++, a
-    # second copy of the kernels and the weights) go to a scratch cache, not beside it
-    outer = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    scratch = tempfile.mkdtemp(prefix="coldstart-aoti-build-")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = scratch
     try:
         exported = torch.export.export(model, (x,))
         torch._inductor.aoti_compile_and_package(exported, package_path=tmp)
         os.replace(tmp, package)
     finally:
-        if outer is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = outer
-        shutil.rmtree(scratch, ignore_errors=True)
         if os.path.exists(tmp):
             os.unlink(tmp)
     print(f"compile_app: compiled the AOTInductor package {package}", flush=True)
