@@ -226,7 +226,8 @@ def weights_client_layer(tar: Tar, dists: tuple[str, ...] = WEIGHTS_CLIENT_DISTS
                 if name.startswith("..") or "__pycache__" in name or name.endswith(".pyc"):
                     continue
                 put(name, Path(str(found.locate_file(rel))).read_bytes())
-        compile_tree(site, str(site), "/" + PY_SITE, timeout=600)
+        if sys.version_info[:2] == (3, 11):     # else its bytecode is not the image's 3.11's
+            compile_tree(site, str(site), "/" + PY_SITE, timeout=600)
         add_tree(tar, site, PY_SITE + "/", keep_owner=False)
 
 

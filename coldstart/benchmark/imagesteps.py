@@ -141,7 +141,10 @@ def compile_tree(tree: Path, strip: str, prepend: str, timeout: float) -> None:
               "compileall.compile_dir(sys.argv[1], quiet=2, force=True, workers=0,\n"
               "    stripdir=sys.argv[2], prependdir=sys.argv[3],\n"
               "    invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)\n")
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    # (no cache prefix, no -O: the .pyc files go beside the sources, as the image imports them)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPYCACHEPREFIX", "PYTHONOPTIMIZE", "PYTHONDONTWRITEBYTECODE")}
+    env["PYTHONHASHSEED"] = "0"
     _run([sys.executable, "-c", script, str(tree), strip, prepend], f"compiling {tree}",
          timeout=timeout, env=env)
 

@@ -180,14 +180,14 @@ def _json(body: bytes, what: str) -> dict[str, Any]:
 
 
 #: a bundle up to this size is fetched whole when asked (:func:`open_bundle`): one request
-#: instead of its tail and then a read per file, for a restore that reads every file anyway;
-#: held in memory (twice, briefly) beside the starting app, hence the bound
+#: instead of its tail and then a read per file, for a restore into empty directories, which
+#: reads every file; held in memory (twice, briefly) beside the starting app, hence the bound
 WHOLE_MAX = 64 << 20
 
 
 class _WholeBlob(BytesReadAt):
-    """A bundle fetched whole and verified against its digest (counted as a registry blob is:
-    one request, more if the download had to resume)."""
+    """A bundle fetched whole and verified against its digest (counted as one request: a
+    download the registry client had to resume made more)."""
 
     def __init__(self, data: bytes) -> None:
         super().__init__(data)
@@ -199,8 +199,8 @@ def open_bundle(client: RegistryClient, image: Reference, found: Found, *,
     """The artifact's bundle (its TOC verified against the layer's annotation): fetched whole
     in one request and verified against its digest when ``whole`` and it is at most
     :data:`WHOLE_MAX` bytes, else opened lazily from the registry (range reads of what is
-    read, each range within ``timeout``; the whole blob within the registry client's blob
-    deadline). Either way each chunk and file read is verified against the TOC's digests."""
+    read). Each registry call has ``timeout`` seconds, the whole blob's too. Either way each
+    chunk and file read is verified against the TOC's digests."""
     desc = found.layer
     size = desc.get("size")
     annotations = desc.get("annotations")
@@ -211,7 +211,7 @@ def open_bundle(client: RegistryClient, image: Reference, found: Found, *,
     digest = str(desc.get("digest"))
     blob: ReadAt
     if whole and size <= WHOLE_MAX:
-        blob = _WholeBlob(client.get_blob(image, digest, max_size=size))
+        blob = _WholeBlob(client.get_blob(image, digest, max_size=size, timeout=timeout))
     else:
         blob = open_blob(client, image, digest, size, timeout=timeout)
     return open_layer(blob, annotations=annotations)

@@ -120,8 +120,10 @@ def restore(client: RegistryClient, image: str | Reference, *, key: WarmupKey | 
         out.artifact, out.compiles_at_capture = found.digest, found.compiles
         cache = _chunk_cache(chunk_cache)
         try:
-            # without a chunk cache to serve some of its chunks, the bundle is fetched whole
-            layer = artifacts.open_bundle(client, ref, found, whole=cache is None)
+            # into empty directories, with no chunk cache to serve some of its chunks, every
+            # file is read: the bundle is fetched whole (else the TOC, then what is missing)
+            whole = cache is None and not any(_holds_files(p) for p in dirs.values())
+            layer = artifacts.open_bundle(client, ref, found, whole=whole)
             stats = artifacts.Fetched()
             done = Unpacked()
             try:
@@ -145,6 +147,14 @@ def restore(client: RegistryClient, image: str | Reference, *, key: WarmupKey | 
     finally:
         out.seconds = time.monotonic() - t0
     return out
+
+
+def _holds_files(path: Path) -> bool:
+    try:
+        with os.scandir(path) as it:
+            return any(True for _ in it)
+    except OSError:         # not there (yet): nothing to keep
+        return False
 
 
 @dataclass

@@ -203,12 +203,30 @@ def test_without_a_chunk_cache_the_bundle_comes_in_one_request(
     assert _files(_dirs(tmp_path)) == captured.files
 
 
+def test_a_restart_keeps_what_its_directories_hold(captured: Captured, client: RegistryClient,
+                                                   tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from coldstart.warmup.runner import CHUNK_CACHE_ENV
+
+    monkeypatch.delenv(CHUNK_CACHE_ENV, raising=False)
+    dirs = _dirs(tmp_path)
+    first = restore(client, captured.image, dirs=dirs)
+    again = restore(client, captured.image, dirs=dirs)    # a restarted pod, its volume kept
+    assert first.status == again.status == "restored", again.reason
+    assert again.files == 0 and again.kept == first.files > 0
+    assert _files(dirs) == captured.files
+
+
 # the bundle fetched whole (its digest) and chunk by chunk through a chunk cache (each chunk's)
 @pytest.mark.parametrize("chunk_cache", [False, True], ids=["whole", "chunks"])
 def test_a_flipped_byte_is_never_restored(captured: Captured, client: RegistryClient,
                                           registry: Registry, app: Path, tmp_path: Path,
-                                          chunk_cache: bool) -> None:
+                                          chunk_cache: bool,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
     from coldstart.oci.reference import Reference
+    from coldstart.warmup.runner import CHUNK_CACHE_ENV
+
+    monkeypatch.delenv(CHUNK_CACHE_ENV, raising=False)
 
     found = artifacts.find(client, Reference.parse(captured.image), compute_key())
     digest = str(found.layer["digest"]).removeprefix("sha256:")
