@@ -80,11 +80,11 @@ def local_cache_mounts(client: RegistryClient, ref: str, artifact: str, env: Seq
     """Unpack ``artifact`` (of ``ref``) into ``dst/<role>`` and return the bind mounts that put
     each role's directory where the container's ``env`` (``KEY=VALUE`` lines) has it."""
     from coldstart.warmup import artifacts
-    from coldstart.warmup.bundle import cache_dirs, unpack
+    from coldstart.warmup.bundle import ROLES, cache_dirs, unpack
 
     image = Reference.parse(ref)
     found = artifacts.fetch(client, image, artifact)
-    host = {role: dst / role for role in ("inductor", "triton", "vllm", "cuda")}
+    host = {role: dst / role for role in ROLES}
     unpack(artifacts.open_bundle(client, image, found, whole=True), host)
     inside = cache_dirs(_env_map(env))
     return tuple((str(host[r]), str(inside[r])) for r in sorted(host) if host[r].is_dir())

@@ -122,7 +122,7 @@ def restore(client: RegistryClient, image: str | Reference, *, key: WarmupKey | 
         try:
             # into empty directories, with no chunk cache to serve some of its chunks, every
             # file is read: the bundle is fetched whole (else the TOC, then what is missing)
-            whole = cache is None and not any(_holds_files(p) for p in dirs.values())
+            whole = cache is None and not any(_not_empty(p) for p in dirs.values())
             layer = artifacts.open_bundle(client, ref, found, whole=whole)
             stats = artifacts.Fetched()
             done = Unpacked()
@@ -149,7 +149,7 @@ def restore(client: RegistryClient, image: str | Reference, *, key: WarmupKey | 
     return out
 
 
-def _holds_files(path: Path) -> bool:
+def _not_empty(path: Path) -> bool:
     try:
         with os.scandir(path) as it:
             return any(True for _ in it)
