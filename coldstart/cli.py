@@ -36,6 +36,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "node": ("coldstart.commands.node", "node"),
     "cri-proxy": ("coldstart.commands.cri_proxy", "cri_proxy"),
     "warmup": ("coldstart.commands.warmup", "warmup"),
+    "snapshot": ("coldstart.commands.snapshot", "snapshot"),
 }
 
 

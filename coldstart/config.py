@@ -40,6 +40,7 @@ __all__ = [
     "ProbeTimingConfig",
     "PullConfig",
     "RegistryConfig",
+    "SnapshotConfig",
     "SourceConfig",
     "WeightsConfig",
     "dump",
@@ -295,6 +296,27 @@ class ProbeTimingConfig(_Checked):
 
 
 @dataclass(frozen=True)
+class SnapshotConfig(_Checked):
+    """``coldstart-runc``, the runc wrapper that restores containers from snapshots."""
+
+    # restores' state, CRIU's images while a restore runs, the events log and the counters
+    state_dir: str = "/run/coldstart/snapshots"
+    # verified snapshot chunks, shared by every restore on the node; "" means <root>/snapshots
+    chunk_dir: str = ""
+    # the chunk cache's size limit (least recently used chunks go first)
+    chunk_max_bytes: int = 8 * GiB
+    # the CRIU binary; "" finds criu on PATH, then /usr/local/sbin/criu
+    criu: str = ""
+    # the real runc the wrapper runs; "" finds runc on PATH (not coldstart-runc itself)
+    runc: str = ""
+    # seconds finding and fetching a snapshot may take; past it the container starts normally
+    timeout: float = 120.0
+    # signal sent, after a restore, to each restored process that handles it
+    # (coldstart.snapshot.after_restore installs the handler); "" sends none
+    signal: str = "SIGRTMIN+6"
+
+
+@dataclass(frozen=True)
 class Config(_Checked):
     # metadata, snapshot directories and (by default) the chunk cache live here
     root: str = "/var/lib/coldstart"
@@ -322,6 +344,7 @@ class Config(_Checked):
     source: SourceConfig = field(default_factory=SourceConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     probe: ProbeTimingConfig = field(default_factory=ProbeTimingConfig)
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -334,6 +357,10 @@ class Config(_Checked):
     @property
     def cache_dir(self) -> str:
         return self.cache.dir or str(Path(self.root) / "cache")
+
+    @property
+    def snapshot_chunk_dir(self) -> str:
+        return self.snapshot.chunk_dir or str(Path(self.root) / "snapshots")
 
     @property
     def cri_keychain_dir(self) -> str:

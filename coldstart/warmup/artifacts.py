@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from coldstart.errors import ColdstartError, FormatError, IntegrityError
 from coldstart.format.layer import SeekableLayer, open_layer
@@ -31,7 +31,8 @@ from coldstart.warmup.keys import WarmupKey, differences
 if TYPE_CHECKING:
     from coldstart.cache.chunks import ChunkCache
 
-__all__ = ["ARTIFACT_TYPE", "Found", "cached_reader", "fetch", "find", "open_bundle", "push"]
+__all__ = ["ARTIFACT_TYPE", "Found", "LayerOf", "cached_reader", "fetch", "find", "open_bundle",
+           "push"]
 
 ARTIFACT_TYPE = "application/vnd.coldstart.warmup.v1"
 KEY_MEDIA_TYPE = "application/vnd.coldstart.warmup.key.v1+json"
@@ -194,7 +195,15 @@ class _WholeBlob(BytesReadAt):
         self.bytes, self.requests = len(data), 1
 
 
-def open_bundle(client: RegistryClient, image: Reference, found: Found, *,
+class LayerOf(Protocol):
+    """An artifact's one layer: its descriptor and the artifact's digest (:class:`Found`, a
+    snapshot's)."""
+
+    digest: str | None
+    layer: dict[str, Any]
+
+
+def open_bundle(client: RegistryClient, image: Reference, found: LayerOf, *,
                 timeout: float = 60.0, whole: bool = False) -> SeekableLayer:
     """The artifact's bundle (its TOC verified against the layer's annotation): fetched whole
     in one request and verified against its digest when ``whole`` and it is at most
@@ -206,7 +215,7 @@ def open_bundle(client: RegistryClient, image: Reference, found: Found, *,
     annotations = desc.get("annotations")
     if not isinstance(size, int) or isinstance(size, bool) or size <= 0 or \
             not isinstance(annotations, dict):
-        raise FormatError(f"warm-up artifact {found.digest}: its layer descriptor has no size "
+        raise FormatError(f"artifact {found.digest}: its layer descriptor has no size "
                           "or no annotations")
     digest = str(desc.get("digest"))
     blob: ReadAt

@@ -41,7 +41,8 @@ from pathlib import Path
 
 from coldstart.errors import FormatError
 
-__all__ = ["COMPONENTS", "MODEL_ENV", "WarmupKey", "compute_key", "cpu_isa", "differences"]
+__all__ = ["COMPONENTS", "MODEL_ENV", "WarmupKey", "compute_key", "cpu_isa", "differences",
+           "gpu_identity"]
 
 KEY_VERSION = 1
 COMPONENTS = ("torch", "triton", "python", "isa", "gpu", "driver", "cuda", "model")
@@ -159,7 +160,7 @@ def cpu_isa(cpuinfo: str = "/proc/cpuinfo") -> str:
     return f"{machine}:unknown"
 
 
-def _gpu(timeout: float = 5.0) -> tuple[str, str]:
+def gpu_identity(timeout: float = 5.0) -> tuple[str, str]:
     """(``name cc X.Y``, driver version) of GPU 0 from nvidia-smi; (none, none) without one."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
@@ -206,7 +207,7 @@ def compute_key(model_version: str | None = None, *,
     ``$COLDSTART_MODEL_VERSION``, else ``none``; ``overrides``: components given instead of
     read (tests, cross-builds)."""
     torch = _dist("torch")
-    gpu, driver = _gpu()
+    gpu, driver = gpu_identity()
     comps = {
         "torch": torch,
         # torch's own Triton builds go by other names

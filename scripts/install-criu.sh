@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Installs CRIU 4.1.1 into /usr/local/sbin when the node has no CRIU that passes `criu check`
+# at 4.1 or newer; as root, safe to run again. Debian 12's CRIU 3.17 fails `criu check` on
+# current kernels (the vDSO's layout); Debian 13's 4.1.1 source builds on Debian 12 in under a
+# minute. The source is Debian 13's own orig tarball, from Debian's pool, checked against its
+# SHA-256 before it is built.
+#   bash scripts/install-criu.sh            install if needed, then `criu check`
+#   CRIU_FORCE=1 bash scripts/install-criu.sh   build and install even if a good one is there
+set -euo pipefail
+
+VERSION=4.1.1
+ORIG_SHA256=f80a66cb3726bb2116266d4759ce3bcbfab7abdb6b6d430bf20dd41911717afe
+MIRROR=${CRIU_MIRROR:-http://deb.debian.org/debian}
+PREFIX=/usr/local
+
+version_ok() {   # $1: a criu binary; true if it runs, is >= 4.1 and passes `criu check`
+  local v
+  v=$("$1" --version 2>/dev/null | sed -n 's/^Version: *//p') || return 1
+  [ -n "$v" ] || return 1
+  case "$v" in
+    [0-3].*|4.0|4.0.*) return 1 ;;
+  esac
+  "$1" check >/dev/null 2>&1
+}
+
+if [ "${CRIU_FORCE:-0}" != 1 ]; then
+  for c in "$(command -v criu || true)" "$PREFIX/sbin/criu"; do
+    if [ -n "$c" ] && [ -x "$c" ] && version_ok "$c"; then
+      echo "install-criu: $c ($("$c" --version | sed -n 's/^Version: *//p')) passes criu check, kept" >&2
+      exit 0
+    fi
+  done
+fi
+
+BUILD_DEPS=(build-essential pkg-config libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev
+            protobuf-compiler python3-protobuf libnl-3-dev libnet1-dev libcap-dev libbsd-dev
+            libgnutls28-dev uuid-dev libnftables-dev iproute2 curl ca-certificates)
+missing=()
+for p in "${BUILD_DEPS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "install-criu: apt packages: ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+WORK=$(mktemp -d /tmp/coldstart-criu.XXXXXX)
+trap 'rm -rf "$WORK"' EXIT
+TARBALL="$WORK/criu_$VERSION.orig.tar.xz"
+URL="$MIRROR/pool/main/c/criu/criu_$VERSION.orig.tar.xz"
+echo "install-criu: fetching $URL" >&2
+curl -fsSL --retry 3 --connect-timeout 20 --max-time 300 -o "$TARBALL" "$URL" || {
+  echo "install-criu: could not fetch $URL" >&2; exit 1; }
+echo "$ORIG_SHA256  $TARBALL" | sha256sum -c --quiet - || {
+  echo "install-criu: criu_$VERSION.orig.tar.xz does not match its SHA-256" >&2; exit 1; }
+tar -xf "$TARBALL" -C "$WORK"
+echo "install-criu: building CRIU $VERSION (about a minute on 2 cores)" >&2
+if ! make -C "$WORK/criu-$VERSION" -j"$(nproc)" criu >"$WORK/build.log" 2>&1; then
+  tail -n 30 "$WORK/build.log" >&2
+  echo "install-criu: the build failed" >&2
+  exit 1
+fi
+make -C "$WORK/criu-$VERSION" install-criu PREFIX="$PREFIX" >>"$WORK/build.log" 2>&1
+if ! "$PREFIX/sbin/criu" check; then
+  echo "install-criu: CRIU $VERSION installed in $PREFIX/sbin but \`criu check\` fails on this" \
+       "kernel: snapshots cannot be restored on this node (containers start normally)" >&2
+  exit 1
+fi
+echo "install-criu: CRIU $VERSION installed ($PREFIX/sbin/criu)" >&2
