@@ -16,6 +16,9 @@ cache (Inductor's, issue 51) saves. In order, each phase announced by sd_notify
    "compile_s": <seconds of compilation and first call>, "mode": <mode>}``, then ``READY=1``.
 
 It then stays up until SIGTERM or SIGINT (exit 0); ``COMPILE_EXIT_WHEN_READY=1`` exits 0 at once.
+Restored from a snapshot (``coldstart-runc``), the process is told so by the after-restore
+hook (:func:`on_restore`): it calls the compiled model once more, prints the same JSON line
+with ``"restored": true`` and says ``READY=1`` again, which is when a restored start is ready.
 
 ``COMPILE_MODE`` picks the compilation:
 
@@ -66,6 +69,22 @@ def notify(*assignments: str) -> None:
 def phase(name: str, *extra: str) -> None:
     print(f"coldstart-phase {name}", flush=True)
     notify(f"STATUS={name}", f"X_PHASE={name}", *extra)
+
+
+#: the after-restore signal of coldstart-runc's default config (``snapshot.signal``)
+RESTORE_SIGNAL = "SIGRTMIN+6"
+
+
+def on_restore(fn: Any) -> None:
+    """Call ``fn()`` after each restore of this process from a snapshot: through
+    ``coldstart.snapshot.after_restore`` when the image carries coldstart, else by handling
+    the same signal here."""
+    try:
+        from coldstart.snapshot import after_restore
+    except ImportError:
+        signal.signal(signal.SIGRTMIN + 6, lambda signum, frame: fn())
+        return
+    after_restore(fn, signal=RESTORE_SIGNAL)
 
 
 def build_model() -> tuple[Any, Any]:
@@ -174,6 +193,15 @@ def main() -> int:
     print(json.dumps({"result": round(float(y.sum()), 6), "compile_s": round(compile_s, 3),
                       "mode": mode}), flush=True)
     notify("READY=1", "STATUS=ready", "X_PHASE=ready")
+
+    def restored() -> None:
+        with torch.no_grad():
+            y = run(x)
+        print(json.dumps({"result": round(float(y.sum()), 6), "compile_s": 0.0,
+                          "mode": mode, "restored": True}), flush=True)
+        notify("READY=1", "STATUS=ready", "X_PHASE=ready", "X_RESTORED=1")
+
+    on_restore(restored)
     if os.environ.get("COMPILE_EXIT_WHEN_READY") != "1":
         while not stop.wait(3600):
             pass

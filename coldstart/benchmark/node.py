@@ -73,6 +73,9 @@ class ModeSpec:
     # the app runs under `coldstart warmup run`, which restores the image's warm-up cache
     # artifact (made once before the runs, as the profile is) before the app compiles
     warm_cache: bool = False
+    # the node's runc is coldstart-runc and the container asks for a restore: it starts from
+    # the image's snapshot (made once before the runs, from a ready container)
+    snapshot: bool = False
 
 
 MODES: dict[str, ModeSpec] = {m.name: m for m in (
@@ -108,6 +111,14 @@ MODES: dict[str, ModeSpec] = {m.name: m for m in (
     ModeSpec("coldstart+fill+warmcache", "coldstart", "zstd:chunked-profile-warmcache",
              "coldstart+profile+warmcache with the hybrid fill on (the product's default)",
              background_rate=None, warm_cache=True),
+    ModeSpec("coldstart+snapshot", "coldstart", "zstd:chunked",
+             "coldstart, the container restored from the image's snapshot (coldstart-runc: "
+             "CRIU restore of a ready container, its pages fetched and verified from the "
+             "registry; made once before the runs, from a ready container of this mode)",
+             snapshot=True),
+    ModeSpec("coldstart+snapshot+fill", "coldstart", "zstd:chunked",
+             "coldstart+snapshot with the hybrid fill on (the product's default)",
+             background_rate=None, snapshot=True),
     ModeSpec("coldstart+profile-nowarm", "coldstart", "zstd:chunked-profile",
              "coldstart+profile without handing the prefetched chunks to the kernel's page "
              "cache (fuse.page_cache = false; an ablation)", page_cache=False, ablation=True),
@@ -252,6 +263,8 @@ class Node:
     # the directory of coldstart's files socket (mounted into containers of a files_socket
     # mode); "" where there is none
     files_dir: str = ""
+    # coldstart-runc's state directory (events.jsonl) on a snapshot mode's node
+    snapshot_state: Path | None = None
 
     def ctr(self, *args: str, timeout: float = 900.0) -> subprocess.CompletedProcess[str]:
         return self.ctd.ctr(*args, timeout=timeout)
@@ -357,10 +370,13 @@ def start_node(mode: ModeSpec, base: Path, *, insecure: tuple[str, ...] = (),
                 sg = stack.enter_context(start_stargz(base / "sg", binary=stargz_binary))
                 proxies["stargz"] = sg.socket
                 daemons["stargz"] = lambda: sg.proc.pid if sg.proc else None
-            ctd = stack.enter_context(start_containerd(base / "ctrd", proxies=proxies))
+            env = _snapshot_env(base, insecure) if mode.snapshot else None
+            ctd = stack.enter_context(start_containerd(base / "ctrd", proxies=proxies,
+                                                       env=env))
             ctd.namespace = "default"
             daemons = {"containerd": lambda: ctd.proc.pid if ctd.proc else None, **daemons}
-            node = Node(mode=mode, base=base, ctd=ctd, daemons=daemons, insecure=insecure)
+            node = Node(mode=mode, base=base, ctd=ctd, daemons=daemons, insecure=insecure,
+                        snapshot_state=base / "snap" / "state" if mode.snapshot else None)
             if mode.snapshotter == "coldstart":
                 node.fuse_socket = sn.fuse_socket
                 # fuse.files_socket "auto": files/files.sock beside the control socket
@@ -374,6 +390,52 @@ def start_node(mode: ModeSpec, base: Path, *, insecure: tuple[str, ...] = (),
     finally:
         unmount_under(base, abort_fuse=True)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _snapshot_env(base: Path, insecure: tuple[str, ...]) -> dict[str, str]:
+    """containerd's environment on a snapshot mode's node: ``runc`` on its PATH is
+    coldstart-runc (every container of the node goes through it, as the runc shim's
+    ``BinaryName`` makes it on a real node), whose config keeps its state, its chunk cache and
+    its registry settings under ``base``."""
+    import sys
+
+    from coldstart.snapshot.runc import CONFIG_ENV, real_runc
+
+    snap = base / "snap"
+    bindir = snap / "bin"
+    bindir.mkdir(parents=True, exist_ok=True)
+    wrapper = Path(sys.executable).absolute().parent / "coldstart-runc"
+    if not wrapper.exists():
+        raise FailedPrecondition(f"{wrapper} is missing (pip install -e . installs it)")
+    (bindir / "runc").symlink_to(wrapper)
+    config = snap / "config.toml"
+    config.write_text(
+        "[registry]\n"
+        f"insecure_hosts = {json.dumps(list(insecure))}\n"
+        "[snapshot]\n"
+        f"state_dir = {json.dumps(str(snap / 'state'))}\n"
+        f"chunk_dir = {json.dumps(str(snap / 'chunks'))}\n"
+        f"runc = {json.dumps(real_runc(''))}\n")
+    return {"PATH": f"{bindir}:{os.environ.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}",
+            CONFIG_ENV: str(config)}
+
+
+def snapshot_event(node: Node, cid: str) -> dict[str, Any] | None:
+    """coldstart-runc's record of the last restore attempt of ``cid`` on ``node``."""
+    if node.snapshot_state is None:
+        return None
+    try:
+        lines = (node.snapshot_state / "events.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(ev, dict) and ev.get("container") == cid:
+            return ev
+    return None
 
 
 @dataclass(frozen=True)
@@ -394,13 +456,15 @@ Traffic = Callable[[], tuple[int, int]]   # (bytes served, requests) so far
 def cold_start(node: Node, ref: str, work: Workload, index: int, *, traffic: Traffic | None,
                settle: float = 0.0, heat: int = 0,
                on_phase: Callable[[str], None] = lambda _p: None,
-               prepared: bool = False) -> Run:
+               prepared: bool = False,
+               after_ready: Callable[[Node, str], None] | None = None) -> Run:
     """One cold start of ``ref`` on ``node``; a failure is recorded in the run, not raised.
 
     ``heat``: bytes of memory written and freed after the page cache is dropped and the
     ``settle`` rest (:func:`heat_memory`), not timed. ``prepared``: the image is already
     pulled (the warm start of the floor): only create, start and the app's phases are
-    timed."""
+    timed. ``after_ready(node, container)``: called once the container is ready, before it
+    is removed (the snapshot of a ready container); its failure fails the run."""
     run = Run(node.mode.name, index)
     cid = f"bench-{os.getpid()}-{index}"     # unique: runc's state is per host, not per root
     io_dir = node.base / "io"
@@ -459,6 +523,10 @@ def cold_start(node: Node, ref: str, work: Workload, index: int, *, traffic: Tra
                 argv += ["--mount", f"type=bind,src={host},dst={inside},options=rbind:rw"]
             for e in env:
                 argv += ["--env", e]
+            if node.mode.snapshot:
+                from coldstart.snapshot.runc import ANNOTATION
+
+                argv += ["--annotation", f"{ANNOTATION}={ref}"]
             if work.ready.needs_host_network or work.host_network:
                 # "=true": ctr (urfave/cli) reorders its flags and takes the word after a
                 # bare flag for its value, so the image ref after "--net-host" would vanish
@@ -480,6 +548,9 @@ def cold_start(node: Node, ref: str, work: Workload, index: int, *, traffic: Tra
             run.warmup = _warmup_report(io_dir / WARMUP_REPORT)
             for name, a, b in watch.marks.phases(started, outcome.ready_at):
                 run.phases.append(Phase(name, a, b))
+            run.snapshot = snapshot_event(node, cid)
+            if after_ready is not None:
+                after_ready(node, cid)
     except Exception as exc:   # any failure is this run's, recorded; Ctrl-C is not caught
         run.ok = False
         run.error_kind = type(exc).__name__

@@ -60,6 +60,9 @@ class Run:
     #: what `coldstart warmup run` said at READY (warm-cache modes): the restore (status,
     #: bytes fetched, seconds) and the verdict (hit | partial | miss, with the compile work)
     warmup: dict[str, Any] | None = None
+    #: coldstart-runc's record of this start (snapshot modes): restored or fallback (its
+    #: reason), the restore's phases, bytes fetched and chunks
+    snapshot: dict[str, Any] | None = None
 
     def phase_seconds(self) -> dict[str, float]:
         """Seconds per phase name (a name that occurs twice is summed)."""
@@ -214,6 +217,18 @@ def to_json(result: BenchResult) -> dict[str, Any]:
             summary["warmup_fetched_bytes"] = _stat(
                 float(((r.warmup or {}).get("restore") or {}).get("fetched_bytes") or 0)
                 for r in m.ok_runs() if r.warmup)
+        snaps = [r.snapshot for r in m.ok_runs() if r.snapshot]
+        if snaps:
+            outcomes = [str(e.get("outcome") if e.get("outcome") == "restored"
+                            else f"fallback:{e.get('kind')}") for e in snaps]
+            summary["snapshot"] = {o: outcomes.count(o) for o in sorted(set(outcomes))}
+            restored = [e for e in snaps if e.get("outcome") == "restored"]
+            if restored:
+                summary["snapshot_fetched_bytes"] = _stat(
+                    float(e.get("fetched_bytes") or 0) for e in restored)
+                summary["snapshot_phases"] = {
+                    k: _stat(float((e.get("phases") or {}).get(k) or 0) for e in restored)
+                    for k in ("check", "find", "fetch", "rootfs", "restore", "total")}
         loading = (summary.get("phases") or {}).get("loading")
         if result.limit is not None and loading:
             summary["loading_over_limit"] = loading["median"] / result.limit.seconds
@@ -239,7 +254,7 @@ def _run_json(r: Run) -> dict[str, Any]:
     return {"index": r.index, "ok": r.ok, "error": r.error, "ready_s": r.ready_s,
             "exit_code": r.exit_code, "registry_bytes": r.registry_bytes,
             "registry_requests": r.registry_requests, "cpu_s": r.cpu_s,
-            "peak_rss_mb": r.peak_rss_mb, "warmup": r.warmup,
+            "peak_rss_mb": r.peak_rss_mb, "warmup": r.warmup, "snapshot": r.snapshot,
             "phases": [{"name": p.name, "start_s": p.start_s, "end_s": p.end_s}
                        for p in r.phases]}
 
@@ -273,8 +288,10 @@ def render_table(doc: dict[str, Any]) -> str:
             if n not in phase_names:
                 phase_names.append(n)
     cache_col = any("warmup" in m["summary"] for m in modes.values())
+    snap_col = any("snapshot" in m["summary"] for m in modes.values())
     head = ["mode", "READY", "speed-up", *phase_names, "registry", "requests", "CPU",
-            "peak RSS", *(["warm-up cache"] if cache_col else [])]
+            "peak RSS", *(["warm-up cache"] if cache_col else []),
+            *(["snapshot"] if snap_col else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, m in modes.items():
         s = m["summary"]
@@ -293,6 +310,11 @@ def render_table(doc: dict[str, Any]) -> str:
                          for k, v in s.get("peak_rss_mb", {}).items() if v) or "-"]
         if cache_col:
             row.append(", ".join(f"{n} {v}" for v, n in s.get("warmup", {}).items()) or "-")
+        if snap_col:
+            sp = s.get("snapshot_phases") or {}
+            row.append(", ".join(f"{n} {v}" for v, n in s.get("snapshot", {}).items())
+                       + (f"; fetched {_fmt(s.get('snapshot_fetched_bytes'), 'MB', 1e6, 1)}, "
+                          f"restore {_fmt(sp.get('restore'))}" if sp else "") or "-")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

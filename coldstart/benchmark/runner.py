@@ -24,6 +24,7 @@ import os
 import shutil
 import statistics
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -471,6 +472,9 @@ def run_bench(opts: BenchOptions, report: Reporter | None = None) -> BenchResult
         preps = _warm_preps(opts, active, prepared.refs, workload, work / "n", insecure,
                             stargz_binary, result, report)
         active = [s for s in active if not s.warm_cache or preps[s.name].artifact]
+        snaps = _snapshot_preps(opts, active, prepared.refs, workload, work / "n", insecure,
+                                stargz_binary, result, report)
+        active = [s for s in active if not s.snapshot or s.name in snaps]
         cache_mounts = (_local_cache(opts, preps, prepared, insecure, work, report)
                         if floor_ref else None)
         turns: list[ModeSpec | str | None] = [*active, *([None] if floor_ref else []),
@@ -676,6 +680,67 @@ def _warm_preps(opts: BenchOptions, active: Sequence[ModeSpec], refs: Mapping[st
         if prep.artifact is None:
             m = result.modes[spec.name]
             m.status, m.reason = "failed", f"no warm-up artifact: {prep.error}"
+    return out
+
+
+def _snapshot_preps(opts: BenchOptions, active: Sequence[ModeSpec], refs: Mapping[str, str],
+                    workload: Workload, base: Path, insecure: tuple[str, ...],
+                    stargz_binary: Path | None, result: BenchResult,
+                    report: Reporter) -> dict[str, str]:
+    """For each snapshot mode, its snapshot: one untimed start of the mode's image on a node
+    of its own (plain runc), checkpointed once ready and pushed to the image's repository
+    (:func:`coldstart.snapshot.create.checkpoint`). A mode without one fails with the
+    reason; the others run."""
+    out: dict[str, str] = {}
+    for spec in active:
+        if not spec.snapshot:
+            continue
+        m = result.modes[spec.name]
+        if workload.ready.kind == "exit":
+            m.status, m.reason = "failed", ("READY is the command's exit here: a start-up "
+                                            "that exits leaves no ready process to snapshot")
+            continue
+        report.stage(f"{spec.name}: its snapshot (one untimed start, checkpointed at READY "
+                     "and pushed)")
+        ref = refs[spec.name]
+        info: dict[str, Any] = {}
+
+        def take(node: Node, cid: str, ref: str = ref, info: dict[str, Any] = info) -> None:
+            from coldstart.snapshot.create import checkpoint, push
+            from coldstart.snapshot.criu import find_criu
+
+            criu = find_criu(check=True)
+            if not criu.usable:
+                raise FailedPrecondition("; ".join(criu.problems))
+            with RegistryClient(insecure_hosts=list(insecure), timeout=60) as client:
+                ckpt = checkpoint(node.ctd.address, node.ctd.namespace, cid, client,
+                                  node.base / "snapshot", criu_version=criu.version,
+                                  image=ref)
+                t = time.monotonic()
+                pushed = push(client, ckpt, image=ref)
+                info.update(pushed.to_json())
+                info["seconds"] = {**{k: round(v, 3) for k, v in ckpt.seconds.items()},
+                                   "push": round(time.monotonic() - t, 3)}
+
+        try:
+            with _node(opts, replace(spec, snapshot=False), base, ref, insecure,
+                       stargz_binary) as node:
+                # a container name apart from the runs' (runc's state is per host)
+                run = cold_start(node, ref, workload, 2000, traffic=None, settle=opts.settle,
+                                 on_phase=functools.partial(report.phase, spec.name, -1),
+                                 after_ready=take)
+        except Exception as exc:
+            run = Run(spec.name, -1, ok=False, error=f"the node did not start: {exc}")
+        result.image.setdefault("snapshot", {})[spec.name] = {
+            **info, "prepare_ready_s": run.ready_s, "error": run.error}
+        if run.ok and info.get("digest"):
+            out[spec.name] = str(info["digest"])
+            report.stage(f"{spec.name}: snapshot {str(info['digest'])[:19]}…: "
+                         f"{int(info.get('pages_bytes', 0)) / 1e6:.1f} MB of pages, "
+                         f"{int(info.get('rootfs_bytes', 0)) / 1e6:.1f} MB of rootfs changes, "
+                         f"{int(info.get('blob_bytes', 0)) / 1e6:.1f} MB stored")
+        else:
+            m.status, m.reason = "failed", f"no snapshot: {run.error}"
     return out
 
 

@@ -15,6 +15,9 @@ stdout (``coldstart-phase <phase>``, so a log-line ready condition works too):
 5. ``ready``: listen on ``$HOST:$PORT`` (127.0.0.1:8000), then ``READY=1``. ``GET /infer`` runs
    the product again and answers a small JSON result; ``GET /healthz`` answers ``ok``.
 
+Restored from a snapshot (``coldstart-runc``), the after-restore hook (:func:`on_restore`)
+answers one inference and says ``READY=1`` again: a restored server is ready when it answers.
+
     NOTIFY_SOCKET=/tmp/n.sock PORT=8001 MODEL_PATH=/tmp/model python3 server.py
 
 Environment defaults: ``MODEL_PATH`` (/model), ``PORT``, ``HOST``; ``SERVER_EXIT_WHEN_READY=1``
@@ -221,6 +224,22 @@ def make_handler(model: Model) -> type[http.server.BaseHTTPRequestHandler]:
     return Handler
 
 
+#: the after-restore signal of coldstart-runc's default config (``snapshot.signal``)
+RESTORE_SIGNAL = "SIGRTMIN+6"
+
+
+def on_restore(fn: Any) -> None:
+    """Call ``fn()`` after each restore of this process from a snapshot: through
+    ``coldstart.snapshot.after_restore`` when the image carries coldstart, else by handling
+    the same signal here."""
+    try:
+        from coldstart.snapshot import after_restore
+    except ImportError:
+        signal.signal(signal.SIGRTMIN + 6, lambda signum, frame: fn())
+        return
+    after_restore(fn, signal=RESTORE_SIGNAL)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="coldstart bench model server")
     ap.add_argument("--model", type=Path, default=Path(os.environ.get("MODEL_PATH", "/model")))
@@ -264,6 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"coldstart-phase ready (listening on {args.host}:{server.server_address[1]}, "
           f"{time.monotonic() - t0:.2f} s after start)", flush=True)
     notify("READY=1", "STATUS=ready", "X_PHASE=ready")
+
+    def restored() -> None:     # a restored server is ready once it answers an inference
+        print(f"server: inference {json.dumps(model.infer())} (restored)", flush=True)
+        notify("READY=1", "STATUS=ready", "X_PHASE=ready", "X_RESTORED=1")
+
+    on_restore(restored)
     if args.exit_when_ready:
         server.server_close()
         return 0

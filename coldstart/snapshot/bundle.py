@@ -16,7 +16,6 @@ fetches once.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
 import tarfile
@@ -25,17 +24,16 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from coldstart.errors import FormatError, InvalidArgument
 from coldstart.format.layer import SeekableLayer
-from coldstart.warmup.bundle import ReadFile
 
 if TYPE_CHECKING:
     from coldstart.cache.chunks import ChunkCache
     from coldstart.format.writer import LayerResult
 
-__all__ = ["CHUNK_SIZE", "Packed", "fetch_missing", "pack", "page_cuts", "unpack"]
+__all__ = ["CHUNK_SIZE", "Packed", "Unpacked", "materialize", "pack", "page_cuts"]
 
 PAGE = 4096
 #: a chunk of pages holds at most this many bytes
@@ -129,8 +127,10 @@ def pack(criu_dir: Path, dst: BinaryIO, *, rootfs_tar: Path | None = None) -> Pa
 @dataclass
 class Unpacked:
     files: int = 0
-    size: int = 0                    # bytes written and read
+    size: int = 0                    # bytes of CRIU's files
     rootfs: bytes | None = None      # the rootfs changes' tar, verified; None: none
+    chunks_cached: int = 0           # chunks the node's cache held
+    chunks_fetched: int = 0          # fetched from the registry, verified
 
 
 def _member(name: str) -> tuple[str, str]:
@@ -144,13 +144,26 @@ def _member(name: str) -> tuple[str, str]:
     raise FormatError(f"snapshot bundle entry {name!r} is neither criu/<file> nor {ROOTFS}")
 
 
-def unpack(layer: SeekableLayer, dest: Path, *, read: ReadFile | None = None,
-           into: Unpacked | None = None) -> Unpacked:
+#: one range request of :func:`materialize` covers at most this many bytes of the blob
+SPAN = 8 << 20
+#: and reads through gaps (tar headers, chunks the node has) of up to this many bytes
+GAP = 64 << 10
+
+
+def materialize(layer: SeekableLayer, dest: Path, cache: ChunkCache | None, *,
+                workers: int = 8, span: int = SPAN, into: Unpacked | None = None) -> Unpacked:
     """Write the bundle's CRIU files into the empty directory ``dest`` (created, mode 0700),
-    each verified before it is written; the rootfs changes come back in memory. The whole TOC
-    is checked first: a name that escapes, or an entry that is not a file, refuses the
-    bundle before anything is written."""
-    reader: ReadFile = read or (lambda lay, name: lay.read_file(name))
+    chunk by chunk where they belong: each chunk from ``cache`` when it holds it, else
+    fetched (adjacent chunks in one range request of up to ``span`` bytes, ``workers``
+    requests at once), decoded and verified against its digest, written, and handed to the
+    cache's writer. The rootfs changes come back in memory. The whole TOC is checked first (a
+    name that escapes, an entry that is not a file, chunks that do not cover their file
+    exactly): nothing is written for a bundle that fails. IntegrityError for a chunk whose
+    digest does not match: the caller removes ``dest``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from coldstart.format.toc import Chunk
+
     out = into if into is not None else Unpacked()
     plan: list[tuple[str, str, str]] = []
     for name, entry in layer.toc.entries.items():
@@ -162,77 +175,85 @@ def unpack(layer: SeekableLayer, dest: Path, *, read: ReadFile | None = None,
         plan.append((name, kind, base))
     if not any(base == "inventory.img" for _, kind, base in plan if kind == "criu"):
         raise FormatError("snapshot bundle holds no criu/inventory.img")
+    # where each chunk goes: (file descriptor, offset), by digest (a chunk held twice is
+    # fetched once)
+    where: dict[str, list[tuple[int, int]]] = {}
+    first: dict[str, Chunk] = {}
+    files: list[tuple[str, Any]] = []
+    for name, kind, _ in plan:
+        if kind != "criu":
+            continue
+        entry = layer.resolve(name)
+        chunks = layer.chunks_for(entry, 0, entry.size)
+        pos = 0
+        for c in chunks:
+            if c.chunk_offset != pos or c.chunk_size <= 0:
+                raise FormatError(f"snapshot bundle entry {name!r}: its chunks do not cover "
+                                  "it in order")
+            pos += c.chunk_size
+        if pos != entry.size:
+            raise FormatError(f"snapshot bundle entry {name!r}: chunks hold {pos} bytes, "
+                              f"the entry {entry.size}")
+        files.append((name, chunks))
     dest.mkdir(mode=0o700, parents=True, exist_ok=True)
     if any(dest.iterdir()):
         raise InvalidArgument(f"{dest} is not empty")
     dfd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fds: list[int] = []
     try:
-        for name, kind, base in plan:
-            data = reader(layer, name)
-            out.size += len(data)
-            if kind == "rootfs":
-                out.rootfs = data
-                continue
-            fd = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
+        for (name, chunks), (_, _, base) in zip(
+                files, [p for p in plan if p[1] == "criu"], strict=True):
+            fd = os.open(base, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
                          os.O_CLOEXEC, 0o600, dir_fd=dfd)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
+            fds.append(fd)
+            size = layer.resolve(name).size
+            os.ftruncate(fd, size)
             out.files += 1
-    finally:
-        with contextlib.suppress(OSError):
-            os.close(dfd)
-    return out
-
-
-#: one range request of :func:`fetch_missing` covers at most this many bytes of the blob
-SPAN = 8 << 20
-#: and reads through gaps (tar headers, chunks the node has) of up to this many bytes
-GAP = 64 << 10
-
-
-def fetch_missing(layer: SeekableLayer, cache: ChunkCache, *, workers: int = 8,
-                  span: int = SPAN) -> tuple[int, int]:
-    """Put every chunk of the bundle that ``cache`` lacks into it: adjacent chunks in one
-    range request of up to ``span`` bytes, ``workers`` requests at once, each chunk decoded
-    and verified against its digest before it is cached (IntegrityError otherwise).
-    ``(chunks already cached, chunks fetched)``."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from coldstart.format.toc import Chunk
-
-    seen: set[str] = set()
-    missing: list[Chunk] = []
-    cached = 0
-    for entry in layer.toc.entries.values():
-        if entry.type != "reg":
-            continue
-        for c in layer.chunks_for(entry, 0, entry.size):
-            if c.zeros or not c.digest or c.digest in seen:
-                continue
-            seen.add(c.digest)
-            if cache.contains(c.digest):
-                cached += 1
-            else:
+            out.size += size
+            for c in chunks:
+                if c.zeros or not c.digest:
+                    continue           # a hole reads as zeros
+                where.setdefault(c.digest, []).append((fd, c.chunk_offset))
+                first.setdefault(c.digest, c)
+        missing: list[Chunk] = []
+        for digest, c in first.items():
+            got = cache.get(digest, c.chunk_size) if cache is not None else None
+            if got is None:
                 missing.append(c)
-    missing.sort(key=lambda c: c.offset)
-    runs: list[list[Chunk]] = []
-    for c in missing:
-        last = runs[-1] if runs else None
-        if last and 0 <= c.offset - last[-1].end_offset <= GAP and \
-                c.end_offset - last[0].offset <= span:
-            last.append(c)
-        else:
-            runs.append([c])
+                continue
+            out.chunks_cached += 1
+            for fd, off in where[digest]:
+                os.pwrite(fd, got, off)
+        missing.sort(key=lambda c: c.offset)
+        runs: list[list[Chunk]] = []
+        for c in missing:
+            last = runs[-1] if runs else None
+            if last and 0 <= c.offset - last[-1].end_offset <= GAP and \
+                    c.end_offset - last[0].offset <= span:
+                last.append(c)
+            else:
+                runs.append([c])
 
-    def fetch(run: list[Chunk]) -> None:
-        start = run[0].offset
-        raw = layer.blob.read_at(start, run[-1].end_offset - start)
-        for c in run:
-            data = layer.decode_chunk(c, raw[c.offset - start:c.end_offset - start])
-            cache.put(c.digest, data, verified=True)
+        def fetch(run: list[Chunk]) -> None:
+            start = run[0].offset
+            raw = layer.blob.read_at(start, run[-1].end_offset - start)
+            for c in run:
+                data = layer.decode_chunk(c, raw[c.offset - start:c.end_offset - start])
+                for fd, off in where[c.digest]:
+                    os.pwrite(fd, data, off)
+                if cache is not None:
+                    cache.put_async(c.digest, data, verified=True)
 
-    if runs:
-        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(runs)))) as pool:
-            for f in [pool.submit(fetch, run) for run in runs]:
-                f.result()
-    return cached, len(missing)
+        if runs:
+            with ThreadPoolExecutor(max_workers=max(1, min(workers, len(runs)))) as pool:
+                for f in [pool.submit(fetch, run) for run in runs]:
+                    f.result()
+        out.chunks_fetched = len(missing)
+        for name, kind, _ in plan:
+            if kind == "rootfs":
+                out.rootfs = layer.read_file(name)      # verified: chunks and whole file
+    finally:
+        for fd in fds:
+            os.close(fd)
+        os.close(dfd)
+    return out

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from coldstart.errors import ColdstartError, DeadlineExceeded, FormatError, IntegrityError
 
 if TYPE_CHECKING:
+    from coldstart.cache.chunks import ChunkCache
     from coldstart.config import Config
     from coldstart.snapshot.runc import Invocation
     from coldstart.snapshot.state import NodeState
@@ -165,6 +166,7 @@ def try_restore(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg: Con
     attempt = Attempt(inv.cid)
     root = inv.global_value("--root", "/run/runc")
     applied = None
+    cache: ChunkCache | None = None
     try:
         state.ensure()
         attempt.phases["check"] = 0.0
@@ -176,8 +178,11 @@ def try_restore(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg: Con
         criu_version = _criu_ok(cfg, state)
         ref = _image_ref(spec)
         attempt.phases["check"] = time.monotonic() - t0
+        from coldstart.cache.chunks import ChunkCache
+
+        cache = ChunkCache(cfg.snapshot_chunk_dir, max_bytes=cfg.snapshot.chunk_max_bytes)
         applied = _fetch_and_place(inv, bundle, spec, cfg, state, attempt, ref, criu_version,
-                                   t0)
+                                   t0, cache)
         t = time.monotonic()
         work = state.work(root, inv.cid)
         restore_argv = [runc, *inv.globals, "restore", "--detach", "--bundle", str(bundle),
@@ -230,21 +235,24 @@ def try_restore(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg: Con
         _runc_log(inv, "warning", f"not restored from a snapshot ({kind}), starting normally: "
                   f"{reason[:500]}")
         return False
+    finally:
+        if cache is not None:       # what its writer holds is written, after the restore
+            with contextlib.suppress(Exception):
+                cache.close()
 
 
 def _fetch_and_place(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg: Config,
                      state: NodeState, attempt: Attempt, ref: str, criu_version: str,
-                     t0: float) -> Any:
+                     t0: float, cache: ChunkCache) -> Any:
     """Find the snapshot, fetch its CRIU images (verified, through the chunk cache) into the
     work directory and put its rootfs changes into the container's root; the
     :class:`~coldstart.snapshot.rootdiff.Applied` journal."""
-    from coldstart.cache.chunks import ChunkCache
     from coldstart.oci.reference import Reference
     from coldstart.oci.registry import RegistryClient
     from coldstart.snapshot import artifacts, rootdiff
     from coldstart.snapshot import bundle as sbundle
     from coldstart.snapshot.keys import compute_key
-    from coldstart.warmup.artifacts import Fetched, cached_reader, open_bundle
+    from coldstart.warmup.artifacts import open_bundle
 
     deadline = t0 + cfg.snapshot.timeout
 
@@ -272,19 +280,18 @@ def _fetch_and_place(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg
         attempt.snapshot = found.digest
         t = time.monotonic()
         layer = open_bundle(client, image, found, timeout=min(r.timeout, left()))
-        cache = ChunkCache(cfg.snapshot_chunk_dir, max_bytes=cfg.snapshot.chunk_max_bytes)
         work = state.work(inv.global_value("--root", "/run/runc"), inv.cid)
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)
+        done = sbundle.Unpacked()
         try:
-            # every chunk is needed: what the node lacks is fetched first, in parallel runs
-            attempt.chunks_cached, attempt.chunks_fetched = sbundle.fetch_missing(layer, cache)
-            done = sbundle.unpack(layer, work / "images", read=cached_reader(cache, Fetched()))
+            sbundle.materialize(layer, work / "images", cache, into=done)
         finally:
-            cache.close()
             attempt.fetched_bytes = int(getattr(layer.blob, "bytes", 0))
             attempt.requests = int(getattr(layer.blob, "requests", 0))
+            attempt.chunks_cached, attempt.chunks_fetched = done.chunks_cached, \
+                done.chunks_fetched
         left()
         attempt.bytes = done.size
         attempt.phases["fetch"] = time.monotonic() - t

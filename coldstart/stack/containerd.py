@@ -10,6 +10,7 @@ Unix socket paths must stay under 108 bytes, hence the short directory names (``
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import subprocess
 import tempfile
@@ -106,10 +107,12 @@ def containerd_config(base: Path, proxy_socket: str | None,
 
 @contextlib.contextmanager
 def start_containerd(base: Path, proxy_socket: str | None = None, *,
-                     proxies: Mapping[str, str] | None = None) -> Iterator[Containerd]:
+                     proxies: Mapping[str, str] | None = None,
+                     env: Mapping[str, str] | None = None) -> Iterator[Containerd]:
     """containerd in ``base`` (root, state, socket, log), stopped by PID afterwards and the
     mounts it left below ``base`` undone; ``proxies``: more proxy snapshotters (name -> socket)
-    beside ``proxy_socket`` (``coldstart``)."""
+    beside ``proxy_socket`` (``coldstart``); ``env``: set in its environment, which its shims
+    and the runc they run inherit (``PATH``, ``COLDSTART_CONFIG``)."""
     if not Path(CONTAINERD_BIN).exists():
         raise FailedPrecondition("containerd is not installed (apt-get install containerd runc)")
     base.mkdir(parents=True, exist_ok=True)
@@ -121,7 +124,8 @@ def start_containerd(base: Path, proxy_socket: str | None = None, *,
         raise InvalidArgument(f"containerd socket path too long: {sock}")
     with open(log, "ab") as out:
         proc = subprocess.Popen([CONTAINERD_BIN, "--config", str(config)], stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **env} if env else None)
     try:
         wait_for(unix_open(sock), timeout=30, what="containerd", proc=proc, log=log)
         yield Containerd(address=str(sock), root=base / "root", state=base / "state",
