@@ -61,6 +61,8 @@ _MAY_BE_ZERO = frozenset({"retries", "background_rate", "neighbor_bytes", "shutd
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 #: values of ``log_format``
 LOG_FORMATS = ("text", "json")
+#: values of ``snapshot.pages``
+SNAPSHOT_PAGES = ("eager", "lazy")
 
 
 def _one_of(where: str, value: str, choices: tuple[str, ...]) -> None:
@@ -303,6 +305,9 @@ class SnapshotConfig(_Checked):
     state_dir: str = "/run/coldstart/snapshots"
     # verified snapshot chunks, shared by every restore on the node; "" means <root>/snapshots
     chunk_dir: str = ""
+    # CRIU's images while a restore runs (as big as the process's memory: on disk, not in
+    # /run's tmpfs); "" means <root>/snapshot-work
+    work_dir: str = ""
     # the chunk cache's size limit (least recently used chunks go first)
     chunk_max_bytes: int = 8 * GiB
     # the CRIU binary; "" finds criu on PATH, then /usr/local/sbin/criu
@@ -310,10 +315,18 @@ class SnapshotConfig(_Checked):
     # the real runc the wrapper runs; "" finds runc on PATH (not coldstart-runc itself)
     runc: str = ""
     # seconds finding and fetching a snapshot may take; past it the container starts normally
-    timeout: float = 120.0
+    # (runc restore gets 30 s more: kubelet gives a CRI call 2 minutes)
+    timeout: float = 60.0
     # signal sent, after a restore, to each restored process that handles it
     # (coldstart.snapshot.after_restore installs the handler); "" sends none
     signal: str = "SIGRTMIN+6"
+    # "eager": every page fetched and verified before CRIU restores; "lazy": the bundle
+    # mounted through the FUSE server and CRIU's lazy pages (userfaultfd) fault them in
+    pages: str = "eager"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _one_of("snapshot.pages", self.pages, SNAPSHOT_PAGES)
 
 
 @dataclass(frozen=True)
@@ -361,6 +374,10 @@ class Config(_Checked):
     @property
     def snapshot_chunk_dir(self) -> str:
         return self.snapshot.chunk_dir or str(Path(self.root) / "snapshots")
+
+    @property
+    def snapshot_work_dir(self) -> str:
+        return self.snapshot.work_dir or str(Path(self.root) / "snapshot-work")
 
     @property
     def cri_keychain_dir(self) -> str:

@@ -49,10 +49,17 @@ fi
 WORK=$(mktemp -d /tmp/coldstart-criu.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
 TARBALL="$WORK/criu_$VERSION.orig.tar.xz"
-URL="$MIRROR/pool/main/c/criu/criu_$VERSION.orig.tar.xz"
-echo "install-criu: fetching $URL" >&2
-curl -fsSL --retry 3 --connect-timeout 20 --max-time 300 -o "$TARBALL" "$URL" || {
-  echo "install-criu: could not fetch $URL" >&2; exit 1; }
+# Debian's pool, then its archive (the pool drops a version when a newer one lands)
+URLS=("$MIRROR/pool/main/c/criu/criu_$VERSION.orig.tar.xz"
+      "https://snapshot.debian.org/archive/debian/20250801T000000Z/pool/main/c/criu/criu_$VERSION.orig.tar.xz")
+fetched=""
+for URL in "${URLS[@]}"; do
+  echo "install-criu: fetching $URL" >&2
+  if curl -fsSL --retry 3 --connect-timeout 20 --max-time 300 -o "$TARBALL" "$URL"; then
+    fetched=$URL; break
+  fi
+done
+[ -n "$fetched" ] || { echo "install-criu: could not fetch criu_$VERSION.orig.tar.xz" >&2; exit 1; }
 echo "$ORIG_SHA256  $TARBALL" | sha256sum -c --quiet - || {
   echo "install-criu: criu_$VERSION.orig.tar.xz does not match its SHA-256" >&2; exit 1; }
 tar -xf "$TARBALL" -C "$WORK"

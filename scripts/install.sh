@@ -71,8 +71,9 @@ fi
 
 # CRIU >= 4.1 for snapshot restore (Debian 12's 3.17 fails `criu check` on current kernels):
 # built from Debian 13's source when the node has none that passes
-bash scripts/install-criu.sh || {
-  echo "install: no working CRIU: snapshots cannot be taken or restored here" >&2; exit 1; }
+# (optional: without it containers start normally, and the snapshot tests fail saying why)
+bash scripts/install-criu.sh || \
+  echo "install: warning: no working CRIU: snapshots cannot be taken or restored here" >&2
 
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then

@@ -76,6 +76,9 @@ class ModeSpec:
     # the node's runc is coldstart-runc and the container asks for a restore: it starts from
     # the image's snapshot (made once before the runs, from a ready container)
     snapshot: bool = False
+    # coldstart-runc's snapshot.pages: eager (fetched, then restored) or lazy (CRIU's lazy
+    # pages, served through the FUSE server)
+    snapshot_pages: str = "eager"
 
 
 MODES: dict[str, ModeSpec] = {m.name: m for m in (
@@ -119,6 +122,10 @@ MODES: dict[str, ModeSpec] = {m.name: m for m in (
     ModeSpec("coldstart+snapshot+fill", "coldstart", "zstd:chunked",
              "coldstart+snapshot with the hybrid fill on (the product's default)",
              background_rate=None, snapshot=True),
+    ModeSpec("coldstart+snapshot-lazy", "coldstart", "zstd:chunked",
+             "coldstart+snapshot with lazy pages: CRIU restores before the memory is here, "
+             "userfaultfd faults each page in from the bundle, mounted through the FUSE server "
+             "(snapshot.pages = lazy)", snapshot=True, snapshot_pages="lazy"),
     ModeSpec("coldstart+profile-nowarm", "coldstart", "zstd:chunked-profile",
              "coldstart+profile without handing the prefetched chunks to the kernel's page "
              "cache (fuse.page_cache = false; an ablation)", page_cache=False, ablation=True),
@@ -370,7 +377,9 @@ def start_node(mode: ModeSpec, base: Path, *, insecure: tuple[str, ...] = (),
                 sg = stack.enter_context(start_stargz(base / "sg", binary=stargz_binary))
                 proxies["stargz"] = sg.socket
                 daemons["stargz"] = lambda: sg.proc.pid if sg.proc else None
-            env = _snapshot_env(base, insecure) if mode.snapshot else None
+            env = (_snapshot_env(base, insecure, mode.snapshot_pages,
+                                 sn.fuse_socket if mode.snapshotter == "coldstart" else "")
+                   if mode.snapshot else None)
             ctd = stack.enter_context(start_containerd(base / "ctrd", proxies=proxies,
                                                        env=env))
             ctd.namespace = "default"
@@ -392,14 +401,15 @@ def start_node(mode: ModeSpec, base: Path, *, insecure: tuple[str, ...] = (),
         shutil.rmtree(base, ignore_errors=True)
 
 
-def _snapshot_env(base: Path, insecure: tuple[str, ...]) -> dict[str, str]:
+def _snapshot_env(base: Path, insecure: tuple[str, ...], pages: str,
+                  fuse_socket: str) -> dict[str, str]:
     """containerd's environment on a snapshot mode's node: ``runc`` on its PATH is
     coldstart-runc (every container of the node goes through it, as the runc shim's
     ``BinaryName`` makes it on a real node), whose config keeps its state, its chunk cache and
     its registry settings under ``base``."""
     import sys
 
-    from coldstart.snapshot.runc import CONFIG_ENV, real_runc
+    from coldstart.snapshot.invocation import CONFIG_ENV, real_runc
 
     snap = base / "snap"
     bindir = snap / "bin"
@@ -415,7 +425,10 @@ def _snapshot_env(base: Path, insecure: tuple[str, ...]) -> dict[str, str]:
         "[snapshot]\n"
         f"state_dir = {json.dumps(str(snap / 'state'))}\n"
         f"chunk_dir = {json.dumps(str(snap / 'chunks'))}\n"
-        f"runc = {json.dumps(real_runc(''))}\n")
+        f"work_dir = {json.dumps(str(snap / 'work'))}\n"
+        f"runc = {json.dumps(real_runc(''))}\n"
+        f"pages = {json.dumps(pages)}\n"
+        + (f"[fuse]\nsocket = {json.dumps(fuse_socket)}\n" if fuse_socket else ""))
     return {"PATH": f"{bindir}:{os.environ.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}",
             CONFIG_ENV: str(config)}
 
@@ -524,7 +537,7 @@ def cold_start(node: Node, ref: str, work: Workload, index: int, *, traffic: Tra
             for e in env:
                 argv += ["--env", e]
             if node.mode.snapshot:
-                from coldstart.snapshot.runc import ANNOTATION
+                from coldstart.snapshot.invocation import ANNOTATION
 
                 argv += ["--annotation", f"{ANNOTATION}={ref}"]
             if work.ready.needs_host_network or work.host_network:

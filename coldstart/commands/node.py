@@ -59,6 +59,7 @@ Examples:
   coldstart node install --dry-run              # the diff of every file, nothing written
   coldstart node install --restart-containerd   # edit, start the unit, restart containerd
   coldstart node install --runtime-handler coldstart   # only that RuntimeClass (containerd >= 1.7)
+  coldstart node install --runtime-handler coldstart --snapshot-restore
   coldstart node status -o json
   coldstart node uninstall --restart-containerd
 """)
@@ -84,13 +85,22 @@ Examples:
                    "runtime's snapshotter to pulls from 1.7 on, for pods annotated "
                    "io.containerd.cri.runtime-handler=NAME (1.7 to 2.1) or with kubelet's "
                    "RuntimeClassInImageCriApi gate; other pods of it pull normally.")
+@click.option("--snapshot-restore", is_flag=True,
+              help="With --runtime-handler: that handler's runc is coldstart-runc (its runc "
+                   "BinaryName), and the annotation dev.coldstart.snapshot passes from pods to "
+                   "their containers (pod_annotations): a pod annotated "
+                   "dev.coldstart.snapshot=<image> (or =auto) is restored from its image's "
+                   "snapshot, and starts normally when there is none. Needs CRIU >= 4.1 "
+                   "(scripts/install.sh; `coldstart snapshot check` says whether this node "
+                   "can restore). The DaemonSet needs privileged, hostPID and /run/containerd.")
 @click.option("--coldstart-bin", default=None, metavar="PATH",
               help="The coldstart executable the unit runs [default: the one running now].")
 @click.option("--dry-run", is_flag=True, help="Print the diff of every file; write nothing.")
 @click.option("--restart-containerd", is_flag=True, help=_RESTART_HELP)
 def install(containerd_config: Path, coldstart_config: Path, state_dir: Path, systemd_dir: Path,
             root: str | None, socket: str | None, runtime_handler: str | None,
-            coldstart_bin: str | None, dry_run: bool, restart_containerd: bool) -> None:
+            snapshot_restore: bool, coldstart_bin: str | None, dry_run: bool,
+            restart_containerd: bool) -> None:
     """Point containerd at the coldstart snapshotter and install its systemd unit.
 
     Keeps a backup of containerd's config (uninstall restores it byte for byte), keeps its
@@ -104,8 +114,12 @@ def install(containerd_config: Path, coldstart_config: Path, state_dir: Path, sy
                                  param_hint="--runtime-handler")
     paths = _paths(containerd_config, coldstart_config, state_dir, systemd_dir)
     exec_start = [str(Path(coldstart_bin).absolute())] if coldstart_bin else None
+    restore_binary = None
+    if snapshot_restore:
+        restore_binary = _restore_binary(coldstart_bin)
+        _say_criu()
     plan = plan_install(paths, root=root, socket=socket, runtime_handler=runtime_handler,
-                        exec_start=exec_start)
+                        restore_binary=restore_binary, exec_start=exec_start)
     if dry_run:
         click.echo(plan.diff() or "nothing to change", nl=False)
         return
@@ -116,6 +130,37 @@ def install(containerd_config: Path, coldstart_config: Path, state_dir: Path, sy
     if not plan.empty or restart_containerd:
         _activate(restart_containerd, install=True, paths=paths,
                   containerd_changed=containerd_changed)
+
+
+def _restore_binary(coldstart_bin: str | None) -> str:
+    """coldstart-runc beside the coldstart executable (the unit's, else the running one)."""
+    base = Path(coldstart_bin).absolute().parent if coldstart_bin else \
+        Path(sys.argv[0]).absolute().parent
+    for cand in (base / "coldstart-runc", Path(sys.executable).absolute().parent /
+                 "coldstart-runc"):
+        if cand.exists():
+            return str(cand)
+    raise click.UsageError(f"coldstart-runc is not installed beside {base} (pip install "
+                           "coldstart installs it)")
+
+
+def _say_criu() -> None:
+    """Whether this node can restore (restores fall back to normal starts when it cannot)."""
+    from coldstart.errors import FailedPrecondition
+    from coldstart.snapshot.criu import find_criu
+
+    try:
+        criu = find_criu(check=True)
+    except FailedPrecondition as exc:
+        click.echo(f"warning: this node cannot restore snapshots: {exc}; pods start "
+                   "normally (scripts/install-criu.sh installs CRIU 4.1.1)", err=True)
+        return
+    if criu.usable:
+        click.echo(f"CRIU {criu.version} ({criu.path}) passes criu check: this node can "
+                   "restore snapshots", err=True)
+    else:
+        click.echo(f"warning: this node cannot restore snapshots ({'; '.join(criu.problems)})"
+                   "; pods start normally", err=True)
 
 
 @node.command(epilog="""\b

@@ -178,7 +178,7 @@ def status(config_path: Path | None, last: int, output: str) -> None:
     from coldstart.snapshot.state import NodeState
 
     cfg = load(config_path if config_path else _default_config())
-    st = NodeState(Path(cfg.snapshot.state_dir))
+    st = NodeState(Path(cfg.snapshot.state_dir), Path(cfg.snapshot_work_dir))
     counters, events = st.counters(), st.events(last)
     if output == "json":
         echo_json({"state_dir": str(st.root), "counters": counters, "events": events})

@@ -73,8 +73,10 @@ _CRI_V2 = "io.containerd.grpc.v1.cri"
 _IMAGES_V3 = "io.containerd.cri.v1.images"
 _RUNTIME_V3 = "io.containerd.cri.v1.runtime"
 
-Scalar = str | bool | int | float
+Scalar = str | bool | int | float | list[str]
 TablePath = tuple[str, ...]
+#: the OCI annotation a pod sets to be restored from its image's snapshot (coldstart-runc)
+SNAPSHOT_ANNOTATION = "dev.coldstart.snapshot"
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,9 @@ class Target:
     socket: str
     root: str
     runtime_handler: str | None = None
+    # coldstart-runc's path: that handler's runc is the wrapper, which restores the pods that
+    # ask for it (the annotation, passed through to their containers) from snapshots
+    restore_binary: str | None = None
 
 
 @dataclass(frozen=True)
@@ -172,6 +177,15 @@ def schema_version(doc: MutableMapping[str, Any], where: str) -> int:
     return int(version)
 
 
+def _default_name(doc: MutableMapping[str, Any] | None, runtimes: TablePath) -> str:
+    """The CRI's ``default_runtime_name`` (``runc`` when unset)."""
+    cri: Any = doc
+    for name in runtimes[:-1]:
+        cri = cri.get(name) if isinstance(cri, MutableMapping) else None
+    return str(cri.get("default_runtime_name", "runc")) if isinstance(cri, MutableMapping) \
+        else "runc"
+
+
 def _default_runtime(doc: MutableMapping[str, Any] | None,
                      runtimes: TablePath) -> tuple[str, dict[str, Scalar]]:
     """The runtime_type and scalar options of the config's default runtime (``runc`` unless
@@ -213,11 +227,43 @@ def settings(schema: int, target: Target,
     if handler is not None:
         existing = _default_table(doc, (*runtimes, handler))
         runtime_type, options = (RUNC, {}) if existing else _default_runtime(doc, runtimes)
+        default = _default_name(doc, runtimes)
+        if default != handler and not _default_table(doc, (*runtimes, default)):
+            # containerd fills in its default runtime only while no runtime is configured:
+            # the first handler table would leave CRI without it ("no corresponding runtime
+            # configured ... default_runtime_name"), so it is written out as containerd had it
+            out.append(Setting((*runtimes, default), "runtime_type", RUNC, if_absent=True))
         out += [Setting((*runtimes, handler), "runtime_type", runtime_type, if_absent=True),
                 Setting((*runtimes, handler), "snapshotter", SNAPSHOTTER)]
+        if target.restore_binary:
+            # the wrapper runs the real runc; a runtime binary the default runtime named
+            # (nvidia-container-runtime) would be lost without a word: the operator says
+            if options.get("BinaryName"):
+                raise FailedPrecondition(
+                    f"the default runtime runs {options['BinaryName']}: for snapshot restore "
+                    f"set `runc = \"{options['BinaryName']}\"` under [snapshot] in coldstart's "
+                    f"config and add [{dotted((*runtimes, handler))}] with that runtime's "
+                    "options yourself (install then keeps them and sets BinaryName to "
+                    "coldstart-runc)")
+            out += [Setting((*runtimes, handler, "options"), "BinaryName",
+                            target.restore_binary),
+                    Setting((*runtimes, handler), "pod_annotations",
+                            _with(doc, (*runtimes, handler), "pod_annotations",
+                                  SNAPSHOT_ANNOTATION))]
         out += [Setting((*runtimes, handler, "options"), k, v, if_absent=True)
                 for k, v in sorted(options.items())]
     return out
+
+
+def _with(doc: MutableMapping[str, Any] | None, path: TablePath, key: str,
+          item: str) -> list[str]:
+    """The list ``path.key`` of ``doc`` with ``item`` added (kept in place when there)."""
+    cur: Any = doc
+    for name in path:
+        cur = cur.get(name) if isinstance(cur, MutableMapping) else None
+    have = _plain(cur.get(key)) if isinstance(cur, MutableMapping) else None
+    values = [str(v) for v in have] if isinstance(have, list) else []
+    return values if item in values else [*values, item]
 
 
 def _default_table(doc: MutableMapping[str, Any] | None, path: TablePath) -> bool:

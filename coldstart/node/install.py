@@ -151,7 +151,7 @@ def _merge_tables(old: Sequence[TablePath], new: Sequence[TablePath]) -> tuple[T
 
 
 def plan_install(paths: NodePaths, *, root: str | None = None, socket: str | None = None,
-                 runtime_handler: str | None = None,
+                 runtime_handler: str | None = None, restore_binary: str | None = None,
                  exec_start: Sequence[str] | None = None) -> Plan:
     """What install would write; empty when everything is in place already."""
     ctd = paths.containerd_config
@@ -166,7 +166,10 @@ def plan_install(paths: NodePaths, *, root: str | None = None, socket: str | Non
             "`coldstart node uninstall` it first, or give another --state-dir")
     cfg, cfg_bytes = _coldstart_config(paths.coldstart_config,
                                        read_optional(paths.coldstart_config), root, socket)
-    target = Target(cfg.socket, cfg.root, runtime_handler)
+    if restore_binary and runtime_handler is None:
+        raise InvalidArgument("snapshot restore goes with a runtime handler (--runtime-handler): "
+                              "only the pods of that RuntimeClass run through coldstart-runc")
+    target = Target(cfg.socket, cfg.root, runtime_handler, restore_binary)
     if state is not None and state.target != target:
         raise FailedPrecondition(
             f"coldstart is installed with other settings ({state.target}): run "

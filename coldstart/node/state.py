@@ -49,7 +49,8 @@ class InstallState:
             "containerd_config": self.containerd_config,
             "schema": self.schema,
             "target": {"socket": self.target.socket, "root": self.target.root,
-                       "runtime_handler": self.target.runtime_handler},
+                       "runtime_handler": self.target.runtime_handler,
+                       "restore_binary": self.target.restore_binary},
             "original_sha256": self.original_sha256,
             "installed_sha256": self.installed_sha256,
             "edits": [e.to_json() for e in self.edits],
@@ -69,7 +70,8 @@ class InstallState:
             t = doc["target"]
             return cls(
                 containerd_config=doc["containerd_config"], schema=int(doc["schema"]),
-                target=Target(t["socket"], t["root"], t.get("runtime_handler")),
+                target=Target(t["socket"], t["root"], t.get("runtime_handler"),
+                              t.get("restore_binary")),
                 original_sha256=doc["original_sha256"],
                 installed_sha256=doc["installed_sha256"],
                 edits=tuple(Edit.from_json(e) for e in doc.get("edits", [])),

@@ -27,19 +27,18 @@ import signal as _signal
 import threading
 from collections.abc import Callable
 
+from coldstart.snapshot.signals import DEFAULT as DEFAULT_SIGNAL
+from coldstart.snapshot.signals import signal_number
+
 __all__ = ["after_restore", "restores"]
 
 _hooks: list[Callable[[], object]] = []
 _count = 0
 _lock = threading.Lock()
-#: the wrapper's default (``snapshot.signal`` in the node's config)
-DEFAULT_SIGNAL = "SIGRTMIN+6"
 
 
 def _signum(name: str) -> int:
-    from coldstart.snapshot.restore import after_restore_signal
-
-    num = after_restore_signal(name)
+    num = signal_number(name)
     if num is None:
         raise ValueError("no after-restore signal")
     return num

@@ -20,6 +20,7 @@ import os
 import stat
 import tarfile
 import tempfile
+import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -151,7 +152,8 @@ GAP = 64 << 10
 
 
 def materialize(layer: SeekableLayer, dest: Path, cache: ChunkCache | None, *,
-                workers: int = 8, span: int = SPAN, into: Unpacked | None = None) -> Unpacked:
+                workers: int = 8, span: int = SPAN, into: Unpacked | None = None,
+                deadline: float | None = None) -> Unpacked:
     """Write the bundle's CRIU files into the empty directory ``dest`` (created, mode 0700),
     chunk by chunk where they belong: each chunk from ``cache`` when it holds it, else
     fetched (adjacent chunks in one range request of up to ``span`` bytes, ``workers``
@@ -159,7 +161,8 @@ def materialize(layer: SeekableLayer, dest: Path, cache: ChunkCache | None, *,
     cache's writer. The rootfs changes come back in memory. The whole TOC is checked first (a
     name that escapes, an entry that is not a file, chunks that do not cover their file
     exactly): nothing is written for a bundle that fails. IntegrityError for a chunk whose
-    digest does not match: the caller removes ``dest``."""
+    digest does not match: the caller removes ``dest``. ``deadline`` (``time.monotonic()``):
+    DeadlineExceeded once it passes, checked before each range request."""
     from concurrent.futures import ThreadPoolExecutor
 
     from coldstart.format.toc import Chunk
@@ -235,6 +238,10 @@ def materialize(layer: SeekableLayer, dest: Path, cache: ChunkCache | None, *,
                 runs.append([c])
 
         def fetch(run: list[Chunk]) -> None:
+            if deadline is not None and time.monotonic() > deadline:
+                from coldstart.errors import DeadlineExceeded
+
+                raise DeadlineExceeded("fetching the snapshot's chunks passed its deadline")
             start = run[0].offset
             raw = layer.blob.read_at(start, run[-1].end_offset - start)
             for c in run:

@@ -14,6 +14,7 @@ restore an open file whose size changed); ``leave_running`` keeps it running.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coldstart.errors import FailedPrecondition, InvalidArgument, Unavailable
+from coldstart.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
 from coldstart.snapshot.keys import SnapshotKey, compute_key
@@ -98,10 +99,19 @@ def checkpoint(address: str, namespace: str, container: str, client: RegistryCli
     if not ref:
         raise InvalidArgument(f"container {container} has no image; name one (--image)")
     resolved = client.resolve(Reference.parse(ref))
-    key = compute_key(resolved.digest, spec, criu_version)
     snapshotter, skey = str(info.get("Snapshotter") or ""), str(info.get("SnapshotKey") or "")
     with Containerd(address, namespace) as ctd:
         mounts = ctd.snapshot_mounts(snapshotter, skey) if snapshotter and skey else []
+        # the image the container runs, as containerd has it: a tag that moved since would
+        # key the snapshot to another rootfs
+        with contextlib.suppress(NotFound):
+            target = ctd.get_image(str(info.get("Image") or ref)).target
+            if target.digest not in (resolved.digest, resolved.index_digest):
+                raise FailedPrecondition(
+                    f"{ref} is {resolved.digest} in the registry now, but container "
+                    f"{container} runs {target.digest}: name the image by digest (--image "
+                    f"REF@{target.digest})")
+    key = compute_key(resolved.digest, spec, criu_version)
     upper = upper_dir([(m.type, list(m.options)) for m in mounts])
     dest.mkdir(parents=True, mode=0o700)
     seconds: dict[str, float] = {}

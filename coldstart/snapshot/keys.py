@@ -5,10 +5,13 @@ What each holds, and why:
 
 * ``image``: the image manifest's digest. CRIU reopens every open and mapped file by path and
   refuses one whose size (or ELF build-id) differs, so the rootfs must be the same bytes.
-* ``process``: the digest of what the container was started to run (the OCI spec's ``args``,
-  ``cwd``, user, terminal, and ``env`` less the variables a node or pod sets on its own:
-  ``HOSTNAME``, ``KUBERNETES_*`` and Kubernetes' service links, ``*_SERVICE_HOST``,
-  ``*_PORT*``). Another command or setting is another start-up, whose state this is not.
+* ``process``: the digest of what the container was started to run and may do (the OCI
+  spec's ``args``, ``cwd``, user and groups, terminal, capabilities, no_new_privs, AppArmor and
+  SELinux labels, seccomp profile, and ``env`` less the variables a node or pod sets on its
+  own: ``HOSTNAME``, ``KUBERNETES_*`` and Kubernetes' service links). Another command or
+  setting is another start-up, whose state this is not; and CRIU restores the dumped
+  process's privileges, not the new spec's, so a snapshot of a privileged container must never
+  match a restricted one.
 * ``isa``: the CPU's instruction-set extensions (as the warm-up key reads them): torch and
   oneDNN pick their kernels when they are imported, so a process dumped on a CPU with AVX-512
   faults on one without (CRIU's own ``--cpu-cap`` check stops some of these, not all).
@@ -41,7 +44,14 @@ COMPONENTS = ("image", "process", "isa", "kernel", "criu", "gpu", "driver")
 
 #: environment variables a node, a pod or Kubernetes' service links set on their own: left out
 #: of the key (a pod's restore on another node has another HOSTNAME and other service IPs)
-_NODE_ENV = re.compile(r"^(HOSTNAME|KUBERNETES_\w*|\w+_SERVICE_(HOST|PORT\w*)|\w+_PORT(_\w+)?)$")
+_NODE_ENV = re.compile(r"^(HOSTNAME|KUBERNETES_\w*|[A-Z0-9_]+_SERVICE_(HOST|PORT(_[A-Z0-9_]+)?)|"
+                       r"[A-Z0-9_]+_PORT_\d+_(TCP|UDP|SCTP)(_(ADDR|PORT|PROTO))?)$")
+#: a service link's ``<NAME>_PORT=tcp://10.0.0.1:80`` (an app's own ``APP_PORT=8080`` stays)
+_LINK_PORT = re.compile(r"^[A-Z0-9_]+_PORT=(tcp|udp|sctp)://")
+
+
+def _node_set(entry: str) -> bool:
+    return bool(_NODE_ENV.match(entry.partition("=")[0]) or _LINK_PORT.match(entry))
 
 
 @dataclass(frozen=True)
@@ -98,11 +108,29 @@ def process_digest(spec: Mapping[str, Any]) -> str:
     doc = {
         "args": proc.get("args") or [],
         "cwd": proc.get("cwd") or "/",
-        "env": sorted(e for e in env if not _NODE_ENV.match(e.partition("=")[0])),
+        "env": sorted(e for e in env if not _node_set(e)),
         "user": [user.get("uid", 0), user.get("gid", 0)],
         "terminal": bool(proc.get("terminal")),
+        # what the process may do: CRIU restores the dumped credentials, capabilities,
+        # no_new_privs and seccomp filters, not the new spec's (restore.check_privileges
+        # checks the restored process against the spec as well)
+        "groups": user.get("additionalGids") or [],
+        "capabilities": proc.get("capabilities") or {},
+        "no_new_privileges": bool(proc.get("noNewPrivileges")),
+        "apparmor": proc.get("apparmorProfile") or "",
+        "selinux": proc.get("selinuxLabel") or "",
+        "seccomp": _seccomp(spec),
     }
     raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    return "sha256:" + hashlib.sha256(raw).hexdigest()
+
+
+def _seccomp(spec: Mapping[str, Any]) -> str:
+    linux = spec.get("linux")
+    profile = linux.get("seccomp") if isinstance(linux, Mapping) else None
+    if not profile:
+        return ""
+    raw = json.dumps(profile, sort_keys=True, separators=(",", ":")).encode()
     return "sha256:" + hashlib.sha256(raw).hexdigest()
 
 

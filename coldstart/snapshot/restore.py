@@ -20,16 +20,32 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coldstart.errors import ColdstartError, DeadlineExceeded, FormatError, IntegrityError
+from coldstart.snapshot.procs import descendants, kill_tree
+from coldstart.snapshot.signals import signal_number
 
 if TYPE_CHECKING:
     from coldstart.cache.chunks import ChunkCache
     from coldstart.config import Config
-    from coldstart.snapshot.runc import Invocation
+    from coldstart.snapshot.invocation import Invocation
     from coldstart.snapshot.state import NodeState
 
-__all__ = ["Attempt", "Fallback", "after_restore_signal", "try_restore"]
+__all__ = ["Attempt", "Fallback", "check_privileges", "try_restore"]
 
 log = logging.getLogger(__name__)
+
+#: seconds ``runc restore`` may take past the find-and-fetch deadline (kubelet's CRI calls
+#: have 2 minutes: the default deadline, 60 s, and this stay well within)
+RESTORE_GRACE = 30.0
+#: capability numbers (linux/capability.h), for the restored process's masks
+CAPABILITIES = (
+    "CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID",
+    "SETPCAP", "LINUX_IMMUTABLE", "NET_BIND_SERVICE", "NET_BROADCAST", "NET_ADMIN", "NET_RAW",
+    "IPC_LOCK", "IPC_OWNER", "SYS_MODULE", "SYS_RAWIO", "SYS_CHROOT", "SYS_PTRACE",
+    "SYS_PACCT", "SYS_ADMIN", "SYS_BOOT", "SYS_NICE", "SYS_RESOURCE", "SYS_TIME",
+    "SYS_TTY_CONFIG", "MKNOD", "LEASE", "AUDIT_WRITE", "AUDIT_CONTROL", "SETFCAP",
+    "MAC_OVERRIDE", "MAC_ADMIN", "SYSLOG", "WAKE_ALARM", "BLOCK_SUSPEND", "AUDIT_READ",
+    "PERFMON", "BPF", "CHECKPOINT_RESTORE",
+)
 
 
 class Fallback(Exception):
@@ -52,31 +68,19 @@ class Attempt:
     chunks_fetched: int = 0
     bytes: int = 0
     signalled: list[int] = field(default_factory=list)
+    pages: str = "eager"
 
     def to_json(self) -> dict[str, Any]:
         return {"container": self.cid, "image": self.image, "snapshot": self.snapshot,
                 "phases": {k: round(v, 4) for k, v in self.phases.items()},
                 "fetched_bytes": self.fetched_bytes, "requests": self.requests,
                 "chunks_cached": self.chunks_cached, "chunks_fetched": self.chunks_fetched,
-                "bytes": self.bytes, "signalled": self.signalled}
+                "bytes": self.bytes, "signalled": self.signalled, "pages": self.pages}
 
 
-def after_restore_signal(name: str) -> int | None:
-    """``SIGUSR2``, ``SIGRTMIN+6``, ``40`` → the signal number; ``""`` → None."""
-    name = name.strip().upper()
-    if not name:
-        return None
-    if name.isdigit():
-        return int(name)
-    base, plus, off = name.partition("+")
-    base = base if base.startswith("SIG") else "SIG" + base
-    num = int(getattr(signal, base))
-    return num + int(off) if plus else num
-
-
-def _criu_ok(cfg: Config, state: NodeState) -> str:
-    """CRIU's version when it can restore here; Fallback otherwise. ``criu check`` runs once
-    per boot and CRIU binary (its answer is kept in the state directory)."""
+def _criu_ok(cfg: Config, state: NodeState) -> tuple[str, str]:
+    """CRIU's path and version when it can restore here; Fallback otherwise. ``criu check``
+    passes once per boot and CRIU binary (a pass is kept in the state directory)."""
     from coldstart.errors import FailedPrecondition
     from coldstart.snapshot.criu import find_criu
 
@@ -91,20 +95,18 @@ def _criu_ok(cfg: Config, state: NodeState) -> str:
         boot, st = "", None
     stamp = hashlib.sha256(f"{boot} {quick.path} {st and st.st_mtime_ns} {quick.version}"
                            .encode()).hexdigest()[:16]
-    cached = state.root / f"criu-check-{stamp}"
-    if cached.exists():
-        problems = cached.read_text().strip()
-    else:
+    passed = state.root / f"criu-check-{stamp}"
+    if not passed.exists():     # only a pass is kept: a failure is checked again next time
         problems = "; ".join(find_criu(quick.path, check=True).problems)
+        if problems:
+            raise Fallback("criu", problems)
         with contextlib.suppress(OSError):
-            cached.write_text(problems)
-    if problems:
-        raise Fallback("criu", problems)
-    return quick.version
+            passed.touch()
+    return quick.path, quick.version
 
 
 def _image_ref(spec: Mapping[str, Any]) -> str:
-    from coldstart.snapshot.runc import ANNOTATION, CRI_IMAGE
+    from coldstart.snapshot.invocation import ANNOTATION, CRI_IMAGE
 
     ann = spec.get("annotations") or {}
     ref = str(ann.get(ANNOTATION, "")).strip()
@@ -117,18 +119,60 @@ def _image_ref(spec: Mapping[str, Any]) -> str:
     return ref
 
 
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-        except OSError:
-            continue
+def _status(pid: int) -> dict[str, str]:
+    out: dict[str, str] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            out[name] = value.strip()
     return out
+
+
+def _mask(names: Any) -> int:
+    """The capability bits of ``names`` (``CAP_NET_RAW``…; unknown names count for none)."""
+    bits = 0
+    for name in names or []:
+        short = str(name).removeprefix("CAP_")
+        if short in CAPABILITIES:
+            bits |= 1 << CAPABILITIES.index(short)
+    return bits
+
+
+def check_privileges(pid: int, spec: Mapping[str, Any]) -> str:
+    """Why the restored process tree of ``pid`` may do more than ``spec`` lets the container
+    do; "" when it may not. CRIU restores the dumped credentials, capabilities, no_new_privs
+    and seccomp mode, not the spec's: the init process must have the spec's user, and every
+    process at most the spec's capability sets, no_new_privs and a seccomp filter when the
+    spec sets them."""
+    proc = spec.get("process") or {}
+    user = proc.get("user") or {}
+    caps = proc.get("capabilities") or {}
+    want_nnp = bool(proc.get("noNewPrivileges"))
+    want_seccomp = bool((spec.get("linux") or {}).get("seccomp"))
+    limits = {"CapEff": _mask(caps.get("effective")), "CapPrm": _mask(caps.get("permitted")),
+              "CapBnd": _mask(caps.get("bounding"))}
+    for p in descendants(pid):
+        try:
+            st = _status(p)
+        except OSError:
+            continue            # gone since: nothing to check
+        if p == pid:
+            uids, gids = st.get("Uid", "").split(), st.get("Gid", "").split()
+            if {int(u) for u in uids} != {int(user.get("uid", 0))} or \
+                    {int(g) for g in gids} != {int(user.get("gid", 0))}:
+                return f"pid {p} runs as uid {uids} gid {gids}, the spec says " \
+                       f"{user.get('uid', 0)}:{user.get('gid', 0)}"
+        for field_, allowed in limits.items():
+            have = int(st.get(field_, "0"), 16)
+            if have & ~allowed:
+                extra = [f"CAP_{c}" for i, c in enumerate(CAPABILITIES) if have & ~allowed
+                         & (1 << i)] or [hex(have & ~allowed)]
+                return f"pid {p} has {field_} beyond the spec's: {' '.join(extra[:4])}"
+        if want_nnp and st.get("NoNewPrivs") != "1":
+            return f"pid {p} lacks no_new_privs, which the spec sets"
+        if want_seccomp and st.get("Seccomp") != "2":
+            return f"pid {p} has no seccomp filter, which the spec sets"
+    return ""
 
 
 def _catches(pid: int, signum: int) -> bool:
@@ -148,7 +192,7 @@ def _tell(pid: int, signum: int | None) -> list[int]:
     if signum is None:
         return []
     told = []
-    for p in _descendants(pid):
+    for p in descendants(pid):
         if _catches(p, signum):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signum)
@@ -160,13 +204,14 @@ def try_restore(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg: Con
                 runc: str, state: NodeState) -> bool:
     """Restore container ``inv.cid`` in place of its ``create``; True when its process runs.
     False after a fallback, with nothing left of the attempt (the caller runs ``create``)."""
-    from coldstart.snapshot.runc import _runc_log, cleanup_leftovers
+    from coldstart.snapshot.invocation import cleanup_leftovers, runc_log
 
     t0 = time.monotonic()
     attempt = Attempt(inv.cid)
     root = inv.global_value("--root", "/run/runc")
     applied = None
     cache: ChunkCache | None = None
+    pager: subprocess.Popen[bytes] | None = None
     try:
         state.ensure()
         attempt.phases["check"] = 0.0
@@ -175,29 +220,50 @@ def try_restore(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg: Con
                            "here)")
         if str(inv.flags.get("--preserve-fds", "0")) not in ("0", "", "False"):
             raise Fallback("preserve-fds", "the container is given extra file descriptors")
-        criu_version = _criu_ok(cfg, state)
+        criu_path, criu_version = _criu_ok(cfg, state)
+        lazy = cfg.snapshot.pages == "lazy"
+        attempt.pages = cfg.snapshot.pages
         ref = _image_ref(spec)
         attempt.phases["check"] = time.monotonic() - t0
         from coldstart.cache.chunks import ChunkCache
 
         cache = ChunkCache(cfg.snapshot_chunk_dir, max_bytes=cfg.snapshot.chunk_max_bytes)
         applied = _fetch_and_place(inv, bundle, spec, cfg, state, attempt, ref, criu_version,
-                                   t0, cache)
+                                   t0, cache, lazy=lazy)
         t = time.monotonic()
         work = state.work(root, inv.cid)
+        images = work / "bundle" / "criu" if lazy else work / "images"
         restore_argv = [runc, *inv.globals, "restore", "--detach", "--bundle", str(bundle),
-                        "--image-path", str(work / "images"), "--work-path", str(work / "criu")]
+                        "--image-path", str(images), "--work-path", str(work / "criu")]
+        if not inv.global_value("--criu"):      # the CRIU that passed the check, not PATH's
+            restore_argv[1:1] = ["--criu", criu_path]
         if inv.flags.get("--pid-file"):
             restore_argv += ["--pid-file", str(inv.flags["--pid-file"])]
         if inv.flags.get("--no-pivot"):
             restore_argv.append("--no-pivot")
         restore_argv.append(inv.cid)
         (work / "criu").mkdir(mode=0o700, exist_ok=True)
+        if lazy:
+            from coldstart.snapshot.lazy import start_pager
+
+            restore_argv.insert(-1, "--lazy-pages")
+            pager = start_pager(criu_path, images, work / "criu", mountpoint=work / "bundle",
+                                fuse_socket=cfg.fuse.socket,
+                                pid_file=str(inv.flags.get("--pid-file") or ""),
+                                state_dir=state.root, cid=inv.cid,
+                                cgroup=str((spec.get("linux") or {}).get("cgroupsPath") or ""),
+                                log=state.log(root, inv.cid).with_suffix(".pager.log"))
+            _wait_socket(work / "criu" / "lazy-pages.socket", pager, 10.0)
+        # standard I/O is the shim's: runc gives it to the restored process. Its own session:
+        # past the deadline runc and the CRIU it runs are killed together
+        proc = subprocess.Popen(restore_argv, start_new_session=True)
         try:
-            # standard I/O is the shim's: runc gives it to the restored process
-            rc = subprocess.run(restore_argv, check=False, timeout=max(60.0, cfg.snapshot.timeout)
-                                ).returncode
+            rc = proc.wait(timeout=max(10.0, t0 + cfg.snapshot.timeout - time.monotonic())
+                           + RESTORE_GRACE)
         except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = -1
         attempt.phases["restore"] = time.monotonic() - t
         log_path = work / "criu" / "restore.log"
@@ -207,22 +273,25 @@ def try_restore(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg: Con
             tail = _tail(state.log(root, inv.cid))
             raise Fallback("restore-failed", f"runc restore exited {rc}: {tail}")
         pid = _pid(inv)
-        attempt.signalled = _tell(pid, after_restore_signal(cfg.snapshot.signal)) if pid else []
-        applied.drop()
-        import shutil
-
-        shutil.rmtree(work, ignore_errors=True)      # the pages are in the process now
-        state.mark_restored(root, inv.cid, {"snapshot": attempt.snapshot, "pid": pid,
-                                            "image": attempt.image})
-        attempt.phases["total"] = time.monotonic() - t0
-        state.record({"outcome": "restored", **attempt.to_json()})
-        return True
+        wrong = check_privileges(pid, spec) if pid else "runc wrote no pid"
+        if wrong:
+            # a snapshot whose process may do more than this container's spec allows (a
+            # forged key): it ran for as long as this check took; it is killed, and the
+            # container starts normally
+            if pid:
+                kill_tree(pid)
+            raise Fallback("privileges", wrong)
     except Exception as exc:   # any failure is a fallback, never a failed start
         kind = exc.kind if isinstance(exc, Fallback) else (
             "timeout" if isinstance(exc, DeadlineExceeded) else
             "integrity" if isinstance(exc, IntegrityError | FormatError) else
             "registry" if isinstance(exc, ColdstartError) else "internal")
         reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, Fallback) else str(exc)
+        if pager is not None and pager.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pager.pid, signal.SIGKILL)     # the pager and its criu lazy-pages
+            pager.wait()
+        _unmount(cfg, state.work(root, inv.cid) / "bundle")
         cleanup_leftovers(state, runc, inv)
         if applied is not None:
             left = applied.undo()
@@ -232,21 +301,38 @@ def try_restore(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg: Con
         with contextlib.suppress(Exception):
             state.record({"outcome": "fallback", "kind": kind, "reason": reason[:2000],
                           **attempt.to_json()})
-        _runc_log(inv, "warning", f"not restored from a snapshot ({kind}), starting normally: "
-                  f"{reason[:500]}")
+        runc_log(inv, "warning", f"not restored from a snapshot ({kind}), starting normally: "
+                 f"{reason[:500]}")
         return False
     finally:
         if cache is not None:       # what its writer holds is written, after the restore
             with contextlib.suppress(Exception):
                 cache.close()
+    # restored: from here on nothing falls back (the process runs); what fails is logged
+    with contextlib.suppress(Exception):
+        attempt.signalled = _tell(pid, signal_number(cfg.snapshot.signal)) if pid else []
+    with contextlib.suppress(Exception):
+        applied.drop()
+    if not lazy:     # the pages are in the process now (lazy: the pager cleans up)
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    with contextlib.suppress(Exception):
+        state.mark_restored(root, inv.cid, {"snapshot": attempt.snapshot, "pid": pid,
+                                            "image": attempt.image})
+    attempt.phases["total"] = time.monotonic() - t0
+    with contextlib.suppress(Exception):
+        state.record({"outcome": "restored", **attempt.to_json()})
+    return True
 
 
 def _fetch_and_place(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg: Config,
                      state: NodeState, attempt: Attempt, ref: str, criu_version: str,
-                     t0: float, cache: ChunkCache) -> Any:
+                     t0: float, cache: ChunkCache, *, lazy: bool = False) -> Any:
     """Find the snapshot, fetch its CRIU images (verified, through the chunk cache) into the
     work directory and put its rootfs changes into the container's root; the
     :class:`~coldstart.snapshot.rootdiff.Applied` journal."""
+    from coldstart.oci.keychain import Keychain
     from coldstart.oci.reference import Reference
     from coldstart.oci.registry import RegistryClient
     from coldstart.snapshot import artifacts, rootdiff
@@ -266,10 +352,13 @@ def _fetch_and_place(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg
     r = cfg.registry
     t = time.monotonic()
     image = Reference.parse(ref)
+    # the node's registry settings, and kubelet's pull credentials as the CRI proxy keeps
+    # them (the FUSE server reads the same)
     with RegistryClient(insecure_hosts=r.insecure_hosts,
                         docker_config=Path(r.docker_config) if r.docker_config else None,
                         hosts_dir=Path(r.hosts_dir) if r.hosts_dir else None,
-                        timeout=min(r.timeout, left()), retries=r.retries) as client:
+                        timeout=min(r.timeout, left()), retries=r.retries,
+                        keychain=Keychain(cfg.cri_keychain_dir)) as client:
         resolved = client.resolve(image)
         attempt.image = resolved.digest
         key = compute_key(resolved.digest, spec, criu_version)
@@ -286,7 +375,17 @@ def _fetch_and_place(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg
         shutil.rmtree(work, ignore_errors=True)
         done = sbundle.Unpacked()
         try:
-            sbundle.materialize(layer, work / "images", cache, into=done)
+            if lazy:
+                # CRIU reads its files through the FUSE server, which fetches, verifies and
+                # caches each chunk as it is read; only the rootfs changes are read now
+                from coldstart.snapshot.lazy import mount_bundle
+
+                mount_bundle(cfg.fuse.socket, ref, found.layer, work / "bundle")
+                if sbundle.ROOTFS in layer.toc.entries:
+                    done.rootfs = layer.read_file(sbundle.ROOTFS)
+            else:
+                sbundle.materialize(layer, work / "images", cache, into=done,
+                                    deadline=deadline)
         finally:
             attempt.fetched_bytes = int(getattr(layer.blob, "bytes", 0))
             attempt.requests = int(getattr(layer.blob, "requests", 0))
@@ -301,6 +400,25 @@ def _fetch_and_place(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg
     applied = rootdiff.apply(done.rootfs, rootfs) if done.rootfs else rootdiff.Applied(rootfs)
     attempt.phases["rootfs"] = time.monotonic() - t
     return applied
+
+
+def _wait_socket(path: Path, pager: subprocess.Popen[bytes], timeout: float) -> None:
+    """Until the pager's ``criu lazy-pages`` listens at ``path``; Fallback if it exits."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if pager.poll() is not None:
+            raise Fallback("criu", f"criu lazy-pages exited {pager.returncode} before it "
+                           "listened")
+        if time.monotonic() > deadline:
+            raise Fallback("criu", f"criu lazy-pages did not listen within {timeout:g} s")
+        time.sleep(0.005)
+
+
+def _unmount(cfg: Config, mountpoint: Path) -> None:
+    if os.path.ismount(mountpoint):
+        from coldstart.snapshot.lazy import unmount_bundle
+
+        unmount_bundle(cfg.fuse.socket, mountpoint)
 
 
 def _pid(inv: Invocation) -> int | None:

@@ -131,7 +131,8 @@ class Applied:
                 failed.append(rel)
                 continue
             try:
-                assert self.aside is not None
+                if self.aside is None:
+                    raise FileNotFoundError(saved)
                 os.rename(self.aside / saved, name, dst_dir_fd=parent)
             except OSError:
                 failed.append(rel)
@@ -145,6 +146,8 @@ class Applied:
         if self.aside is not None:
             shutil.rmtree(self.aside, ignore_errors=True)
             self.aside = None
+        self.created.clear()
+        self.moved.clear()
 
 
 def _clean(name: str) -> PurePosixPath:
@@ -240,6 +243,8 @@ def _apply_one(m: tarfile.TarInfo, tar: tarfile.TarFile, done: Applied) -> None:
             os.close(parent)
         return
     if base.startswith(WHITEOUT):
+        if base == WHITEOUT:
+            raise FormatError(f"rootfs change {m.name!r}: a whiteout of nothing")
         target = str(p.parent / base[len(WHITEOUT):]) if str(p.parent) != "." else \
             base[len(WHITEOUT):]
         parent, name = _parent(done.root, target, create=False)
@@ -273,24 +278,34 @@ def _apply_one(m: tarfile.TarInfo, tar: tarfile.TarFile, done: Applied) -> None:
             _aside(done, parent, name, rel)
         if m.issym():
             os.symlink(m.linkname, name, dir_fd=parent)
+            done.created.append(rel)
+            with contextlib.suppress(OSError):
+                os.chown(name, m.uid, m.gid, dir_fd=parent, follow_symlinks=False)
         elif m.islnk():
+            # a link to a regular file only (never to a symlink: a later chmod would follow
+            # it out of the root); it shares that file's owner and mode as they are
             src_parent, src_name = _parent(done.root, m.linkname, create=False)
             try:
+                src = _exists(src_parent, src_name)
+                if src is None or not stat.S_ISREG(src.st_mode):
+                    raise FormatError(f"rootfs change {rel!r}: a hard link to "
+                                      f"{m.linkname!r}, which is not a regular file")
                 os.link(src_name, name, src_dir_fd=src_parent, dst_dir_fd=parent,
                         follow_symlinks=False)
             finally:
                 os.close(src_parent)
+            done.created.append(rel)
         else:
-            src = tar.extractfile(m)
+            data = tar.extractfile(m)
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
-                         os.O_CLOEXEC, m.mode & 0o7777, dir_fd=parent)
+                         os.O_CLOEXEC, 0o600, dir_fd=parent)
+            done.created.append(rel)
             with os.fdopen(fd, "wb") as f:
-                if src is not None:
-                    shutil.copyfileobj(src, f, 1 << 20)
-        done.created.append(rel)
-        with contextlib.suppress(OSError):
-            os.chown(name, m.uid, m.gid, dir_fd=parent, follow_symlinks=False)
-        if not m.issym():       # created here, O_EXCL: not a symlink planted in its place
-            os.chmod(name, m.mode & 0o7777, dir_fd=parent)
+                if data is not None:
+                    shutil.copyfileobj(data, f, 1 << 20)
+                # owner, then mode, on the file this call created (never a path)
+                with contextlib.suppress(OSError):
+                    os.fchown(f.fileno(), m.uid, m.gid)
+                os.fchmod(f.fileno(), m.mode & 0o7777)
     finally:
         os.close(parent)

@@ -34,80 +34,27 @@ speaks through its events log and runc's log file.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
-import shutil
 import sys
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
+
+from coldstart.snapshot.invocation import (
+    ANNOTATION,
+    CONFIG_ENV,
+    CRI_CONTAINER_TYPE,
+    DEFAULT_CONFIG,
+    real_runc,
+    runc_log,
+    spec_of,
+)
 
 if TYPE_CHECKING:
     from coldstart.config import Config
-    from coldstart.snapshot.state import NodeState
 
-__all__ = ["ANNOTATION", "Invocation", "main", "parse_argv"]
-
-ANNOTATION = "dev.coldstart.snapshot"
-CRI_IMAGE = "io.kubernetes.cri.image-name"
-CONFIG_ENV = "COLDSTART_CONFIG"
-DEFAULT_CONFIG = "/etc/coldstart/config.toml"
-#: runc's global flags that take a value
-_GLOBAL_VALUED = {"--root", "--log", "--log-format", "--criu", "--rootless"}
-#: ``runc create`` flags that take a value
-_CREATE_VALUED = {"--bundle", "-b", "--pid-file", "--console-socket", "--preserve-fds"}
-
-
-@dataclass
-class Invocation:
-    """runc's command line: global flags, the subcommand and its arguments."""
-
-    globals: list[str]
-    command: str
-    args: list[str]
-    flags: dict[str, str | bool] = field(default_factory=dict)   # the subcommand's
-    cid: str = ""
-
-    def global_value(self, name: str, default: str = "") -> str:
-        for i, a in enumerate(self.globals):
-            if a == name and i + 1 < len(self.globals):
-                return self.globals[i + 1]
-            if a.startswith(name + "="):
-                return a.partition("=")[2]
-        return default
-
-
-def parse_argv(argv: Sequence[str]) -> Invocation:
-    """Split runc's ``argv`` (without the program) into an :class:`Invocation`."""
-    i, glob = 0, []
-    while i < len(argv) and argv[i].startswith("-"):
-        glob.append(argv[i])
-        if argv[i] in _GLOBAL_VALUED and i + 1 < len(argv):
-            glob.append(argv[i + 1])
-            i += 1
-        i += 1
-    if i >= len(argv):
-        return Invocation(glob, "", [])
-    inv = Invocation(glob, argv[i], list(argv[i + 1:]))
-    if inv.command in ("create", "start", "delete"):
-        rest, j = inv.args, 0
-        positional = []
-        while j < len(rest):
-            a = rest[j]
-            name, eq, value = a.partition("=")
-            if a.startswith("-") and not eq and name in _CREATE_VALUED and j + 1 < len(rest):
-                inv.flags[name] = rest[j + 1]
-                j += 2
-                continue
-            if a.startswith("-"):
-                inv.flags[name] = value if eq else True
-            else:
-                positional.append(a)
-            j += 1
-        inv.cid = positional[-1] if positional else ""
-    return inv
+__all__ = ["main"]
 
 
 def _load_config() -> Config:
@@ -118,91 +65,76 @@ def _load_config() -> Config:
     return load(path)
 
 
-def real_runc(configured: str) -> str:
-    """The runc to run: ``configured``, else ``runc`` on PATH that is not this wrapper."""
-    if configured:
-        return configured
-    me = os.path.realpath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-    for d in os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin").split(os.pathsep):
-        cand = os.path.join(d, "runc")
-        if os.access(cand, os.X_OK) and os.path.realpath(cand) != me:
-            return cand
-    for cand in ("/usr/sbin/runc", "/usr/bin/runc", "/usr/local/sbin/runc"):
-        if os.access(cand, os.X_OK):
-            return cand
-    return "runc"
-
-
 def _exec(runc: str, argv: Sequence[str]) -> NoReturn:
     os.execv(runc, [runc, *argv])
 
 
-def _runc_log(inv: Invocation, level: str, msg: str) -> None:
-    """A line in runc's own log (JSON, as runc writes it): what the shim shows on an error."""
-    path = inv.global_value("--log")
-    if not path:
-        return
-    line = {"level": level, "msg": f"coldstart-runc: {msg}",
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    try:
-        with open(path, "a") as f:
-            f.write(json.dumps(line) + "\n")
-    except OSError:
-        pass
-
-
-def _spec(inv: Invocation) -> tuple[Path, dict[str, Any]] | None:
-    bundle = Path(str(inv.flags.get("--bundle") or inv.flags.get("-b") or "."))
-    try:
-        doc = json.loads((bundle / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return (bundle, doc) if isinstance(doc, dict) else None
-
-
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     args = list(sys.argv[1:] if argv is None else argv)
+    from coldstart.snapshot.invocation import parse_argv
+
     inv = parse_argv(args)
-    spec = _spec(inv) if inv.command == "create" else None
-    wants = spec is not None and isinstance(spec[1].get("annotations"), dict) and \
-        ANNOTATION in spec[1]["annotations"]
+    spec = spec_of(inv) if inv.command == "create" else None
+    ann = spec[1].get("annotations") if spec is not None else None
+    # a pod's sandbox (its pause container) gets the pod's annotations too: never restored
+    wants = isinstance(ann, dict) and ANNOTATION in ann and \
+        ann.get(CRI_CONTAINER_TYPE) != "sandbox"
     if not wants and inv.command not in ("start", "delete"):
         # the common case, kept fast: no config read, no import beyond this module
         _exec(real_runc(os.environ.get("COLDSTART_RUNC", "")), args)
     try:
         cfg = _load_config()
     except Exception as exc:     # a broken config must not stop containers
-        _runc_log(inv, "warning", f"config unreadable, no restore: {exc}")
+        runc_log(inv, "warning", f"config unreadable, no restore: {exc}")
         _exec(real_runc(os.environ.get("COLDSTART_RUNC", "")), args)
     runc = real_runc(cfg.snapshot.runc or os.environ.get("COLDSTART_RUNC", ""))
+    _quiet_logging(cfg)
     from coldstart.snapshot.state import NodeState
 
-    state = NodeState(Path(cfg.snapshot.state_dir))
+    state = NodeState(Path(cfg.snapshot.state_dir), Path(cfg.snapshot_work_dir))
     root = inv.global_value("--root", "/run/runc")
-    if inv.command == "start" and inv.cid and state.take_start(root, inv.cid):
+    try:
+        started = inv.command == "start" and bool(inv.cid) and state.take_start(root, inv.cid)
+    except Exception:       # the state directory unreadable: runc decides
+        started = False
+    if started:
         sys.exit(0)         # restored by create: the process already runs
     if inv.command == "delete":
         import subprocess
 
         rc = subprocess.run([runc, *args], check=False).returncode
         if inv.cid and (rc == 0 or "--force" in inv.flags):
-            state.forget(root, inv.cid)
+            with contextlib.suppress(Exception):
+                state.forget(root, inv.cid)
         sys.exit(rc)
     if wants and spec is not None:
-        from coldstart.snapshot.restore import try_restore
+        try:
+            from coldstart.snapshot.restore import try_restore
 
-        if try_restore(inv, spec[0], spec[1], cfg, runc, state):
+            restored = try_restore(inv, spec[0], spec[1], cfg, runc, state)
+        except Exception as exc:    # try_restore falls back itself; this is a last guard
+            runc_log(inv, "warning", f"restore attempt failed ({exc!r}); starting normally")
+            restored = False
+        if restored:
             sys.exit(0)
     _exec(runc, args)
 
 
-def cleanup_leftovers(state: NodeState, runc: str, inv: Invocation) -> None:
-    """Remove runc's record of a half-restored container (``runc delete --force``)."""
-    import subprocess
+def _quiet_logging(cfg: Config) -> None:
+    """Log lines go to ``<state_dir>/wrapper.log``, never to standard error: a container's
+    standard output and error are the wrapper's (they are the container's log)."""
+    import logging
 
-    if inv.cid:
-        subprocess.run([runc, *inv.globals, "delete", "--force", inv.cid], check=False,
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, timeout=60)
-    shutil.rmtree(state.work(inv.global_value("--root", "/run/runc"), inv.cid),
-                  ignore_errors=True)
+    logging.lastResort = None
+    root = logging.getLogger()
+    root.handlers.clear()
+    try:
+        Path(cfg.snapshot.state_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+        handler: logging.Handler = logging.FileHandler(
+            Path(cfg.snapshot.state_dir) / "wrapper.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: "
+                                               "%(message)s"))
+    except OSError:
+        handler = logging.NullHandler()
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)

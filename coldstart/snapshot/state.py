@@ -3,8 +3,9 @@ counters, under ``snapshot.state_dir`` (root only).
 
 * ``containers/<runc root hash>-<id>.json``: a container that was restored (its ``start`` is
   then a no-op: the process already runs); removed by ``delete``.
-* ``work/<runc root hash>-<id>/``: CRIU's images and work files while a restore runs; removed
-  when it ends, whatever the outcome (the restore log is kept in ``logs/`` until ``delete``).
+* ``<work_root>/<runc root hash>-<id>/``: CRIU's images and work files while a restore runs
+  (on disk: ``snapshot.work_dir``); removed when it ends, whatever the outcome (the restore
+  log is kept in ``logs/`` until ``delete``).
 * ``events.jsonl``: one line per restore attempt (outcome, reason, phases, bytes), appended.
 * ``counters.json``: restores, and fallbacks by reason, updated under a lock; what
   ``coldstart snapshot status`` prints.
@@ -33,6 +34,9 @@ EVENTS_MAX = 4 << 20
 @dataclass(frozen=True)
 class NodeState:
     root: Path
+    #: CRIU's images while a restore runs: on disk, not in /run's tmpfs (a snapshot's pages
+    #: are as big as the process's memory); default: ``<root>/work``
+    work_root: Path | None = None
 
     def _name(self, runc_root: str, cid: str) -> str:
         return f"{hashlib.sha256(runc_root.encode()).hexdigest()[:8]}-{cid}"
@@ -41,7 +45,7 @@ class NodeState:
         return self.root / "containers" / f"{self._name(runc_root, cid)}.json"
 
     def work(self, runc_root: str, cid: str) -> Path:
-        return self.root / "work" / self._name(runc_root, cid)
+        return (self.work_root or self.root / "work") / self._name(runc_root, cid)
 
     def log(self, runc_root: str, cid: str) -> Path:
         return self.root / "logs" / f"{self._name(runc_root, cid)}.log"
@@ -49,6 +53,8 @@ class NodeState:
     def ensure(self) -> None:
         for sub in ("containers", "work", "logs"):
             (self.root / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.work_root is not None:
+            self.work_root.mkdir(mode=0o700, parents=True, exist_ok=True)
         with contextlib.suppress(OSError):
             os.chmod(self.root, 0o700)
 
@@ -77,6 +83,7 @@ class NodeState:
         """Drop everything kept for ``cid`` (its ``delete``)."""
         self.container(runc_root, cid).unlink(missing_ok=True)
         self.log(runc_root, cid).unlink(missing_ok=True)
+        self.log(runc_root, cid).with_suffix(".pager.log").unlink(missing_ok=True)
         shutil.rmtree(self.work(runc_root, cid), ignore_errors=True)
 
     @contextlib.contextmanager
@@ -89,8 +96,8 @@ class NodeState:
             os.close(fd)
 
     def record(self, event: Mapping[str, Any]) -> None:
-        """Append ``event`` to the events log and count it (``outcome``: restored or
-        fallback; ``kind``: the fallback's reason kind)."""
+        """Append ``event`` to the events log and count it (``outcome``: restored, fallback
+        (``kind``: its reason), or the lazy pager's pages-in and pages-failed)."""
         line = json.dumps({"time": time.time(), **event}, separators=(",", ":")) + "\n"
         with self._locked():
             events = self.root / "events.jsonl"
@@ -100,12 +107,16 @@ class NodeState:
                 keep = events.read_bytes()[-EVENTS_MAX // 2:]
                 events.write_bytes(keep[keep.find(b"\n") + 1:])
             counters = self.counters()
-            if event.get("outcome") == "restored":
+            outcome = str(event.get("outcome"))
+            if outcome == "restored":
                 counters["restored"] = int(counters.get("restored", 0)) + 1
-            else:
+            elif outcome == "fallback":
                 by = counters.setdefault("fallbacks", {})
                 kind = str(event.get("kind", "unknown"))
                 by[kind] = int(by.get(kind, 0)) + 1
+            else:       # after a restore: the lazy pager's end (pages-in, pages-failed)
+                by = counters.setdefault("pager", {})
+                by[outcome] = int(by.get(outcome, 0)) + 1
             tmp = self.root / "counters.tmp"
             tmp.write_text(json.dumps(counters, indent=1, sort_keys=True))
             os.replace(tmp, self.root / "counters.json")

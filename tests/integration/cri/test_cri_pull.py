@@ -16,12 +16,13 @@ from the same registry), CreateContainer and StartContainer on a lazily pulled i
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,8 +198,12 @@ class Node:
 
 
 @contextmanager
-def node(base: Path, reg: AuthRegistry, *, sandbox_image: str = "registry.k8s.io/pause:3.9"
-         ) -> Iterator[Node]:
+def node(base: Path, reg: AuthRegistry, *, sandbox_image: str = "registry.k8s.io/pause:3.9",
+         install: Sequence[str] = (), config: str = "",
+         env: Mapping[str, str] | None = None) -> Iterator[Node]:
+    """The node; ``install``: more ``coldstart node install`` flags, ``config``: more of
+    coldstart's config (TOML), ``env``: more of containerd's environment (its shims' and
+    runc's)."""
     # containerd's own registry access (manifest, config) over plain HTTP
     certs_d = base / "certs.d"
     (certs_d / reg.host).mkdir(parents=True)
@@ -208,7 +213,7 @@ def node(base: Path, reg: AuthRegistry, *, sandbox_image: str = "registry.k8s.io
     keychain = base / "cri-creds"
     extra = ("[registry]\n"
              f'insecure_hosts = ["{reg.host}"]\n'
-             f'cri_keychain = "{keychain}"\n')
+             f'cri_keychain = "{keychain}"\n' + config)
     procs: list[subprocess.Popen[bytes]] = []
     try:
         with start_snapshotter(base / "sn", spawn=True, metrics=False, extra=extra,
@@ -217,7 +222,7 @@ def node(base: Path, reg: AuthRegistry, *, sandbox_image: str = "registry.k8s.io
             ctd_config.write_text(containerd_config(base, certs_d, sandbox_image))
             r = coldstart("node", "install", "--containerd-config", str(ctd_config),
                           "--config", str(sn.config), "--state-dir", str(base / "state"),
-                          "--systemd-dir", str(base / "units"))
+                          "--systemd-dir", str(base / "units"), *install)
             assert r.returncode == 0, r.stderr
             installed = ctd_config.read_text()
             assert 'snapshotter = "coldstart"' in installed, installed
@@ -226,7 +231,12 @@ def node(base: Path, reg: AuthRegistry, *, sandbox_image: str = "registry.k8s.io
             with open(ctd_log, "ab") as out:
                 procs.append(subprocess.Popen([CONTAINERD_BIN, "--config", str(ctd_config)],
                                               stdout=out, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
+                                              start_new_session=True,
+                                              # coldstart-runc (a --snapshot-restore
+                                              # handler's runc) reads coldstart's config
+                                              env={**os.environ,
+                                                   "COLDSTART_CONFIG": str(sn.config),
+                                                   **(env or {})}))
             wait_for(unix_open(base / "c.sock"), timeout=60, what="containerd", proc=procs[-1],
                      log=ctd_log)
             proxy_log = base / "cri-proxy.log"

@@ -108,10 +108,12 @@ def env(registry: Registry, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             os.environ["COLDSTART_CONFIG"] = old
 
 
-def _write_config(e: Env, **snapshot: str | float) -> None:
-    table = {"state_dir": str(e.state), "chunk_dir": str(e.chunks), "signal": "SIGUSR2",
-             **snapshot}
+def _write_config(e: Env, fuse_socket: str = "", **snapshot: str | float) -> None:
+    table = {"state_dir": str(e.state), "chunk_dir": str(e.chunks),
+             "work_dir": str(e.state.parent / "work"), "signal": "SIGUSR2", **snapshot}
     lines = ["[snapshot]"] + [f"{k} = {json.dumps(v)}" for k, v in table.items()]
+    if fuse_socket:
+        lines += ["[fuse]", f"socket = {json.dumps(fuse_socket)}"]
     e.config.write_text("\n".join(lines) + "\n")
 
 
@@ -120,8 +122,9 @@ def node(e: Env, **snapshot: str | float) -> Iterator[LocalStack]:
     """A cold node: a new containerd, snapshotter, FUSE server, chunk cache and snapshot
     chunk cache (``snapshot``: more of the wrapper's settings)."""
     e.chunks = Path(tempfile.mkdtemp(prefix="chunks-", dir=e.config.parent))
-    _write_config(e, **snapshot)
     with lazy_stack() as st:
+        # the wrapper reads it at each call: its FUSE server (a lazy restore's) is this node's
+        _write_config(e, st.fuse_socket, **snapshot)
         for ref in (e.ref, e.other):
             out = st.ctr("image", "pull", "--plain-http", "--snapshotter", "coldstart", ref)
             assert out.returncode == 0, out.stderr
@@ -199,12 +202,12 @@ def _take_snapshot(st: LocalStack, e: Env, name: str, *, image: str | None = Non
 
 def _leftovers(e: Env) -> list[str]:
     """What the wrapper left on the node besides its logs, counters and CRIU check cache."""
-    out = [str(p) for p in (e.state / "work").glob("*")]
+    out = [str(p) for p in (e.state.parent / "work").glob("*")]
     out += [str(p) for p in (e.state / "containers").glob("*")]
     criu = subprocess.run(["pgrep", "-x", "criu"], capture_output=True, text=True).stdout
     out += [f"criu process {p}" for p in criu.split()]
     with open("/proc/self/mountinfo") as f:
-        out += [ln for ln in f if str(e.state) in ln]
+        out += [ln for ln in f if str(e.state) in ln or str(e.state.parent / "work") in ln]
     return out
 
 
@@ -408,3 +411,71 @@ def _push_as(e: Env, created: dict[str, object], image: str) -> None:
         doc["annotations"][A_KEY] = key.digest
         doc["annotations"][A_CREATED] = "9999-01-01T00:00:00.000000Z"
         push_referrer(client, dst, canonical_json(doc), artifact_type=ARTIFACT_TYPE)
+
+
+def _pager_event(e: Env, name: str, timeout: float = 60.0) -> dict[str, object]:
+    deadline = time.monotonic() + timeout
+    while True:
+        evs = [ev for ev in _events(e) if ev.get("container") == name and
+               str(ev.get("outcome", "")).startswith("pages-")]
+        if evs:
+            return evs[-1]
+        assert time.monotonic() < deadline, _events(e)[-3:]
+        time.sleep(0.1)
+
+
+def test_a_lazy_restore_faults_its_pages_in_through_the_fuse_server(
+        env: Env, snapshot_a: tuple[list[str], dict[str, object]]) -> None:
+    before, _ = snapshot_a
+    with node(env, pages="lazy") as st:
+        out = _start(st, env, "l1")
+        assert out.returncode == 0, out.stderr
+        ev = _last_event(env, "l1")
+        assert ev["outcome"] == "restored" and ev["pages"] == "lazy", ev
+        assert _ask(env, "l1")[:2] == before[:2]
+        # the pager brings every page in, then unmounts the bundle and cleans up
+        assert _pager_event(env, "l1")["outcome"] == "pages-in"
+        assert _ask(env, "l1")[0] == before[0]
+        _remove(st, "l1")
+        assert _leftovers(env) == []
+
+
+def test_a_lazy_restore_never_runs_on_a_page_that_fails_its_digest(
+        env: Env, snapshot_a: tuple[list[str], dict[str, object]]) -> None:
+    """The bad chunk is found when a page of it is read: during the restore (the pages CRIU
+    restores at once: the restore fails, and the container starts normally) or after it (a
+    page faulted in: the pager kills the restored process rather than let it read zeros for
+    its memory). Either way no answer ever comes from a process on the wrong memory."""
+    before, created = snapshot_a
+    layer = _bundle(env, str(created["digest"]))
+    at, _ = _page_chunk(env, layer)
+    old = _flip(env, str(layer["digest"]), at)
+    try:
+        with node(env, pages="lazy") as st:
+            out = _start(st, env, "l2")
+            assert out.returncode == 0, out.stderr
+            ev = _last_event(env, "l2")
+            if ev["outcome"] == "fallback":
+                assert ev["kind"] == "restore-failed", ev
+                _wait(env.io / "l2" / "ready")          # a normal start, to READY
+                assert _ask(env, "l2")[0] != before[0]
+            else:
+                pager = _pager_event(env, "l2")
+                assert pager["outcome"] == "pages-failed" and pager["killed"], pager
+                deadline = time.monotonic() + 30
+                while "RUNNING" in st.ctr("task", "ls").stdout:
+                    assert time.monotonic() < deadline, st.ctr("task", "ls").stdout
+                    time.sleep(0.1)
+                answer = env.io / "l2" / "a"
+                assert not answer.exists() or answer.read_text().split()[0] == before[0]
+            _remove(st, "l2")
+            deadline = time.monotonic() + 30
+            while _leftovers(env):      # a pager that was running cleans up as it ends
+                assert time.monotonic() < deadline, _leftovers(env)
+                time.sleep(0.1)
+    finally:
+        path = env.registry.root / "docker/registry/v2/blobs/sha256" / \
+            str(layer["digest"])[7:9] / str(layer["digest"])[7:] / "data"
+        with open(path, "r+b") as f:
+            f.seek(at)
+            f.write(bytes([old]))

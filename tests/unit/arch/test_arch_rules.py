@@ -88,7 +88,12 @@ RULES: dict[str, Rule] = {
     # warm-up caches: packed like layers (format), fetched like them (oci, remote, cache);
     # probe.notify: the relay adds the verdict to the app's READY=1
     "warmup": rule("errors config format remote oci cache probe.notify", "torch@warmup"),
-    "benchmark": rule(_BELOW_BENCH + " stack warmup",
+    # snapshots: packed and fetched like warm-up artifacts (warmup.artifacts, warmup.keys'
+    # CPU and GPU readings); containerd: the container's rootfs mounts, for its changes;
+    # lazyfs.client, lazyfs.spec: a lazy restore mounts its bundle through the FUSE server
+    "snapshot": rule("errors config format remote oci cache containerd warmup.artifacts "
+                     "warmup.keys lazyfs.client lazyfs.spec"),
+    "benchmark": rule(_BELOW_BENCH + " stack warmup snapshot",
                       "httpx@benchmark.ready matplotlib@benchmark.results "
                       "numpy@benchmark.imagecontent torch@benchmark.server_app "
                       "torch@benchmark.compile_app "

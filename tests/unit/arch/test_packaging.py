@@ -111,7 +111,8 @@ def sandbox(tmp_path: Path) -> Path:
     """A copy of install.sh in an empty tree whose .venv, apt and dpkg are stubs."""
     (tmp_path / "scripts").mkdir()
     shutil.copy(INSTALL_SH, tmp_path / "scripts" / "install.sh")
-    stubs = {tmp_path / ".venv" / "bin" / "python": _PY_STUB,
+    stubs = {tmp_path / "scripts" / "install-criu.sh": "#!/usr/bin/env bash\nexit 0\n",
+             tmp_path / ".venv" / "bin" / "python": _PY_STUB,
              tmp_path / "bin" / "dpkg-query": _DPKG_STUB,
              tmp_path / "bin" / "apt-get": _APT_STUB,
              tmp_path / "bin" / "python3": _APT_STUB.replace("apt-get", "python3")}

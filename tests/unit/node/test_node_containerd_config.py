@@ -100,6 +100,54 @@ def test_a_runtime_handler_uses_coldstart_and_the_default_stays(sample: str,
     assert _get(doc, *runtimes, "runc", "snapshotter") == "coldstart"
 
 
+@pytest.mark.parametrize(("sample", "runtimes"), [
+    ("containerd-1.6.toml", ("plugins", CRI2, "containerd", "runtimes")),
+    ("containerd-2.x.toml", ("plugins", "io.containerd.cri.v1.runtime", "containerd", "runtimes")),
+])
+def test_snapshot_restore_makes_the_handlers_runc_the_wrapper_and_passes_the_annotation(
+        sample: str, runtimes: tuple[str, ...]) -> None:
+    text = (CONFIGS / sample).read_text()
+    target = Target(T.socket, T.root, "restore", "/usr/local/bin/coldstart-runc")
+    if "1.6" in sample:
+        # the default runtime is nvidia-container-runtime: a new handler would lose it under
+        # the wrapper without a word; the operator makes the handler (install keeps it)
+        with pytest.raises(FailedPrecondition, match="nvidia-container-runtime"):
+            apply(text, target)
+        text += ('\n[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.restore]\n'
+                 '  runtime_type = "io.containerd.runc.v2"\n')
+    change = apply(text, target)
+    doc = tomllib.loads(change.text)
+    handler = _get(doc, *runtimes, "restore")
+    assert isinstance(handler, dict)
+    assert handler["options"]["BinaryName"] == "/usr/local/bin/coldstart-runc"
+    assert handler["pod_annotations"] == ["dev.coldstart.snapshot"]
+    assert missing(change.text, target) == []
+    # the default runtime is left as it is, and revert takes all of it out
+    assert _get(doc, *runtimes).keys() >= _get(tomllib.loads(text), *runtimes).keys()
+    back, notes = revert(change.text, change.edits, change.created, like=text)
+    assert tomllib.loads(back) == tomllib.loads(text) and notes == []
+    # a handler that passes other annotations keeps them
+    other = apply(text, Target(T.socket, T.root, "restore")).text.replace(
+        'snapshotter = "coldstart"', 'snapshotter = "coldstart"\npod_annotations = ["a.b/c"]', 1)
+    doc = tomllib.loads(apply(other, target).text)
+    assert _get(doc, *runtimes, "restore", "pod_annotations") == ["a.b/c",
+                                                                   "dev.coldstart.snapshot"]
+
+
+def test_a_handler_in_a_config_without_runtimes_keeps_the_default_runtime() -> None:
+    """containerd fills in its ``runc`` runtime only while none is configured: the handler's
+    table must not leave the CRI without its default (it would not load at all)."""
+    text = ('version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd]\n'
+            '  snapshotter = "overlayfs"\n')
+    change = apply(text, Target(T.socket, T.root, "restore"))
+    runtimes = _get(tomllib.loads(change.text), "plugins", CRI2, "containerd", "runtimes")
+    assert isinstance(runtimes, dict)
+    assert runtimes["runc"] == {"runtime_type": "io.containerd.runc.v2"}
+    assert runtimes["restore"]["snapshotter"] == "coldstart"
+    back, notes = revert(change.text, change.edits, change.created, like=text)
+    assert tomllib.loads(back) == tomllib.loads(text) and notes == []
+
+
 def test_revert_after_an_operator_edit_keeps_the_edit_and_names_what_it_left() -> None:
     text = (CONFIGS / "containerd-1.6.toml").read_text()
     change = apply(text, T)

@@ -172,6 +172,9 @@ def test_errors_say_what_to_do(tmp_path: Path) -> None:
         plan_install(other, exec_start=["/x"])
     with pytest.raises(InvalidArgument, match="absolute path"):
         plan_install(node_paths(tmp_path / "r", CONFIGS / "no-cri.toml"), root="rel/root")
+    with pytest.raises(InvalidArgument, match="runtime handler"):
+        plan_install(node_paths(tmp_path / "s", CONFIGS / "no-cri.toml"),
+                     restore_binary="/usr/local/bin/coldstart-runc")
 
 
 def cli_paths(paths: NodePaths) -> list[str]:

@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""How much of a second snapshot a node that holds the first does not fetch, and what the
+registry stores for it: the dedup figure of issue 50.
+
+    .venv/bin/python bench/bench_snapshot_dedup.py --storage bench/images/registry \\
+        --repo bench/compile --first sha256:… --second sha256:… [--json out.json]
+
+``--first`` and ``--second`` are snapshot artifacts (the digests ``coldstart bench`` prints for
+its snapshot modes, or ``coldstart snapshot create -o json`` gives) in repository ``--repo`` of
+the registry whose storage is ``--storage`` (started here on loopback, stopped afterwards).
+For each bundle it reads the TOC (verified against the artifact's annotation) and reports:
+
+* chunks and their compressed bytes, pages and rootfs apart;
+* the second's chunks whose digest the first has (a node's snapshot chunk cache holds one
+  copy of each: what a restore of the second on a node that restored the first fetches is the
+  rest), as chunks and compressed bytes;
+* what the registry stores for the second: its whole bundle blob (one blob per snapshot; the
+  registry does not share parts of blobs), against the first's.
+
+Pages are cut by content (:mod:`coldstart.snapshot.bundle`), so the same pages at other
+offsets make the same chunks; the script also counts what a fixed 1 MiB grid would have
+shared, from the pages themselves, as the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from coldstart.format.layer import SeekableLayer, open_layer
+from coldstart.oci.manifest import OCI_MANIFEST
+from coldstart.oci.reference import Reference
+from coldstart.oci.registry import RegistryClient
+from coldstart.remote.registry_blob import open_blob
+from coldstart.stack.registry import start_registry
+
+
+def _bundle(client: RegistryClient, repo: Reference, digest: str) -> tuple[dict[str, Any],
+                                                                           SeekableLayer]:
+    body, _, _ = client.get_manifest(repo.with_digest(digest), (OCI_MANIFEST,))
+    layer = json.loads(body)["layers"][0]
+    blob = open_blob(client, repo, layer["digest"], int(layer["size"]))
+    return layer, open_layer(blob, annotations=layer["annotations"])
+
+
+def _chunks(lay: SeekableLayer) -> dict[str, tuple[int, int, str]]:
+    """digest -> (compressed bytes, raw bytes, owner kind) of every chunk of the bundle."""
+    out: dict[str, tuple[int, int, str]] = {}
+    for name, entry in lay.toc.entries.items():
+        if entry.type != "reg":
+            continue
+        kind = "pages" if "/pages-" in name else "rootfs" if name == "rootfs.tar" else "other"
+        for c in entry.chunks:
+            if c.digest and not c.zeros:
+                out.setdefault(c.digest, (c.end_offset - c.offset, c.chunk_size, kind))
+    return out
+
+
+def _grid(lay: SeekableLayer, grid: int = 1 << 20) -> set[str]:
+    """Digests of the pages files cut every ``grid`` bytes (the baseline: no content cuts)."""
+    out = set()
+    for name, entry in lay.toc.entries.items():
+        if entry.type == "reg" and "/pages-" in name:
+            data = lay.read_file(name)
+            for off in range(0, len(data), grid):
+                out.add(hashlib.sha256(data[off:off + grid]).hexdigest())
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--storage", type=Path, required=True,
+                    help="the registry's directory (coldstart bench's: bench/images/registry)")
+    ap.add_argument("--repo", required=True, help="repository, e.g. bench/compile")
+    ap.add_argument("--first", required=True)
+    ap.add_argument("--second", required=True)
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    with start_registry(a.storage, log_level="error") as reg, \
+            RegistryClient(insecure_hosts=[reg.host]) as client:
+        repo = Reference.parse(f"{reg.host}/{a.repo}:x")
+        la, lay_a = _bundle(client, repo, a.first)
+        lb, lay_b = _bundle(client, repo, a.second)
+        ca, cb = _chunks(lay_a), _chunks(lay_b)
+        shared = {d: v for d, v in cb.items() if d in ca}
+        new = {d: v for d, v in cb.items() if d not in ca}
+        ga, gb = _grid(lay_a), _grid(lay_b)
+    doc = {
+        "first": {"artifact": a.first, "blob_bytes": int(la["size"]), "chunks": len(ca),
+                  "compressed_bytes": sum(v[0] for v in ca.values())},
+        "second": {"artifact": a.second, "blob_bytes": int(lb["size"]), "chunks": len(cb),
+                   "compressed_bytes": sum(v[0] for v in cb.values()),
+                   "pages_raw_bytes": sum(v[1] for v in cb.values() if v[2] == "pages")},
+        "shared_chunks": len(shared),
+        "shared_compressed_bytes": sum(v[0] for v in shared.values()),
+        "new_chunks": len(new),
+        "new_compressed_bytes": sum(v[0] for v in new.values()),
+        "fetched_fraction_on_a_node_with_the_first": (
+            sum(v[0] for v in new.values()) / max(1, sum(v[0] for v in cb.values()))),
+        "registry_adds_bytes": int(lb["size"]),
+        "grid_1mib_pages_shared_fraction": len(gb & ga) / max(1, len(gb)),
+    }
+    print(json.dumps(doc, indent=1))
+    if a.json:
+        a.json.write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
