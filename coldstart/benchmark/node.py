@@ -446,7 +446,9 @@ def snapshot_event(node: Node, cid: str) -> dict[str, Any] | None:
             ev = json.loads(line)
         except ValueError:
             continue
-        if isinstance(ev, dict) and ev.get("container") == cid:
+        # the attempt's own line (a lazy restore's pager adds its end later: pages-in)
+        if isinstance(ev, dict) and ev.get("container") == cid and \
+                ev.get("outcome") in ("restored", "fallback"):
             return ev
     return None
 
