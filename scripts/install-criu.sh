@@ -1,24 +1,25 @@
 #!/usr/bin/env bash
-# Installs CRIU 4.1.1 into /usr/local/sbin when the node has no CRIU that passes `criu check`
-# at 4.1 or newer; as root, safe to run again. Debian 12's CRIU 3.17 fails `criu check` on
-# current kernels (the vDSO's layout); Debian 13's 4.1.1 source builds on Debian 12 in under a
-# minute. The source is Debian 13's own orig tarball, from Debian's pool, checked against its
-# SHA-256 before it is built.
+# Installs CRIU 4.2.1 into /usr/local/sbin when the node has no CRIU that passes `criu check`
+# at 4.2 or newer; as root, safe to run again. Debian 12's CRIU 3.17 fails `criu check` on
+# current kernels (the vDSO's layout); 4.1.1 (Debian 13's) passes it but cannot dump a process
+# holding an inet socket on Linux 6.18 (SO_PASSCRED is now unix and netlink only), which 4.2
+# fixed. Debian's 4.2.1 source builds on Debian 12 in under a minute; the orig tarball comes
+# from Debian's pool (or its snapshot archive) and is checked against its SHA-256.
 #   bash scripts/install-criu.sh            install if needed, then `criu check`
 #   CRIU_FORCE=1 bash scripts/install-criu.sh   build and install even if a good one is there
 set -euo pipefail
 
-VERSION=4.1.1
-ORIG_SHA256=f80a66cb3726bb2116266d4759ce3bcbfab7abdb6b6d430bf20dd41911717afe
+VERSION=4.2.1
+ORIG_SHA256=29ec0ee09e296479fe7048c80980e8ef1d0684d0b0204c2b101dfea19f6725b9
 MIRROR=${CRIU_MIRROR:-http://deb.debian.org/debian}
 PREFIX=/usr/local
 
-version_ok() {   # $1: a criu binary; true if it runs, is >= 4.1 and passes `criu check`
+version_ok() {   # $1: a criu binary; true if it runs, is >= 4.2 and passes `criu check`
   local v
   v=$("$1" --version 2>/dev/null | sed -n 's/^Version: *//p') || return 1
   [ -n "$v" ] || return 1
   case "$v" in
-    [0-3].*|4.0|4.0.*) return 1 ;;
+    [0-3].*|4.0|4.0.*|4.1|4.1.*) return 1 ;;
   esac
   "$1" check >/dev/null 2>&1
 }
@@ -51,7 +52,7 @@ trap 'rm -rf "$WORK"' EXIT
 TARBALL="$WORK/criu_$VERSION.orig.tar.xz"
 # Debian's pool, then its archive (the pool drops a version when a newer one lands)
 URLS=("$MIRROR/pool/main/c/criu/criu_$VERSION.orig.tar.xz"
-      "https://snapshot.debian.org/archive/debian/20250801T000000Z/pool/main/c/criu/criu_$VERSION.orig.tar.xz")
+      "https://snapshot.debian.org/archive/debian/20251215T000000Z/pool/main/c/criu/criu_$VERSION.orig.tar.xz")
 fetched=""
 for URL in "${URLS[@]}"; do
   echo "install-criu: fetching $URL" >&2

@@ -2,7 +2,7 @@
 # Installs everything coldstart and its tests need on Debian 12, as root; safe to run again.
 #   apt: containerd + runc, the OCI registry, skopeo, ctr-remote (stargz-snapshotter), redis-server,
 #        FUSE 3 tools, busybox-static (test images), zstd
-#   CRIU 4.1.1 (snapshot restore), built from Debian 13's source when the node has no CRIU that
+#   CRIU 4.2.1 (snapshot restore), built from Debian's source when the node has no CRIU that
 #        passes `criu check` (scripts/install-criu.sh)
 #   a virtualenv in .venv with coldstart and all its extras, and torch: the CPU build by default
 #   (TORCH_VARIANT, see --help), then compiles the containerd protos into coldstart/_proto.
@@ -69,7 +69,7 @@ fi
 # containerd and redis come from Debian with systemd units; coldstart starts its own instances
 # with their own sockets and directories, so nothing else needs to run.
 
-# CRIU >= 4.1 for snapshot restore (Debian 12's 3.17 fails `criu check` on current kernels):
+# CRIU >= 4.2 for snapshot restore (Debian 12's 3.17 fails `criu check` on current kernels):
 # built from Debian 13's source when the node has none that passes
 # (optional: without it containers start normally, and the snapshot tests fail saying why)
 bash scripts/install-criu.sh || \

@@ -90,7 +90,7 @@ Examples:
                    "BinaryName), and the annotation dev.coldstart.snapshot passes from pods to "
                    "their containers (pod_annotations): a pod annotated "
                    "dev.coldstart.snapshot=<image> (or =auto) is restored from its image's "
-                   "snapshot, and starts normally when there is none. Needs CRIU >= 4.1 "
+                   "snapshot, and starts normally when there is none. Needs CRIU >= 4.2 "
                    "(scripts/install.sh; `coldstart snapshot check` says whether this node "
                    "can restore). The DaemonSet needs privileged, hostPID and /run/containerd.")
 @click.option("--coldstart-bin", default=None, metavar="PATH",
@@ -153,7 +153,7 @@ def _say_criu() -> None:
         criu = find_criu(check=True)
     except FailedPrecondition as exc:
         click.echo(f"warning: this node cannot restore snapshots: {exc}; pods start "
-                   "normally (scripts/install-criu.sh installs CRIU 4.1.1)", err=True)
+                   "normally (scripts/install-criu.sh installs CRIU 4.2.1)", err=True)
         return
     if criu.usable:
         click.echo(f"CRIU {criu.version} ({criu.path}) passes criu check: this node can "

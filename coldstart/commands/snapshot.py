@@ -46,7 +46,7 @@ def snapshot() -> None:
     reason is logged and counted (`status`).
 
     \b
-      coldstart snapshot check                   # can this node restore? (CRIU >= 4.1)
+      coldstart snapshot check                   # can this node restore? (CRIU >= 4.2)
       coldstart snapshot create web-1 --push     # checkpoint container web-1 and push it
       coldstart snapshot status                  # restores and fallbacks on this node
 
@@ -62,7 +62,7 @@ def snapshot() -> None:
 @_config_option
 @output_option("CRIU's path, version, problems and features")
 def check(config_path: Path | None, output: str) -> None:
-    """Say whether this node can take and restore snapshots (CRIU >= 4.1, `criu check`)."""
+    """Say whether this node can take and restore snapshots (CRIU >= 4.2, `criu check`)."""
     from coldstart.config import load
     from coldstart.snapshot.criu import find_criu
 

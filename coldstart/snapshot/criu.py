@@ -1,7 +1,10 @@
 """CRIU on this node: where it is, which version, and whether it can restore here.
 
 Debian 12's CRIU 3.17 fails ``criu check`` on current kernels (the vDSO's layout); 4.1 passes
-on Linux 6.x, lazy pages (``uffd-noncoop``) included. ``scripts/install.sh`` builds 4.1.1 from
+on Linux 6.x, lazy pages (``uffd-noncoop``) included, but on Linux 6.18 it cannot dump a
+process that holds an inet socket (it asks every socket for ``SO_PASSCRED``, which the kernel
+now answers only for unix and netlink sockets; 4.2 asks those only). ``scripts/install.sh``
+builds 4.2.1 from
 Debian 13's source package into ``/usr/local/sbin`` when the node has nothing newer.
 """
 
@@ -17,7 +20,7 @@ from coldstart.errors import FailedPrecondition
 
 __all__ = ["MIN_VERSION", "Criu", "find_criu", "version_of"]
 
-MIN_VERSION = (4, 1)
+MIN_VERSION = (4, 2)
 #: where scripts/install.sh puts the CRIU it builds (checked when PATH has none)
 INSTALLED = "/usr/local/sbin/criu"
 #: features checked besides ``criu check``'s own required set
@@ -27,7 +30,7 @@ FEATURES = ("clone3_set_tid", "uffd-noncoop")
 @dataclass(frozen=True)
 class Criu:
     path: str
-    version: str                     # "4.1.1"
+    version: str                     # "4.2.1"
     problems: tuple[str, ...] = ()   # why it cannot restore here; () when it can
     features: dict[str, bool] = field(default_factory=dict)
 
@@ -37,7 +40,7 @@ class Criu:
 
 
 def version_of(path: str, timeout: float = 10.0) -> str:
-    """CRIU's version (``4.1.1``) as ``criu --version`` prints it; FailedPrecondition if it
+    """CRIU's version (``4.2.1``) as ``criu --version`` prints it; FailedPrecondition if it
     does not run."""
     try:
         out = subprocess.run([path, "--version"], capture_output=True, text=True,
@@ -61,14 +64,14 @@ def find_criu(path: str = "", *, check: bool = True, timeout: float = 30.0) -> C
     needs it). FailedPrecondition when there is none or it does not run."""
     found = path or shutil.which("criu") or (INSTALLED if os.access(INSTALLED, os.X_OK) else "")
     if not found:
-        raise FailedPrecondition("CRIU is not installed (scripts/install.sh builds CRIU 4.1.1; "
+        raise FailedPrecondition("CRIU is not installed (scripts/install.sh builds CRIU 4.2.1; "
                                  f"version {'.'.join(map(str, MIN_VERSION))} or newer is needed)")
     version = version_of(found)
     problems: list[str] = []
     if _tuple(version) < MIN_VERSION:
         problems.append(f"CRIU {version} is older than "
                         f"{'.'.join(map(str, MIN_VERSION))} (Debian 12's 3.17 fails on this "
-                        "kernel; scripts/install.sh builds 4.1.1)")
+                        "kernel; scripts/install.sh builds 4.2.1)")
     features: dict[str, bool] = {}
     if check and not problems:
         if os.geteuid() != 0:

@@ -2,7 +2,7 @@
 ``coldstart node install --runtime-handler restore --snapshot-restore`` (that handler's runc is
 coldstart-runc, the pod annotation ``dev.coldstart.snapshot`` reaches its containers), a
 password-protected registry whose credentials only kubelet's ``PullImage`` brings (the CRI
-proxy keeps them; the wrapper reads them as the FUSE server does), CRIU 4.1.
+proxy keeps them; the wrapper reads them as the FUSE server does), CRIU 4.2.
 
 A pod of that handler, annotated ``dev.coldstart.snapshot=auto`` (the CRI's image name), runs
 an app that draws a random number and prints it every 50 ms; there is no snapshot yet, so it

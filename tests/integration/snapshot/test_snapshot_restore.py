@@ -80,7 +80,7 @@ def env(registry: Registry, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     criu = find_criu(check=True)
     if not criu.usable:
         pytest.fail(f"CRIU cannot restore on this machine ({'; '.join(criu.problems)}); "
-                    "scripts/install.sh builds CRIU 4.1.1")
+                    "scripts/install.sh builds CRIU 4.2.1")
     assert os.path.exists(WRAPPER), f"{WRAPPER} missing: pip install -e . installs it"
     tmp = tmp_path_factory.mktemp("snapshot")
     refs = []
