@@ -67,7 +67,13 @@ root. The JSON schema is coldstart/benchmark/result_schema.json.
                    "warm-up artifact, made by one untimed "
                    "start first; the floor then also takes warm starts with the caches "
                    "already on the node, `floor+cache`). The image must ship the coldstart "
-                   "package for the warm-cache modes (builtin:compile does).")
+                   "package for the warm-cache modes (builtin:compile does). "
+                   "Snapshot modes: coldstart+snapshot-lazy (CRIU's lazy pages), "
+                   "coldstart+snapshot, coldstart+snapshot+fill (the hybrid fill on): the "
+                   "container restored from "
+                   "the image's snapshot by coldstart-runc (made by one untimed start first, "
+                   "checkpointed at READY; READY must come from a process that stays: not "
+                   "exit). Needs CRIU >= 4.2.")
 @click.option("--runs", "-n", default=5, show_default=True, type=click.IntRange(1, 1000),
               help="Cold starts per mode.")
 @click.option("--ready", default=None, metavar="CONDITION",

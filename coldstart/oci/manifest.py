@@ -44,6 +44,7 @@ __all__ = [
     "digest_of",
     "host_platform",
     "is_index",
+    "json_object",
     "parse_any",
     "parse_index",
     "parse_manifest",
@@ -92,7 +93,8 @@ def canonical_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def _load(body: bytes, what: str) -> dict[str, Any]:
+def json_object(body: bytes, what: str) -> dict[str, Any]:
+    """``body`` as a JSON object; FormatError naming ``what`` otherwise."""
     try:
         obj = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -365,7 +367,7 @@ def is_index(media_type: str) -> bool:
 
 def parse_manifest(body: bytes, media_type: str | None = None) -> Manifest:
     """Parse an image manifest; raise :class:`FormatError` for anything else."""
-    obj = _load(body, "manifest")
+    obj = json_object(body, "manifest")
     mt = _sniff_type(obj, media_type)
     if mt not in MANIFEST_TYPES:
         raise FormatError(f"not an image manifest (media type {mt!r})")
@@ -385,7 +387,7 @@ def parse_manifest(body: bytes, media_type: str | None = None) -> Manifest:
 
 def parse_index(body: bytes, media_type: str | None = None) -> Index:
     """Parse an image index or Docker manifest list."""
-    obj = _load(body, "index")
+    obj = json_object(body, "index")
     mt = _sniff_type(obj, media_type)
     if mt not in INDEX_TYPES:
         raise FormatError(f"not an image index (media type {mt!r})")
@@ -402,7 +404,7 @@ def parse_index(body: bytes, media_type: str | None = None) -> Index:
 
 def parse_any(body: bytes, media_type: str | None = None) -> Manifest | Index:
     """Parse a manifest or an index, whichever ``body`` is."""
-    obj = _load(body, "manifest")
+    obj = json_object(body, "manifest")
     mt = _sniff_type(obj, media_type)
     if mt in INDEX_TYPES:
         return parse_index(body, mt)
@@ -429,7 +431,7 @@ class ImageConfig:
 
     @classmethod
     def parse(cls, body: bytes) -> ImageConfig:
-        obj = _load(body, "image config")
+        obj = json_object(body, "image config")
         rootfs = obj.get("rootfs")
         if not isinstance(rootfs, dict) or not isinstance(rootfs.get("diff_ids"), list):
             raise FormatError("image config lacks rootfs.diff_ids")

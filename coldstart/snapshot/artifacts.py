@@ -10,14 +10,13 @@ without reading the others, and what the snapshot holds (bytes of pages, rootfs 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from coldstart.errors import ColdstartError, FormatError, IntegrityError
-from coldstart.oci.manifest import OCI_MANIFEST, canonical_json, digest_of
+from coldstart.oci.manifest import OCI_MANIFEST, canonical_json, digest_of, json_object
 from coldstart.oci.reference import Reference
 from coldstart.oci.referrers import find_referrers, push_referrer
 from coldstart.oci.registry import RegistryClient
@@ -107,7 +106,7 @@ def find(client: RegistryClient, image: Reference, key: SnapshotKey) -> Found:
 def _load(client: RegistryClient, image: Reference, digest: str, key: SnapshotKey,
           found: Found) -> Found:
     body, _, digest = client.get_manifest(image.with_digest(digest), (OCI_MANIFEST,))
-    doc = _json(body, f"snapshot {digest}")
+    doc = json_object(body, f"snapshot {digest}")
     if doc.get("artifactType") != ARTIFACT_TYPE:
         raise FormatError(f"{digest} is not a snapshot ({doc.get('artifactType')!r})")
     layers = doc.get("layers")
@@ -133,19 +132,9 @@ def _why_not(client: RegistryClient, image: Reference, desc: Mapping[str, Any],
     name = str(desc.get("digest", "?"))[:19]
     try:
         body, _, _ = client.get_manifest(image.with_digest(str(desc["digest"])), (OCI_MANIFEST,))
-        config = _json(body, f"snapshot {name}").get("config") or {}
+        config = json_object(body, f"snapshot {name}").get("config") or {}
         have = SnapshotKey.parse(client.get_blob(image, str(config.get("digest")),
                                                  max_size=1 << 16))
     except ColdstartError as exc:
         return f"snapshot {name}: unreadable key ({exc})"
     return f"snapshot {name}: " + ("; ".join(differences(key, have)) or "same key")
-
-
-def _json(body: bytes, what: str) -> dict[str, Any]:
-    try:
-        doc = json.loads(body)
-    except ValueError as exc:
-        raise FormatError(f"{what}: not JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise FormatError(f"{what}: not a JSON object")
-    return doc

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from coldstart.errors import ColdstartError, FormatError, IntegrityError
 from coldstart.format.layer import SeekableLayer, open_layer
 from coldstart.format.readat import BytesReadAt, ReadAt
-from coldstart.oci.manifest import OCI_MANIFEST, canonical_json, digest_of
+from coldstart.oci.manifest import OCI_MANIFEST, canonical_json, digest_of, json_object
 from coldstart.oci.reference import Reference
 from coldstart.oci.referrers import find_referrers, push_referrer
 from coldstart.oci.registry import RegistryClient
@@ -130,7 +130,7 @@ def fetch(client: RegistryClient, image: Reference, digest: str) -> Found:
 def _load(client: RegistryClient, image: Reference, digest: str, key: WarmupKey | None,
           found: Found) -> Found:
     body, _, digest = client.get_manifest(image.with_digest(digest), (OCI_MANIFEST,))
-    doc = _json(body, f"warm-up artifact {digest}")
+    doc = json_object(body, f"warm-up artifact {digest}")
     if doc.get("artifactType") != ARTIFACT_TYPE:
         raise FormatError(f"{digest} is not a warm-up artifact ({doc.get('artifactType')!r})")
     layers = doc.get("layers")
@@ -162,22 +162,12 @@ def _why_not(client: RegistryClient, image: Reference, desc: Mapping[str, Any],
     name = str(desc.get("digest", "?"))[:19]
     try:
         body, _, _ = client.get_manifest(image.with_digest(str(desc["digest"])), (OCI_MANIFEST,))
-        config = _json(body, f"artifact {name}").get("config") or {}
+        config = json_object(body, f"artifact {name}").get("config") or {}
         have = WarmupKey.parse(client.get_blob(image, str(config.get("digest")),
                                                max_size=1 << 16))
     except ColdstartError as exc:
         return f"artifact {name}: unreadable key ({exc})"
     return f"artifact {name}: " + ("; ".join(differences(key, have)) or "same key")
-
-
-def _json(body: bytes, what: str) -> dict[str, Any]:
-    try:
-        doc = json.loads(body)
-    except ValueError as exc:
-        raise FormatError(f"{what}: not JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise FormatError(f"{what}: not a JSON object")
-    return doc
 
 
 #: a bundle up to this size is fetched whole when asked (:func:`open_bundle`): one request
