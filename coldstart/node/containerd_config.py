@@ -58,6 +58,7 @@ __all__ = [
     "Target",
     "apply",
     "dotted",
+    "handler_binary",
     "missing",
     "parse",
     "revert",
@@ -175,6 +176,19 @@ def schema_version(doc: MutableMapping[str, Any], where: str) -> int:
         raise InvalidArgument(f"{where}: config version {version} is not one coldstart knows "
                               "(2: containerd 1.6/1.7, 3: containerd 2.x)")
     return int(version)
+
+
+def handler_binary(text: str, handler: str, where: str = "containerd config") -> str:
+    """The ``BinaryName`` runtime handler ``handler`` has in ``text`` ("" for none)."""
+    doc = parse(text, where)
+    runtimes = (("plugins", _CRI_V2, "containerd", "runtimes")
+                if schema_version(doc, where) == 2
+                else ("plugins", _RUNTIME_V3, "containerd", "runtimes"))
+    cur: Any = doc
+    for name in (*runtimes, handler, "options"):
+        cur = cur.get(name) if isinstance(cur, MutableMapping) else None
+    value = _plain(cur.get("BinaryName")) if isinstance(cur, MutableMapping) else None
+    return value if isinstance(value, str) else ""
 
 
 def _default_name(doc: MutableMapping[str, Any] | None, runtimes: TablePath) -> str:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from coldstart import config as configmod
 from coldstart.errors import FailedPrecondition, FormatError, InvalidArgument, NotFound
-from coldstart.node.containerd_config import Edit, TablePath, Target, apply, revert
+from coldstart.node.containerd_config import Edit, TablePath, Target, apply, handler_binary, revert
 from coldstart.node.files import atomic_write, private_dir, read_optional, remove, sha256
 from coldstart.node.state import BACKUP_FILE, STATE_FILE, InstallState, load_state
 from coldstart.node.systemd import UNIT_NAME, default_exec, unit_text
@@ -169,6 +169,13 @@ def plan_install(paths: NodePaths, *, root: str | None = None, socket: str | Non
     if restore_binary and runtime_handler is None:
         raise InvalidArgument("snapshot restore goes with a runtime handler (--runtime-handler): "
                               "only the pods of that RuntimeClass run through coldstart-runc")
+    if restore_binary and runtime_handler is not None:
+        had = handler_binary(_decode(original, ctd), runtime_handler, str(ctd))
+        if had and had != restore_binary and not cfg.snapshot.runc:
+            raise FailedPrecondition(
+                f"runtime handler {runtime_handler} runs {had}: set `runc = \"{had}\"` under "
+                f"[snapshot] in {paths.coldstart_config} (coldstart-runc hands every call to "
+                "it), then install again")
     target = Target(cfg.socket, cfg.root, runtime_handler, restore_binary)
     if state is not None and state.target != target:
         raise FailedPrecondition(

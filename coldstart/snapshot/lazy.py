@@ -66,18 +66,23 @@ def start_pager(criu: str, images: Path, work: Path, *, mountpoint: Path, fuse_s
             start_new_session=True, close_fds=True)
 
 
-def _kill_tree(pid: int, cgroup: str) -> None:
-    """SIGKILL ``pid``'s tree, if ``pid`` is still the container's (in its cgroup: the pid
-    file may name a process that ended, and a pid taken since by another)."""
+def _kill_tree(pid: int, cgroup: str, cid: str) -> None:
+    """SIGKILL ``pid``'s tree, if ``pid`` is still the container's: a cgroup of it ends in
+    the container's cgroup name (``cgroupsPath``'s last part, the id, or systemd's
+    ``cri-containerd-<id>.scope``). The pid file may name a process that ended, and a pid
+    taken since by another."""
     from coldstart.snapshot.procs import kill_tree
 
-    name = cgroup.rsplit(":", 1)[-1].strip("/") if cgroup else ""
+    names = {cid, f"cri-containerd-{cid}.scope"}
+    if cgroup:
+        names.add(cgroup.replace(":", "/").rstrip("/").rsplit("/", 1)[-1])
+    names.discard("")
     try:
         with open(f"/proc/{pid}/cgroup") as f:
-            mine = f.read()
+            lines = f.read().splitlines()
     except OSError:
         return
-    if name and name not in mine:
+    if not names or not any(ln.rstrip("/").rsplit("/", 1)[-1] in names for ln in lines):
         return
     kill_tree(pid)
 
@@ -102,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             lines = (Path(a.work) / "lazy-pages.log").read_text(errors="replace").splitlines()
             tail = " | ".join(ln for ln in lines if "rror" in ln)[-600:]
         if pid:
-            _kill_tree(pid, a.cgroup)    # never run on pages that are not the snapshot's
+            _kill_tree(pid, a.cgroup, a.container)   # never run on pages not the snapshot's
     from coldstart.snapshot.state import NodeState
 
     with contextlib.suppress(Exception):

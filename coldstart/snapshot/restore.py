@@ -119,9 +119,9 @@ def _image_ref(spec: Mapping[str, Any]) -> str:
     return ref
 
 
-def _status(pid: int) -> dict[str, str]:
+def _status_of(path: str) -> dict[str, str]:
     out: dict[str, str] = {}
-    with open(f"/proc/{pid}/status") as f:
+    with open(path) as f:
         for line in f:
             name, _, value = line.partition(":")
             out[name] = value.strip()
@@ -141,37 +141,47 @@ def _mask(names: Any) -> int:
 def check_privileges(pid: int, spec: Mapping[str, Any]) -> str:
     """Why the restored process tree of ``pid`` may do more than ``spec`` lets the container
     do; "" when it may not. CRIU restores the dumped credentials, capabilities, no_new_privs
-    and seccomp mode, not the spec's: the init process must have the spec's user, and every
-    process at most the spec's capability sets, no_new_privs and a seccomp filter when the
-    spec sets them."""
+    and seccomp mode of every thread, not the spec's: the init process's threads must have the
+    spec's user and groups, and every thread of every process at most the spec's capability
+    sets, no_new_privs and a seccomp filter when the spec sets them. (Which seccomp filter,
+    and the LSM labels, are not read here: the key holds them.)"""
     proc = spec.get("process") or {}
     user = proc.get("user") or {}
     caps = proc.get("capabilities") or {}
     want_nnp = bool(proc.get("noNewPrivileges"))
     want_seccomp = bool((spec.get("linux") or {}).get("seccomp"))
     limits = {"CapEff": _mask(caps.get("effective")), "CapPrm": _mask(caps.get("permitted")),
-              "CapBnd": _mask(caps.get("bounding"))}
+              "CapBnd": _mask(caps.get("bounding")), "CapInh": _mask(caps.get("inheritable"))}
+    uid, gid = int(user.get("uid", 0)), int(user.get("gid", 0))
+    groups = {gid, *(int(g) for g in user.get("additionalGids") or [])}
     for p in descendants(pid):
         try:
-            st = _status(p)
+            tids = os.listdir(f"/proc/{p}/task")
         except OSError:
             continue            # gone since: nothing to check
-        if p == pid:
-            uids, gids = st.get("Uid", "").split(), st.get("Gid", "").split()
-            if {int(u) for u in uids} != {int(user.get("uid", 0))} or \
-                    {int(g) for g in gids} != {int(user.get("gid", 0))}:
-                return f"pid {p} runs as uid {uids} gid {gids}, the spec says " \
-                       f"{user.get('uid', 0)}:{user.get('gid', 0)}"
-        for field_, allowed in limits.items():
-            have = int(st.get(field_, "0"), 16)
-            if have & ~allowed:
-                extra = [f"CAP_{c}" for i, c in enumerate(CAPABILITIES) if have & ~allowed
-                         & (1 << i)] or [hex(have & ~allowed)]
-                return f"pid {p} has {field_} beyond the spec's: {' '.join(extra[:4])}"
-        if want_nnp and st.get("NoNewPrivs") != "1":
-            return f"pid {p} lacks no_new_privs, which the spec sets"
-        if want_seccomp and st.get("Seccomp") != "2":
-            return f"pid {p} has no seccomp filter, which the spec sets"
+        for tid in tids:
+            try:
+                st = _status_of(f"/proc/{p}/task/{tid}/status")
+            except OSError:
+                continue
+            who = f"pid {p} (thread {tid})"
+            if p == pid:
+                uids, gids = st.get("Uid", "").split(), st.get("Gid", "").split()
+                if {int(u) for u in uids} != {uid} or {int(g) for g in gids} != {gid}:
+                    return f"{who} runs as uid {uids} gid {gids}, the spec says {uid}:{gid}"
+                have_groups = {int(g) for g in st.get("Groups", "").split()}
+                if have_groups - groups:
+                    return f"{who} has groups {sorted(have_groups - groups)} the spec lacks"
+            for field_, allowed in limits.items():
+                have = int(st.get(field_, "0"), 16)
+                if have & ~allowed:
+                    extra = [f"CAP_{c}" for i, c in enumerate(CAPABILITIES)
+                             if have & ~allowed & (1 << i)] or [hex(have & ~allowed)]
+                    return f"{who} has {field_} beyond the spec's: {' '.join(extra[:4])}"
+            if want_nnp and st.get("NoNewPrivs") != "1":
+                return f"{who} lacks no_new_privs, which the spec sets"
+            if want_seccomp and st.get("Seccomp") != "2":
+                return f"{who} has no seccomp filter, which the spec sets"
     return ""
 
 
@@ -281,22 +291,35 @@ def try_restore(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg: Con
             if pid:
                 kill_tree(pid)
             raise Fallback("privileges", wrong)
+        # the marker that makes `start` a no-op: a failure to write it is a fallback too
+        state.mark_restored(root, inv.cid, {"snapshot": attempt.snapshot, "pid": pid,
+                                            "image": attempt.image})
     except Exception as exc:   # any failure is a fallback, never a failed start
         kind = exc.kind if isinstance(exc, Fallback) else (
             "timeout" if isinstance(exc, DeadlineExceeded) else
             "integrity" if isinstance(exc, IntegrityError | FormatError) else
             "registry" if isinstance(exc, ColdstartError) else "internal")
         reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, Fallback) else str(exc)
+        # the restored processes first (while a lazy pager still serves their pages), then
+        # the pager, the rootfs changes, the mount; each step on its own
+        with contextlib.suppress(Exception):
+            cleanup_leftovers(state, runc, inv)
         if pager is not None and pager.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pager.pid, signal.SIGKILL)     # the pager and its criu lazy-pages
             pager.wait()
-        _unmount(cfg, state.work(root, inv.cid) / "bundle")
-        cleanup_leftovers(state, runc, inv)
         if applied is not None:
-            left = applied.undo()
+            try:
+                left = applied.undo()
+            except Exception as undo_exc:      # said in the reason
+                left = [f"undo failed: {undo_exc}"]
             if left:
                 reason += f" (rootfs: {len(left)} changes could not be undone: {left[:3]})"
+        with contextlib.suppress(Exception):
+            _unmount(cfg, state.work(root, inv.cid) / "bundle")
+            import shutil
+
+            shutil.rmtree(state.work(root, inv.cid), ignore_errors=True)   # the mount point
         attempt.phases["total"] = time.monotonic() - t0
         with contextlib.suppress(Exception):
             state.record({"outcome": "fallback", "kind": kind, "reason": reason[:2000],
@@ -317,9 +340,6 @@ def try_restore(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg: Con
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)
-    with contextlib.suppress(Exception):
-        state.mark_restored(root, inv.cid, {"snapshot": attempt.snapshot, "pid": pid,
-                                            "image": attempt.image})
     attempt.phases["total"] = time.monotonic() - t0
     with contextlib.suppress(Exception):
         state.record({"outcome": "restored", **attempt.to_json()})

@@ -206,11 +206,28 @@ def apply(data: bytes, root: Path) -> Applied:
     except tarfile.TarError as exc:
         raise FormatError(f"rootfs changes: not a tar: {exc}") from None
     with tar:
-        # every name is checked before anything is written
+        # every name is checked before anything is written; the journal undoes creations
+        # and moves separately, so no entry may come twice, and a whiteout or an opaque
+        # marker may hide only what the image had (capture writes them before what they hide)
+        seen: set[str] = set()
         for m in members:
-            _clean(m.name)
+            p = _clean(m.name)
             if not (m.isfile() or m.isdir() or m.issym() or m.islnk()):
                 raise FormatError(f"rootfs change {m.name!r}: unsupported entry type")
+            if str(p) in seen:
+                raise FormatError(f"rootfs change {m.name!r} comes twice")
+            if p.name == OPAQUE:
+                inside = [n for n in seen if n.startswith(f"{p.parent}/") and
+                          n != str(p.parent)] if str(p.parent) != "." else list(seen)
+                if inside:
+                    raise FormatError(f"rootfs change {m.name!r} would hide {inside[0]!r}, "
+                                      "written before it")
+            elif p.name.startswith(WHITEOUT):
+                target = str(p.parent / p.name[len(WHITEOUT):])
+                if target in seen or any(n.startswith(target + "/") for n in seen):
+                    raise FormatError(f"rootfs change {m.name!r} deletes {target!r}, "
+                                      "written before it")
+            seen.add(str(p))
         try:
             for m in members:
                 _apply_one(m, tar, done)
@@ -264,13 +281,19 @@ def _apply_one(m: tarfile.TarInfo, tar: tarfile.TarFile, done: Applied) -> None:
     try:
         st = _exists(parent, name)
         if m.isdir():
-            if st is None:
-                os.mkdir(name, m.mode & 0o7777, dir_fd=parent)
-                done.created.append(rel)
-            elif not stat.S_ISDIR(st.st_mode):
+            if st is not None and stat.S_ISDIR(st.st_mode):
+                return          # the image's directory: kept as it is
+            if st is not None:
                 _aside(done, parent, name, rel)
-                os.mkdir(name, m.mode & 0o7777, dir_fd=parent)
-                done.created.append(rel)
+            os.mkdir(name, 0o700, dir_fd=parent)
+            done.created.append(rel)
+            fd = os.open(name, _DIR, dir_fd=parent)     # the one just made, not a path
+            try:
+                with contextlib.suppress(OSError):
+                    os.fchown(fd, m.uid, m.gid)
+                os.fchmod(fd, m.mode & 0o7777)
+            finally:
+                os.close(fd)
             return
         if st is not None:
             if stat.S_ISDIR(st.st_mode):

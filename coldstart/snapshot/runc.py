@@ -65,6 +65,23 @@ def _load_config() -> Config:
     return load(path)
 
 
+def _configured_runc() -> str:
+    """``snapshot.runc`` of the node's config, read without the config module (a bad file
+    counts as none: the full read on a restore says what is wrong), else $COLDSTART_RUNC."""
+    path = os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG
+    try:
+        import tomllib
+
+        with open(path, "rb") as f:
+            table = tomllib.load(f).get("snapshot") or {}
+        runc = table.get("runc") if isinstance(table, dict) else None
+        if isinstance(runc, str) and runc:
+            return runc
+    except (OSError, ValueError):
+        pass
+    return os.environ.get("COLDSTART_RUNC", "")
+
+
 def _exec(runc: str, argv: Sequence[str]) -> NoReturn:
     os.execv(runc, [runc, *argv])
 
@@ -80,13 +97,14 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     wants = isinstance(ann, dict) and ANNOTATION in ann and \
         ann.get(CRI_CONTAINER_TYPE) != "sandbox"
     if not wants and inv.command not in ("start", "delete"):
-        # the common case, kept fast: no config read, no import beyond this module
-        _exec(real_runc(os.environ.get("COLDSTART_RUNC", "")), args)
+        # the common case, kept fast: only snapshot.runc read from the config (a node whose
+        # handler ran nvidia-container-runtime names it there)
+        _exec(real_runc(_configured_runc()), args)
     try:
         cfg = _load_config()
     except Exception as exc:     # a broken config must not stop containers
         runc_log(inv, "warning", f"config unreadable, no restore: {exc}")
-        _exec(real_runc(os.environ.get("COLDSTART_RUNC", "")), args)
+        _exec(real_runc(_configured_runc()), args)
     runc = real_runc(cfg.snapshot.runc or os.environ.get("COLDSTART_RUNC", ""))
     _quiet_logging(cfg)
     from coldstart.snapshot.state import NodeState

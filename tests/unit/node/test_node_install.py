@@ -175,6 +175,13 @@ def test_errors_say_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match="runtime handler"):
         plan_install(node_paths(tmp_path / "s", CONFIGS / "no-cri.toml"),
                      restore_binary="/usr/local/bin/coldstart-runc")
+    # a handler that runs another runtime binary: coldstart-runc must be told to hand over to it
+    gpu = node_paths(tmp_path / "g", CONFIGS / "no-cri.toml")
+    gpu.containerd_config.write_text(
+        'version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.gpu.options]\n'
+        '  BinaryName = "/usr/bin/nvidia-container-runtime"\n')
+    with pytest.raises(FailedPrecondition, match="nvidia-container-runtime"):
+        plan_install(gpu, runtime_handler="gpu", restore_binary="/usr/local/bin/coldstart-runc")
 
 
 def cli_paths(paths: NodePaths) -> list[str]:

@@ -204,3 +204,25 @@ def test_rootfs_changes_that_escape_the_root_are_refused(tmp_path: Path) -> None
             apply(raw.getvalue(), root)
     assert not outside.exists() and not Path("/tmp/pwned").exists()
     assert sorted(p.name for p in root.iterdir()) == ["etc", "lib"]
+
+
+@needs_root
+def test_rootfs_changes_the_journal_could_not_take_back_are_refused(tmp_path: Path) -> None:
+    """An entry twice, or a whiteout of an entry written before it: undo could then put the
+    snapshot's file back in the root of the normal start that follows."""
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+
+    def tar_of(*names: str) -> bytes:
+        raw = io.BytesIO()
+        with tarfile.open(fileobj=raw, mode="w") as t:
+            for name in names:
+                info = tarfile.TarInfo(name)
+                info.size = 1
+                t.addfile(info, io.BytesIO(b"x"))
+        return raw.getvalue()
+
+    for names in (("etc/a", "etc/a"), ("etc/a", "etc/.wh.a"), ("etc/.wh.")):
+        with pytest.raises(FormatError):
+            apply(tar_of(*names) if isinstance(names, tuple) else tar_of(names), root)
+        assert sorted(p.name for p in (root / "etc").iterdir()) == []
