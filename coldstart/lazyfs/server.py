@@ -53,7 +53,6 @@ from coldstart.lazyfs.mountstate import MountRecord, MountState
 from coldstart.lazyfs.mountsys import is_mountpoint, lazy_unmount, set_read_ahead
 from coldstart.lazyfs.resolver import LayerResolver
 from coldstart.lazyfs.spec import FUSE_DIR, PLAIN_FUSE_DIR, LayerSpec
-from coldstart.oci.keychain import Keychain
 from coldstart.oci.reference import Reference
 from coldstart.oci.registry import RegistryClient
 from coldstart.remote import RegistryBlob
@@ -120,13 +119,9 @@ class FuseServer:
         self.fs = FuseFS(entry_timeout=config.fuse.entry_timeout,
                          attr_timeout=config.fuse.attr_timeout,
                          read_threads=max(8, 2 * f.concurrency), on_error=self.metrics.error)
-        r = config.registry
-        self.client = RegistryClient(
-            insecure_hosts=r.insecure_hosts,
-            docker_config=Path(r.docker_config) if r.docker_config else None,
-            hosts_dir=Path(r.hosts_dir) if r.hosts_dir else None,
-            timeout=r.timeout, retries=r.retries,
-            keychain=Keychain(r.cri_keychain or self.root / "cri-credentials"))
+        self.client = RegistryClient.from_config(
+            config.registry,
+            keychain_dir=config.registry.cri_keychain or self.root / "cri-credentials")
         self.resolver = LayerResolver(self.client, self.fetcher,
                                       request_timeout=f.request_timeout,
                                       read_deadline=f.read_deadline,

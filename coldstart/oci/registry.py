@@ -94,6 +94,17 @@ class RegistryClient:
     attempt is retried inside it.
     """
 
+    @classmethod
+    def from_config(cls, r: RegistryConfig, *, keychain_dir: str | Path,
+                    timeout: float | None = None) -> RegistryClient:
+        """The client a node's daemons use: ``r``'s hosts, credentials, deadline and retries,
+        and kubelet's pull credentials as the CRI proxy keeps them in ``keychain_dir``."""
+        return cls(insecure_hosts=r.insecure_hosts,
+                   docker_config=Path(r.docker_config) if r.docker_config else None,
+                   hosts_dir=Path(r.hosts_dir) if r.hosts_dir else None,
+                   timeout=r.timeout if timeout is None else timeout, retries=r.retries,
+                   keychain=Keychain(keychain_dir))
+
     def __init__(self, *, insecure_hosts: Iterable[str] = (), docker_config: Path | None = None,
                  hosts_dir: Path | None = None, tls_verify: bool = True,
                  timeout: float = _REGISTRY.timeout,

@@ -187,13 +187,10 @@ def check_privileges(pid: int, spec: Mapping[str, Any]) -> str:
 
 def _catches(pid: int, signum: int) -> bool:
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+        return bool(int(_status_of(f"/proc/{pid}/status").get("SigCgt", "0"), 16)
+                    >> (signum - 1) & 1)
     except (OSError, ValueError):
-        pass
-    return False
+        return False
 
 
 def _tell(pid: int, signum: int | None) -> list[int]:
@@ -352,7 +349,6 @@ def _fetch_and_place(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg
     """Find the snapshot, fetch its CRIU images (verified, through the chunk cache) into the
     work directory and put its rootfs changes into the container's root; the
     :class:`~coldstart.snapshot.rootdiff.Applied` journal."""
-    from coldstart.oci.keychain import Keychain
     from coldstart.oci.reference import Reference
     from coldstart.oci.registry import RegistryClient
     from coldstart.snapshot import artifacts, rootdiff
@@ -374,11 +370,8 @@ def _fetch_and_place(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg
     image = Reference.parse(ref)
     # the node's registry settings, and kubelet's pull credentials as the CRI proxy keeps
     # them (the FUSE server reads the same)
-    with RegistryClient(insecure_hosts=r.insecure_hosts,
-                        docker_config=Path(r.docker_config) if r.docker_config else None,
-                        hosts_dir=Path(r.hosts_dir) if r.hosts_dir else None,
-                        timeout=min(r.timeout, left()), retries=r.retries,
-                        keychain=Keychain(cfg.cri_keychain_dir)) as client:
+    with RegistryClient.from_config(r, keychain_dir=cfg.cri_keychain_dir,
+                                    timeout=min(r.timeout, left())) as client:
         resolved = client.resolve(image)
         attempt.image = resolved.digest
         key = compute_key(resolved.digest, spec, criu_version)

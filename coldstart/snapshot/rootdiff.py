@@ -24,6 +24,7 @@ import secrets
 import shutil
 import stat
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -106,34 +107,33 @@ class Applied:
         """Remove what was created and move back what was moved aside; the paths that could
         not be put back (empty when the root is as it was)."""
         failed: list[str] = []
-        for rel in reversed(self.created):
+
+        def remove(parent: int, name: str, _: str) -> None:
+            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                os.rmdir(name, dir_fd=parent)
+            else:
+                os.unlink(name, dir_fd=parent)
+
+        def put_back(parent: int, name: str, saved: str) -> None:
+            if self.aside is None:
+                raise OSError(errno.ENOENT, f"nothing was moved aside ({saved})")
+            os.rename(self.aside / saved, name, dst_dir_fd=parent)
+
+        steps: list[tuple[str, str, Callable[[int, str, str], None]]] = [
+            (rel, "", remove) for rel in reversed(self.created)]
+        steps += [(rel, saved, put_back) for rel, saved in reversed(self.moved)]
+        for rel, saved, step in steps:
             try:
                 parent, name = _parent(self.root, rel, create=False)
             except (OSError, FormatError):
                 failed.append(rel)
                 continue
             try:
-                st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-                if stat.S_ISDIR(st.st_mode):
-                    os.rmdir(name, dir_fd=parent)
-                else:
-                    os.unlink(name, dir_fd=parent)
+                step(parent, name, saved)
             except FileNotFoundError:
-                pass
-            except OSError:
-                failed.append(rel)
-            finally:
-                os.close(parent)
-        for rel, saved in reversed(self.moved):
-            try:
-                parent, name = _parent(self.root, rel, create=False)
-            except (OSError, FormatError):
-                failed.append(rel)
-                continue
-            try:
-                if self.aside is None:
-                    raise FileNotFoundError(saved)
-                os.rename(self.aside / saved, name, dst_dir_fd=parent)
+                if step is put_back:
+                    failed.append(rel)
             except OSError:
                 failed.append(rel)
             finally:
