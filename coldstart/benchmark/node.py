@@ -559,6 +559,15 @@ def cold_start(node: Node, ref: str, work: Workload, index: int, *, traffic: Tra
             run.cpu_s = cpu()
             run.peak_rss_mb = node.peak_memory()
             run.ready_s = outcome.ready_at
+            if outcome.ready_at < started:
+                # READY=1 came before `ctr task start` returned (a restore: the process runs
+                # once the runtime's create returns; what the runtime does after is not the
+                # app's wait): the start phase ends there
+                last_phase = run.phases[-1]
+                run.phases[-1] = Phase(last_phase.name, min(last_phase.start_s,
+                                                             outcome.ready_at),
+                                       outcome.ready_at)
+                started = outcome.ready_at
             run.exit_code = outcome.exit_code
             run.warmup = _warmup_report(io_dir / WARMUP_REPORT)
             for name, a, b in watch.marks.phases(started, outcome.ready_at):

@@ -21,6 +21,7 @@ import os
 import re
 import select
 import socket
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,8 @@ CONDITIONS_HELP = """\
 """
 
 LOG_PHASE = re.compile(rb"^coldstart-phase (\S+)", re.MULTILINE)
+#: SO_TIMESTAMPNS (asm-generic/socket.h): the kernel's arrival time of each datagram
+_SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
 _TRAILING_NUMBERS = re.compile(r"(\s+[-+]?[\d.]+%?)+$")
 
 
@@ -159,6 +162,10 @@ class ReadyWatch:
         self._sock.bind(str(notify_path))
         os.chmod(notify_path, 0o777)
         self._sock.setblocking(False)
+        # each datagram stamped by the kernel as it arrives: READY counts when the app said
+        # it, not when this watch (busy with `ctr task start` meanwhile) reads it
+        self._sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+        self._ready_at: float | None = None
         self._log_pos = 0
         self._notified_phase = False
         self._log_tail = b""
@@ -183,15 +190,22 @@ class ReadyWatch:
         ready = False
         while True:
             try:
-                data = self._sock.recv(MAX_DATAGRAM)
+                data, anc, _, _ = self._sock.recvmsg(MAX_DATAGRAM, socket.CMSG_SPACE(16))
             except BlockingIOError:
                 return ready
+            at = self._now()
+            for level, kind, payload in anc:
+                if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS and len(payload) >= 16:
+                    sec, nsec = struct.unpack_from("@qq", payload)
+                    at = max(0.0, at - max(0.0, time.time() - (sec + nsec / 1e9)))
             notice = parse_notice(data)
             # the STATUS sent with READY=1 ("ready") ends the phases, it does not start one
             name = None if notice.ready else phase_name(notice)
             if name:
                 self._notified_phase = True
-            self.marks.mark(name, self._now())
+            self.marks.mark(name, at)
+            if notice.ready and self._ready_at is None:
+                self._ready_at = at
             ready = ready or notice.ready
 
     def _read_log(self) -> bool:
@@ -254,6 +268,8 @@ class ReadyWatch:
             readable, _, _ = select.select([self._sock], [], [], 0.005)
             notified = self._read_notices() if readable else False
             logged = self._read_log()
+            if kind == "notify" and notified and self._ready_at is not None:
+                return ReadyOutcome(self._ready_at, None)
             if ((kind == "notify" and notified) or (kind == "log" and logged)
                     or (kind == "http" and self._http_ok())
                     or (kind == "tcp" and self._tcp_ok())):

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from coldstart.cache.chunks import ChunkCache
     from coldstart.format.writer import LayerResult
 
-__all__ = ["CHUNK_SIZE", "Packed", "Unpacked", "materialize", "pack", "page_cuts"]
+__all__ = ["CHUNK_SIZE", "TOUCHED", "Packed", "Unpacked", "cache_later", "materialize", "pack",
+           "page_cuts"]
 
 PAGE = 4096
 #: a chunk of pages holds at most this many bytes
@@ -44,6 +45,8 @@ CUT_BITS = 6
 MIN_CHUNK = 64 << 10
 CRIU_DIR = "criu"
 ROOTFS = "rootfs.tar"
+#: what the process had read of its mapped files (:mod:`coldstart.snapshot.touched`)
+TOUCHED = "touched.json"
 #: CRIU's logs and statistics stay with the node that wrote them
 _SKIP = (".log",)
 MAX_FILES = 100_000
@@ -86,9 +89,10 @@ def _criu_files(root: Path) -> Iterator[tuple[str, Path]]:
         yield entry.name, Path(entry.path)
 
 
-def pack(criu_dir: Path, dst: BinaryIO, *, rootfs_tar: Path | None = None) -> Packed:
-    """Write CRIU's image directory ``criu_dir`` (and the rootfs changes' tar) as one
-    zstd:chunked layer to ``dst``."""
+def pack(criu_dir: Path, dst: BinaryIO, *, rootfs_tar: Path | None = None,
+         touched: Path | None = None) -> Packed:
+    """Write CRIU's image directory ``criu_dir`` (and the rootfs changes' tar, and the list of
+    what the process read of its mapped files, first) as one zstd:chunked layer to ``dst``."""
     if not (criu_dir / "inventory.img").is_file():
         raise InvalidArgument(f"{criu_dir} holds no CRIU images (no inventory.img)")
     total = pages = files = 0
@@ -96,7 +100,8 @@ def pack(criu_dir: Path, dst: BinaryIO, *, rootfs_tar: Path | None = None) -> Pa
     cuts: dict[str, list[int]] = {}
     with tempfile.TemporaryFile() as spool:
         with tarfile.open(fileobj=spool, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            members = [(f"{CRIU_DIR}/{n}", p) for n, p in _criu_files(criu_dir)]
+            members = [(TOUCHED, touched)] if touched is not None else []
+            members += [(f"{CRIU_DIR}/{n}", p) for n, p in _criu_files(criu_dir)]
             if rootfs_tar is not None:
                 members.append((ROOTFS, rootfs_tar))
             for name, path in members:
@@ -132,17 +137,23 @@ class Unpacked:
     rootfs: bytes | None = None      # the rootfs changes' tar, verified; None: none
     chunks_cached: int = 0           # chunks the node's cache held
     chunks_fetched: int = 0          # fetched from the registry, verified
+    #: ``defer_cache``: the fetched chunks, for :func:`cache_later` (digest, file, offset, size)
+    uncached: list[tuple[str, str, int, int]] = field(default_factory=list)
 
 
 def _member(name: str) -> tuple[str, str]:
-    """``("criu", file)`` or ``("rootfs", "")``; FormatError for any other name."""
+    """``("criu", file)``, ``("rootfs", "")`` or ``("touched", "")``; FormatError for any
+    other name."""
     p = PurePosixPath(name.removeprefix("./"))
     if str(p) == ROOTFS:
         return "rootfs", ""
+    if str(p) == TOUCHED:
+        return "touched", ""
     if len(p.parts) == 2 and p.parts[0] == CRIU_DIR and p.parts[1] not in ("..", ".") and \
             "/" not in p.parts[1] and not p.is_absolute():
         return "criu", p.parts[1]
-    raise FormatError(f"snapshot bundle entry {name!r} is neither criu/<file> nor {ROOTFS}")
+    raise FormatError(f"snapshot bundle entry {name!r} is none of criu/<file>, {ROOTFS}, "
+                      f"{TOUCHED}")
 
 
 #: one range request of :func:`materialize` covers at most this many bytes of the blob
@@ -153,7 +164,7 @@ GAP = 64 << 10
 
 def materialize(layer: SeekableLayer, dest: Path, cache: ChunkCache | None, *,
                 workers: int = 8, span: int = SPAN, into: Unpacked | None = None,
-                deadline: float | None = None) -> Unpacked:
+                deadline: float | None = None, defer_cache: bool = False) -> Unpacked:
     """Write the bundle's CRIU files into the empty directory ``dest`` (created, mode 0700),
     chunk by chunk where they belong: each chunk from ``cache`` when it holds it, else
     fetched (adjacent chunks in one range request of up to ``span`` bytes, ``workers``
@@ -162,7 +173,9 @@ def materialize(layer: SeekableLayer, dest: Path, cache: ChunkCache | None, *,
     name that escapes, an entry that is not a file, chunks that do not cover their file
     exactly): nothing is written for a bundle that fails. IntegrityError for a chunk whose
     digest does not match: the caller removes ``dest``. ``deadline`` (``time.monotonic()``):
-    DeadlineExceeded once it passes, checked before each range request."""
+    DeadlineExceeded once it passes, checked before each range request. ``defer_cache``: the
+    fetched chunks are not handed to ``cache`` but listed in ``uncached``, for
+    :func:`cache_later` once the restore no longer waits on them."""
     from concurrent.futures import ThreadPoolExecutor
 
     from coldstart.format.toc import Chunk
@@ -182,6 +195,7 @@ def materialize(layer: SeekableLayer, dest: Path, cache: ChunkCache | None, *,
     # fetched once)
     where: dict[str, list[tuple[int, int]]] = {}
     first: dict[str, Chunk] = {}
+    names: dict[int, str] = {}
     files: list[tuple[str, Any]] = []
     for name, kind, _ in plan:
         if kind != "criu":
@@ -209,6 +223,7 @@ def materialize(layer: SeekableLayer, dest: Path, cache: ChunkCache | None, *,
             fd = os.open(base, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW |
                          os.O_CLOEXEC, 0o600, dir_fd=dfd)
             fds.append(fd)
+            names[fd] = base
             size = layer.resolve(name).size
             os.ftruncate(fd, size)
             out.files += 1
@@ -248,7 +263,7 @@ def materialize(layer: SeekableLayer, dest: Path, cache: ChunkCache | None, *,
                 data = layer.decode_chunk(c, raw[c.offset - start:c.end_offset - start])
                 for fd, off in where[c.digest]:
                     os.pwrite(fd, data, off)
-                if cache is not None:
+                if cache is not None and not defer_cache:
                     cache.put_async(c.digest, data, verified=True)
 
         if runs:
@@ -256,6 +271,9 @@ def materialize(layer: SeekableLayer, dest: Path, cache: ChunkCache | None, *,
                 for f in [pool.submit(fetch, run) for run in runs]:
                     f.result()
         out.chunks_fetched = len(missing)
+        if defer_cache:
+            out.uncached = [(c.digest, names[where[c.digest][0][0]], where[c.digest][0][1],
+                             c.chunk_size) for c in missing]
         for name, kind, _ in plan:
             if kind == "rootfs":
                 out.rootfs = layer.read_file(name)      # verified: chunks and whole file
@@ -264,3 +282,22 @@ def materialize(layer: SeekableLayer, dest: Path, cache: ChunkCache | None, *,
             os.close(fd)
         os.close(dfd)
     return out
+
+
+def cache_later(dest: Path, uncached: list[tuple[str, str, int, int]], cache: ChunkCache) -> int:
+    """Hand the chunks :func:`materialize` wrote into ``dest`` (``defer_cache``) to ``cache``,
+    read back from their files (which only this node's root writes: they were verified as
+    they were fetched); the bytes handed. A file gone or short ends it: what is left is not
+    cached."""
+    done = 0
+    for digest, base, offset, size in uncached:
+        try:
+            with open(dest / base, "rb") as f:
+                data = os.pread(f.fileno(), size, offset)
+        except OSError:
+            break
+        if len(data) != size:
+            break
+        cache.put_async(digest, data, verified=True)
+        done += size
+    return done

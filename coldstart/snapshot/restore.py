@@ -14,7 +14,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from coldstart.config import Config
     from coldstart.snapshot.invocation import Invocation
     from coldstart.snapshot.state import NodeState
+    from coldstart.snapshot.touched import Warmer
 
 __all__ = ["Attempt", "Fallback", "check_privileges", "try_restore"]
 
@@ -69,18 +70,27 @@ class Attempt:
     bytes: int = 0
     signalled: list[int] = field(default_factory=list)
     pages: str = "eager"
+    warmer: Warmer | None = None        # reading what the process had read of its files
+    uncached: list[tuple[str, str, int, int]] = field(default_factory=list)   # for the cache
 
     def to_json(self) -> dict[str, Any]:
         return {"container": self.cid, "image": self.image, "snapshot": self.snapshot,
                 "phases": {k: round(v, 4) for k, v in self.phases.items()},
                 "fetched_bytes": self.fetched_bytes, "requests": self.requests,
                 "chunks_cached": self.chunks_cached, "chunks_fetched": self.chunks_fetched,
-                "bytes": self.bytes, "signalled": self.signalled, "pages": self.pages}
+                "bytes": self.bytes, "signalled": self.signalled, "pages": self.pages,
+                "warm": None if self.warmer is None else {
+                    "files": self.warmer.files, "skipped": self.warmer.skipped,
+                    "bytes": self.warmer.bytes, "seconds": round(self.warmer.seconds, 4)}}
 
 
-def _criu_ok(cfg: Config, state: NodeState) -> tuple[str, str]:
-    """CRIU's path and version when it can restore here; Fallback otherwise. ``criu check``
-    passes once per boot and CRIU binary (a pass is kept in the state directory)."""
+def _criu_ok(cfg: Config, state: NodeState) -> tuple[str, str, Callable[[], None]]:
+    """CRIU's path and version, and a call that raises Fallback unless it can restore here
+    (``criu check``, once per boot and CRIU binary: a pass is kept in the state directory;
+    when it runs, it runs in the background meanwhile). Fallback at once for no CRIU, or one
+    too old."""
+    import threading
+
     from coldstart.errors import FailedPrecondition
     from coldstart.snapshot.criu import find_criu
 
@@ -88,6 +98,8 @@ def _criu_ok(cfg: Config, state: NodeState) -> tuple[str, str]:
         quick = find_criu(cfg.snapshot.criu, check=False)
     except FailedPrecondition as exc:
         raise Fallback("criu", str(exc)) from None
+    if quick.problems:
+        raise Fallback("criu", "; ".join(quick.problems))
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         st = os.stat(quick.path)
@@ -96,13 +108,27 @@ def _criu_ok(cfg: Config, state: NodeState) -> tuple[str, str]:
     stamp = hashlib.sha256(f"{boot} {quick.path} {st and st.st_mtime_ns} {quick.version}"
                            .encode()).hexdigest()[:16]
     passed = state.root / f"criu-check-{stamp}"
-    if not passed.exists():     # only a pass is kept: a failure is checked again next time
-        problems = "; ".join(find_criu(quick.path, check=True).problems)
-        if problems:
-            raise Fallback("criu", problems)
+    if passed.exists():
+        return quick.path, quick.version, lambda: None
+    problems: list[str] = []
+
+    def check() -> None:
+        try:
+            problems.extend(find_criu(quick.path, check=True).problems)
+        except Exception as exc:        # said as the reason
+            problems.append(f"criu check: {exc}")
+
+    thread = threading.Thread(target=check, name="criu-check", daemon=True)
+    thread.start()
+
+    def verdict() -> None:
+        thread.join()
+        if problems:            # only a pass is kept: a failure is checked again next time
+            raise Fallback("criu", "; ".join(problems))
         with contextlib.suppress(OSError):
             passed.touch()
-    return quick.path, quick.version
+
+    return quick.path, quick.version, verdict
 
 
 def _image_ref(spec: Mapping[str, Any]) -> str:
@@ -215,10 +241,12 @@ def try_restore(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg: Con
 
     t0 = time.monotonic()
     attempt = Attempt(inv.cid)
+    attempt.phases["exec"] = _since_exec()
     root = inv.global_value("--root", "/run/runc")
     applied = None
     cache: ChunkCache | None = None
     pager: subprocess.Popen[bytes] | None = None
+    restored = False
     try:
         state.ensure()
         attempt.phases["check"] = 0.0
@@ -227,7 +255,7 @@ def try_restore(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg: Con
                            "here)")
         if str(inv.flags.get("--preserve-fds", "0")) not in ("0", "", "False"):
             raise Fallback("preserve-fds", "the container is given extra file descriptors")
-        criu_path, criu_version = _criu_ok(cfg, state)
+        criu_path, criu_version, criu_verdict = _criu_ok(cfg, state)
         lazy = cfg.snapshot.pages == "lazy"
         attempt.pages = cfg.snapshot.pages
         ref = _image_ref(spec)
@@ -237,6 +265,9 @@ def try_restore(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg: Con
         cache = ChunkCache(cfg.snapshot_chunk_dir, max_bytes=cfg.snapshot.chunk_max_bytes)
         applied = _fetch_and_place(inv, bundle, spec, cfg, state, attempt, ref, criu_version,
                                    t0, cache, lazy=lazy)
+        t = time.monotonic()
+        criu_verdict()
+        attempt.phases["criu-check"] = time.monotonic() - t
         t = time.monotonic()
         work = state.work(root, inv.cid)
         images = work / "bundle" / "criu" if lazy else work / "images"
@@ -291,6 +322,7 @@ def try_restore(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg: Con
         # the marker that makes `start` a no-op: a failure to write it is a fallback too
         state.mark_restored(root, inv.cid, {"snapshot": attempt.snapshot, "pid": pid,
                                             "image": attempt.image})
+        restored = True
     except Exception as exc:   # any failure is a fallback, never a failed start
         kind = exc.kind if isinstance(exc, Fallback) else (
             "timeout" if isinstance(exc, DeadlineExceeded) else
@@ -299,6 +331,8 @@ def try_restore(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg: Con
         reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, Fallback) else str(exc)
         # the restored processes first (while a lazy pager still serves their pages), then
         # the pager, the rootfs changes, the mount; each step on its own
+        if attempt.warmer is not None:
+            attempt.warmer.stop()
         with contextlib.suppress(Exception):
             cleanup_leftovers(state, runc, inv)
         if pager is not None and pager.poll() is None:
@@ -325,19 +359,33 @@ def try_restore(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg: Con
                  f"{reason[:500]}")
         return False
     finally:
-        if cache is not None:       # what its writer holds is written, after the restore
+        if cache is not None and not restored:
             with contextlib.suppress(Exception):
                 cache.close()
-    # restored: from here on nothing falls back (the process runs); what fails is logged
+    # restored: from here on nothing falls back (the process runs); what fails is logged.
+    # The app is told first; then what the cache's writer holds is written
     with contextlib.suppress(Exception):
         attempt.signalled = _tell(pid, signal_number(cfg.snapshot.signal)) if pid else []
+    attempt.phases["total"] = time.monotonic() - t0     # to the restored app told
+    if attempt.warmer is not None:
+        # the app runs: from now on its own faults go first (what it had read and is not read
+        # yet comes on demand)
+        attempt.warmer.stop()
+    if cache is not None:
+        # the fetched chunks into the node's cache now that nothing waits on them (the next
+        # restore of a snapshot sharing them fetches them no more)
+        from coldstart.snapshot.bundle import cache_later
+
+        with contextlib.suppress(Exception):
+            cache_later(work / "images", attempt.uncached, cache)
+        with contextlib.suppress(Exception):
+            cache.close()
     with contextlib.suppress(Exception):
         applied.drop()
     if not lazy:     # the pages are in the process now (lazy: the pager cleans up)
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)
-    attempt.phases["total"] = time.monotonic() - t0
     with contextlib.suppress(Exception):
         state.record({"outcome": "restored", **attempt.to_json()})
     return True
@@ -382,6 +430,17 @@ def _fetch_and_place(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg
         attempt.snapshot = found.digest
         t = time.monotonic()
         layer = open_bundle(client, image, found, timeout=min(r.timeout, left()))
+        if sbundle.TOUCHED in layer.toc.entries:
+            # read ahead, through the container's rootfs, what the process had read of its
+            # mapped files, while its pages come and CRIU restores
+            from coldstart.snapshot.touched import Warmer, parse
+
+            touched = layer.read_file(sbundle.TOUCHED)      # verified: a bad chunk falls back
+            try:
+                attempt.warmer = Warmer(_rootfs(bundle, spec), parse(touched),
+                                        deadline=deadline)
+            except (OSError, FormatError) as exc:   # a hint only: the restore goes on
+                log.warning("no read-ahead of the mapped files: %s", exc)
         work = state.work(inv.global_value("--root", "/run/runc"), inv.cid)
         import shutil
 
@@ -398,7 +457,8 @@ def _fetch_and_place(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg
                     done.rootfs = layer.read_file(sbundle.ROOTFS)
             else:
                 sbundle.materialize(layer, work / "images", cache, into=done,
-                                    deadline=deadline)
+                                    deadline=deadline, defer_cache=True)
+                attempt.uncached = done.uncached
         finally:
             attempt.fetched_bytes = int(getattr(layer.blob, "bytes", 0))
             attempt.requests = int(getattr(layer.blob, "requests", 0))
@@ -408,11 +468,26 @@ def _fetch_and_place(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg
         attempt.bytes = done.size
         attempt.phases["fetch"] = time.monotonic() - t
     t = time.monotonic()
-    root_path = Path(str((spec.get("root") or {}).get("path") or "rootfs"))
-    rootfs = root_path if root_path.is_absolute() else bundle / root_path
+    rootfs = _rootfs(bundle, spec)
     applied = rootdiff.apply(done.rootfs, rootfs) if done.rootfs else rootdiff.Applied(rootfs)
     attempt.phases["rootfs"] = time.monotonic() - t
     return applied
+
+
+def _since_exec() -> float:
+    """Seconds since this process was started (the wrapper's own start: Python, imports,
+    the config), by the kernel's clock ticks; 0.0 when /proc does not say."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rpartition(")")[2].split()[19])
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _rootfs(bundle: Path, spec: Mapping[str, Any]) -> Path:
+    root_path = Path(str((spec.get("root") or {}).get("path") or "rootfs"))
+    return root_path if root_path.is_absolute() else bundle / root_path
 
 
 def _wait_socket(path: Path, pager: subprocess.Popen[bytes], timeout: float) -> None:
