@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
+from typing import Any
 
 import click
 
@@ -97,6 +99,22 @@ def _not_lazy_rows(root: str) -> list[dict[str, object]]:
             for i in infos if i.labels.get(LAZY_LABEL) == "false"]
 
 
+def _restore_row(cfg: configmod.Config) -> dict[str, Any] | None:
+    """The node's snapshot restores as coldstart-runc counted them (None: it never tried)."""
+    from coldstart.snapshot.state import NodeState
+
+    state = NodeState(Path(cfg.snapshot.state_dir))
+    if not (state.root / "counters.json").exists():
+        return None
+    counts = state.counters()
+    raw = counts.get("fallbacks")
+    fallbacks = {str(k): int(v) for k, v in raw.items() if isinstance(v, int)} \
+        if isinstance(raw, dict) else {}
+    restored = counts.get("restored")
+    return {"state": "snapshot-restores", "restored": restored if isinstance(restored, int)
+            else 0, "fallbacks": fallbacks, "state_dir": str(state.root)}
+
+
 @snapshotter.command()
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               envvar="COLDSTART_CONFIG", help=_CONFIG_HELP)
@@ -106,12 +124,16 @@ def _not_lazy_rows(root: str) -> list[dict[str, object]]:
               help="The snapshotter's root, whose metadata names the layers not mounted "
                    "lazily (config: root).")
 @output_option("a list with one object per layer; layers pulled normally have state "
-               "\"not-lazy\" and a reason", json_alias=True)
+               "\"not-lazy\" and a reason; last, on a node that restores snapshots, one "
+               "object with state \"snapshot-restores\": restored, fallbacks by reason",
+               json_alias=True)
 def status(config_path: str | None, fuse_socket: str | None, root: str | None,
            output: str) -> None:
     """Per lazily mounted layer: state (prefetching, filling, complete, on-demand), bytes
     prefetched, filled and fetched on demand, requests, errors. Then the layers offered for
-    lazy pulling that containerd pulled normally, with the reason (state not-lazy)."""
+    lazy pulling that containerd pulled normally, with the reason (state not-lazy). Then, on
+    a node whose runtime is coldstart-runc, its snapshot restores: how many restored, how many
+    started normally and why."""
     from coldstart.lazyfs.client import FuseServerClient
 
     parent = click.get_current_context().parent
@@ -132,8 +154,9 @@ def status(config_path: str | None, fuse_socket: str | None, root: str | None,
         raise FuseServerUnreachable(
             f"{exc} (is the snapshotter running with this config? its FUSE server listens on "
             "fuse.socket: give --config or --fuse-socket)") from None
+    restores = _restore_row(cfg)
     if output == "json":
-        echo_json([*rows, *not_lazy])
+        echo_json([*rows, *not_lazy, *([restores] if restores else [])])
         return
     if not rows:
         click.echo("no lazily mounted layers")
@@ -153,3 +176,8 @@ def status(config_path: str | None, fuse_socket: str | None, root: str | None,
         for n in not_lazy:
             click.echo(f"{str(n['digest'])[:19]:<19}  {n['reason']!s:<14} {n['kind']!s:<9}  "
                        f"{str(n['snapshot'])[:19]:<19}  {n['image']}")
+    if restores:
+        why = ", ".join(f"{k} {v}" for k, v in sorted(restores["fallbacks"].items()) if v)
+        click.echo(f"\nsnapshot restores (coldstart-runc): {restores['restored']} restored, "
+                   f"{sum(restores['fallbacks'].values())} started normally"
+                   + (f" ({why})" if why else "") + "; `coldstart snapshot status` says why")

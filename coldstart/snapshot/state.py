@@ -25,10 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["NodeState"]
+__all__ = ["FALLBACK_KINDS", "NodeState"]
 
 #: events.jsonl is cut to its newest half past this size
 EVENTS_MAX = 4 << 20
+#: why a restore falls back (``kind`` of a fallback event): each counted, shown at 0 until
+#: it happens
+FALLBACK_KINDS = ("no-image", "no-snapshot", "terminal", "preserve-fds", "criu", "registry",
+                  "integrity", "timeout", "restore-failed", "privileges", "internal")
 
 
 @dataclass(frozen=True)

@@ -329,7 +329,12 @@ def _serve(cfg: Config, root: str, store: Store, ready: threading.Event | None,
         with store.transaction() as tx:
             return {k.word: n for k, n in tx.counts().items()}
 
-    metrics = ServiceMetrics(counts)
+    def restores() -> dict[str, Any]:
+        from coldstart.snapshot.state import NodeState
+
+        return NodeState(Path(cfg.snapshot.state_dir)).counters()
+
+    metrics = ServiceMetrics(counts, restores)
     mounter = make_mounter(cfg)
     snapshotter = Snapshotter(root, store, mounter, on_remote=metrics.remote_layer,
                               pull_mode=cfg.pull.mode,

@@ -17,17 +17,21 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from coldstart.errors import ColdstartError, InvalidArgument
+from coldstart.snapshot.state import FALLBACK_KINDS
 from coldstart.snapshotter.snapshotter import FALLBACK_REASONS
 
 __all__ = [
     "LAZY_FALLBACKS",
     "REMOTE_LAYERS",
+    "RESTORES",
+    "RESTORE_FALLBACKS",
     "RPC_ERRORS",
     "RPC_SECONDS",
     "SNAPSHOTS",
@@ -40,6 +44,10 @@ RPC_ERRORS = "coldstart_snapshotter_rpc_errors_total"
 SNAPSHOTS = "coldstart_snapshotter_snapshots"
 REMOTE_LAYERS = "coldstart_snapshotter_remote_layers_total"
 LAZY_FALLBACKS = "coldstart_snapshotter_lazy_fallbacks_total"
+# the node's snapshot restores (coldstart-runc counts them in its state directory; read at
+# each scrape)
+RESTORES = "coldstart_snapshot_restores_total"
+RESTORE_FALLBACKS = "coldstart_snapshot_restore_fallbacks_total"
 
 
 class _SnapshotCounts(Collector):
@@ -55,8 +63,37 @@ class _SnapshotCounts(Collector):
         yield family
 
 
+class _RestoreCounts(Collector):
+    """The node's snapshot restores as ``coldstart snapshot status`` counts them: restored,
+    fell back (and why)."""
+
+    def __init__(self, counts: Callable[[], Mapping[str, Any]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        counts = self._counts()
+        raw = counts.get("fallbacks")
+        fallbacks: dict[str, int] = dict.fromkeys(FALLBACK_KINDS, 0)
+        if isinstance(raw, Mapping):
+            for kind, n in raw.items():
+                fallbacks[str(kind)] = int(n) if isinstance(n, int) else 0
+        restores = CounterMetricFamily(
+            RESTORES, "Containers the node's runtime was asked to restore from a snapshot, by "
+            "outcome (restored; fallback: started normally)", labels=["outcome"])
+        restored = counts.get("restored")
+        restores.add_metric(["restored"], float(restored if isinstance(restored, int) else 0))
+        restores.add_metric(["fallback"], float(sum(fallbacks.values())))
+        yield restores
+        by = CounterMetricFamily(RESTORE_FALLBACKS, "Restores that fell back to a normal "
+                                 "start, by reason", labels=["reason"])
+        for kind, n in sorted(fallbacks.items()):
+            by.add_metric([kind], float(n))
+        yield by
+
+
 class ServiceMetrics:
-    def __init__(self, snapshot_counts: Callable[[], Mapping[str, int]] | None = None) -> None:
+    def __init__(self, snapshot_counts: Callable[[], Mapping[str, int]] | None = None,
+                 restore_counts: Callable[[], Mapping[str, Any]] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.rpc_seconds = Histogram(RPC_SECONDS, "Latency of snapshotter RPCs",
                                      ["method"], registry=self.registry)
@@ -74,6 +111,8 @@ class ServiceMetrics:
             self.lazy_fallbacks.labels(reason)
         if snapshot_counts is not None:
             self.registry.register(_SnapshotCounts(snapshot_counts))
+        if restore_counts is not None:
+            self.registry.register(_RestoreCounts(restore_counts))
 
     @contextlib.contextmanager
     def rpc(self, method: str) -> Iterator[None]:

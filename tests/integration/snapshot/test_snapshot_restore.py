@@ -243,9 +243,23 @@ def test_a_restored_container_has_the_state_built_before_the_checkpoint(
         # the after-restore hook ran once (the app traps the configured signal)
         assert (env.io / "r1" / "hook").read_text().split() == ["hook"]
         assert ev["signalled"] and len(ev["signalled"]) == 1
+        # what the process had read of its mapped files (its shell, libc) was read ahead
+        # through the container's rootfs while the pages came
+        warm = ev["warm"]
+        assert isinstance(warm, dict) and warm["files"] >= 1 and warm["bytes"] > 0, warm
         tasks = st.ctr("task", "ls").stdout
         assert "r1" in tasks and "RUNNING" in tasks
         _remove(st, "r1")
+        assert _leftovers(env) == []
+        # a second restore on this node takes every page from the node's chunk cache, which
+        # the first filled once its app was told
+        out = _start(st, env, "r1b")
+        assert out.returncode == 0, out.stderr
+        ev = _last_event(env, "r1b")
+        assert ev["outcome"] == "restored", ev
+        assert ev["chunks_fetched"] == 0 and int(str(ev["chunks_cached"])) > 0, ev
+        assert _ask(env, "r1b")[0] == before[0]
+        _remove(st, "r1b")
         assert _leftovers(env) == []
 
 
@@ -371,6 +385,12 @@ def test_each_fallback_starts_normally_and_leaves_nothing(
             assert not (env.io / name / "leftover").exists()
             _remove(st, name)
             assert _leftovers(env) == []
+            # counted where an operator looks: `coldstart snapshotter status`
+            r = coldstart_cli("snapshotter", "status", "--config", str(env.config),
+                              "--fuse-socket", st.fuse_socket, "-o", "json")
+            assert r.returncode == 0, r.stderr
+            (row,) = [x for x in json.loads(r.stdout) if x.get("state") == "snapshot-restores"]
+            assert row["fallbacks"][kind] >= 1, row
     finally:
         _write_config(env)
     counters = json.loads((env.state / "counters.json").read_text())

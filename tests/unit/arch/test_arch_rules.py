@@ -66,8 +66,9 @@ RULES: dict[str, Rule] = {
     "lazyfs": rule("errors config format remote oci cache prefetch unixsock files unpack",
                    "trio prometheus_client"),
     # lazyfs.mountsys: the mount table (which connection a lazily mounted layer is bound from)
+    # snapshot.state: the node's restore counters, for the metrics
     "snapshotter": rule("errors config files lazyfs.spec lazyfs.client lazyfs.control "
-                        "lazyfs.mountsys unixsock _proto",
+                        "lazyfs.mountsys unixsock _proto snapshot.state",
                         "grpc google prometheus_client"),
     "containerd": rule("errors config format oci remote lazyfs.spec progress _proto",
                        "grpc google"),

@@ -70,6 +70,20 @@ def test_notify_ready_with_phases(tmp_path: Path) -> None:
         assert [m[0] for m in w.marks.marks] == ["importing", "loading"]
 
 
+def test_ready_counts_when_it_was_sent_not_when_it_was_read(tmp_path: Path) -> None:
+    """The bench reads the socket only once ``ctr task start`` returns; a restored app may say
+    READY=1 before that: the kernel's arrival stamp is the time, not the read's."""
+    with _watch(tmp_path, "notify", [None]) as w:
+        time.sleep(0.1)
+        notify(status="importing", socket_path=str(tmp_path / "n.sock"))
+        notify(ready=True, socket_path=str(tmp_path / "n.sock"))
+        sent = time.monotonic() - w.t0
+        time.sleep(0.4)                                     # busy elsewhere
+        outcome = w.wait(5)
+        assert 0.1 <= outcome.ready_at <= sent + 0.02, (outcome.ready_at, sent)
+        assert w.marks.marks[0][0] == "importing" and w.marks.marks[0][1] <= sent + 0.02
+
+
 def test_log_condition_and_log_phases(tmp_path: Path) -> None:
     with _watch(tmp_path, "log:^serving on", [None]) as w:
         (tmp_path / "out.log").write_text("coldstart-phase importing\nhello\n"

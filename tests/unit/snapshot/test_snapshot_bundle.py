@@ -226,3 +226,33 @@ def test_rootfs_changes_the_journal_could_not_take_back_are_refused(tmp_path: Pa
         with pytest.raises(FormatError):
             apply(tar_of(*names) if isinstance(names, tuple) else tar_of(names), root)
         assert sorted(p.name for p in (root / "etc").iterdir()) == []
+
+
+def test_the_touched_list_rides_first_and_a_deferred_cache_is_filled_from_the_files(
+        tmp_path: Path) -> None:
+    from coldstart.snapshot.bundle import TOUCHED, cache_later
+
+    rng = random.Random(4)
+    criu = _criu_dir(tmp_path / "criu", _pages(rng, 400))
+    touched = tmp_path / "touched.json"
+    touched.write_bytes(b'{"files":[{"path":"/usr/lib/libc.so.6","ranges":[[0,4096]]}]}')
+    buf = io.BytesIO()
+    packed = pack(criu, buf, touched=touched)
+    layer = open_layer(BytesReadAt(buf.getvalue()), annotations=packed.layer.annotations)
+    assert next(iter(layer.toc.entries)).lstrip("./") == TOUCHED   # read before the pages
+    assert layer.read_file(TOUCHED) == touched.read_bytes()
+    cache = ChunkCache(tmp_path / "cache", max_bytes=1 << 30)
+    try:
+        out = materialize(layer, tmp_path / "out", cache, defer_cache=True)
+        assert not (tmp_path / "out" / TOUCHED).exists()           # not CRIU's
+        cache.flush()
+        assert out.chunks_fetched > 3 and out.uncached
+        assert not any(cache.contains(d) for d, *_ in out.uncached)  # nothing cached yet
+        assert cache_later(tmp_path / "out", out.uncached, cache) == \
+            sum(size for *_, size in out.uncached)
+        cache.flush()
+        again = materialize(layer, tmp_path / "out2", cache)
+    finally:
+        cache.close()
+    assert again.chunks_fetched == 0 and again.chunks_cached == out.chunks_fetched
+    assert (tmp_path / "out2" / "pages-1.img").read_bytes() == (criu / "pages-1.img").read_bytes()
