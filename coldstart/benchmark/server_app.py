@@ -143,8 +143,10 @@ def _header_bytes(path: Path) -> int:
                for k, v in header.items() if k != "__metadata__")
 
 
-def load_weights(files: list[Path]) -> dict[str, Any]:
-    """Every tensor of ``files`` on the CPU, with ``X_PROGRESS`` as the bytes arrive."""
+def load_weights(files: list[Path]) -> tuple[dict[str, Any], bool]:
+    """Every tensor of ``files`` on the CPU, with ``X_PROGRESS`` as the bytes arrive; and
+    whether they are views of the files' memory maps (``coldstart.weights``' mmap path)
+    rather than copies."""
     progress = Progress(sum(_header_bytes(f) for f in files))
     tensors: dict[str, Any] = {}
     loader = os.environ.get("SERVER_LOADER", "auto")   # auto, coldstart or safetensors
@@ -153,6 +155,7 @@ def load_weights(files: list[Path]) -> dict[str, Any]:
     if loader == "coldstart" or (loader == "auto" and has_coldstart):
         from coldstart.weights import LoadStats, iter_load
 
+        mapped = True
         for f in files:
             stats = LoadStats()
             for name, t in iter_load(f, "cpu", progress=progress.add, stats=stats):
@@ -163,7 +166,8 @@ def load_weights(files: list[Path]) -> dict[str, Any]:
             if os.environ.get("COLDSTART_FILES_SOCKET") and "files socket" not in stats.path:
                 raise RuntimeError(f"{f} was not read through the files socket "
                                    f"({stats.path}): see the log above")
-        return tensors
+            mapped = mapped and "mmap" in stats.path
+        return tensors, mapped
     from safetensors import safe_open
 
     for f in files:
@@ -172,7 +176,39 @@ def load_weights(files: list[Path]) -> dict[str, Any]:
                 t = st.get_tensor(name).clone()   # safetensors maps the file: read it all
                 tensors[name] = t
                 progress.add(t.numel() * t.element_size())
-    return tensors
+    return tensors, False
+
+
+#: madvise(2) advice: fault a range in, as reads would (Linux 5.14+)
+MADV_POPULATE_READ = 22
+
+
+def populate(tensors: dict[str, Any], workers: int = 8) -> int:
+    """Fault every page of ``tensors`` (views of file maps) in, ``workers`` ranges at once,
+    as ``coldstart.weights`` did when it loaded them: a process restored from a snapshot has
+    its file maps back but none of their pages. The bytes populated."""
+    import ctypes
+    from concurrent.futures import ThreadPoolExecutor
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    spans: list[tuple[int, int]] = []
+    for t in sorted(tensors.values(), key=lambda t: t.data_ptr()):
+        start = t.data_ptr() // PAGE * PAGE
+        end = t.data_ptr() + t.numel() * t.element_size()
+        if spans and start <= spans[-1][1] and end - spans[-1][0] <= 64 << 20:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], end))
+        else:
+            spans.append((start, end))
+
+    def one(span: tuple[int, int]) -> int:
+        if libc.madvise(span[0], span[1] - span[0], MADV_POPULATE_READ) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"madvise(MADV_POPULATE_READ): {os.strerror(err)}")
+        return span[1] - span[0]
+
+    with ThreadPoolExecutor(workers) as pool:
+        return sum(pool.map(one, spans))
 
 
 def first_matrix(tensors: dict[str, Any]) -> tuple[str, Any]:
@@ -266,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         phase("loading", "X_PROGRESS=0.0000")
         files = checkpoint_files(args.model)
         t1 = time.monotonic()
-        tensors = load_weights(files)
+        tensors, mapped = load_weights(files)
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         secs = time.monotonic() - t1
         print(f"server: loaded {len(tensors)} tensors, {total / 1e9:.2f} GB in {secs:.2f} s "
@@ -285,6 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     notify("READY=1", "STATUS=ready", "X_PHASE=ready")
 
     def restored() -> None:     # a restored server is ready once it answers an inference
+        if mapped:
+            # its weights are in memory again, as after a load, before it says it is ready
+            # (they came through the image, not the snapshot)
+            t = time.monotonic()
+            n = populate(tensors)
+            print(f"server: populated {n / 1e9:.2f} GB of mapped weights in "
+                  f"{time.monotonic() - t:.2f} s (restored)", flush=True)
         print(f"server: inference {json.dumps(model.infer())} (restored)", flush=True)
         notify("READY=1", "STATUS=ready", "X_PHASE=ready", "X_RESTORED=1")
 
