@@ -4,10 +4,15 @@ registry stores for it: the dedup figure of issue 50.
 
     .venv/bin/python bench/bench_snapshot_dedup.py --storage bench/images/registry \\
         --repo bench/compile --first sha256:… --second sha256:… [--json out.json]
+    .venv/bin/python bench/bench_snapshot_dedup.py --storage bench/images/registry \\
+        --repo bench/torch --changed zstd-chunked --command "python3 -c '…'" [--json out.json]
 
 ``--first`` and ``--second`` are snapshot artifacts (the digests ``coldstart bench`` prints for
 its snapshot modes, or ``coldstart snapshot create -o json`` gives) in repository ``--repo`` of
 the registry whose storage is ``--storage`` (started here on loopback, stopped afterwards).
+``--changed TAG`` makes them: the image ``REPO:TAG`` and the same image plus a new app layer
+(pushed as ``TAG-v2``), each started once by ``coldstart bench`` (mode coldstart+snapshot),
+checkpointed at READY and pushed.
 For each bundle it reads the TOC (verified against the artifact's annotation) and reports:
 
 * chunks and their compressed bytes, pages and rootfs apart;
@@ -71,28 +76,19 @@ def _grid(lay: SeekableLayer, grid: int = 1 << 20) -> set[str]:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--storage", type=Path, required=True,
-                    help="the registry's directory (coldstart bench's: bench/images/registry)")
-    ap.add_argument("--repo", required=True, help="repository, e.g. bench/compile")
-    ap.add_argument("--first", required=True)
-    ap.add_argument("--second", required=True)
-    ap.add_argument("--json", type=Path, default=None)
-    a = ap.parse_args()
-    with start_registry(a.storage, log_level="error") as reg, \
-            RegistryClient(insecure_hosts=[reg.host]) as client:
-        repo = Reference.parse(f"{reg.host}/{a.repo}:x")
-        la, lay_a = _bundle(client, repo, a.first)
-        lb, lay_b = _bundle(client, repo, a.second)
-        ca, cb = _chunks(lay_a), _chunks(lay_b)
-        shared = {d: v for d, v in cb.items() if d in ca}
-        new = {d: v for d, v in cb.items() if d not in ca}
-        ga, gb = _grid(lay_a), _grid(lay_b)
-    doc = {
-        "first": {"artifact": a.first, "blob_bytes": int(la["size"]), "chunks": len(ca),
+def compare(client: RegistryClient, repo: Reference, first: str, second: str) -> dict[str, Any]:
+    """What a node that holds snapshot ``first`` fetches of snapshot ``second``, and what the
+    registry stores for it."""
+    la, lay_a = _bundle(client, repo, first)
+    lb, lay_b = _bundle(client, repo, second)
+    ca, cb = _chunks(lay_a), _chunks(lay_b)
+    shared = {d: v for d, v in cb.items() if d in ca}
+    new = {d: v for d, v in cb.items() if d not in ca}
+    ga, gb = _grid(lay_a), _grid(lay_b)
+    return {
+        "first": {"artifact": first, "blob_bytes": int(la["size"]), "chunks": len(ca),
                   "compressed_bytes": sum(v[0] for v in ca.values())},
-        "second": {"artifact": a.second, "blob_bytes": int(lb["size"]), "chunks": len(cb),
+        "second": {"artifact": second, "blob_bytes": int(lb["size"]), "chunks": len(cb),
                    "compressed_bytes": sum(v[0] for v in cb.values()),
                    "pages_raw_bytes": sum(v[1] for v in cb.values() if v[2] == "pages")},
         "shared_chunks": len(shared),
@@ -104,6 +100,93 @@ def main() -> int:
         "registry_adds_bytes": int(lb["size"]),
         "grid_1mib_pages_shared_fraction": len(gb & ga) / max(1, len(gb)),
     }
+
+
+def derive(client: RegistryClient, base: Reference, tag: str, files: dict[str, bytes]) -> str:
+    """Push ``base`` (a zstd:chunked image) plus one layer holding ``files`` as ``tag`` in its
+    repository (a new app layer on the same image: what a new version of an app is); its
+    reference."""
+    import io
+    import tarfile
+
+    from coldstart.format.writer import convert_layer
+    from coldstart.oci.manifest import canonical_json, digest_of
+
+    body, media_type, _ = client.get_manifest(base, (OCI_MANIFEST,))
+    manifest = json.loads(body)
+    config = json.loads(client.get_blob(base, manifest["config"]["digest"]))
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in sorted(files.items()):
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tar.addfile(info, io.BytesIO(data))
+    raw.seek(0)
+    out = io.BytesIO()
+    layer = convert_layer(raw, out, format="zstd:chunked")
+    client.push_blob(base, out.getvalue(), layer.digest)
+    config["rootfs"]["diff_ids"].append(layer.diff_id)
+    config.setdefault("history", []).append({"created_by": "bench_snapshot_dedup: a new app "
+                                             "layer"})
+    cfg = canonical_json(config)
+    client.push_blob(base, cfg, digest_of(cfg))
+    manifest["config"] = {**manifest["config"], "digest": digest_of(cfg), "size": len(cfg)}
+    manifest["layers"].append({"mediaType": layer.media_type, "digest": layer.digest,
+                               "size": layer.size, "annotations": layer.annotations})
+    ref = Reference.parse(f"{base.registry}/{base.repository}:{tag}")
+    client.push_manifest(ref, canonical_json(manifest), media_type or OCI_MANIFEST)
+    return str(ref)
+
+
+def _snapshot_of(ref: str, command: str, workdir: Path) -> str:
+    """One ``coldstart bench`` run of mode coldstart+snapshot on ``ref``: its preparation
+    takes the snapshot (one start, checkpointed at READY, pushed beside the image); its
+    artifact digest."""
+    import subprocess
+
+    out = workdir / f"bench-{ref.rpartition(':')[2]}.json"
+    argv = [str(Path(sys.executable).parent / "coldstart"), "bench", ref, "--embedded",
+            "--runs", "1", "--mode", "coldstart+snapshot", "--image",
+            f"coldstart+snapshot={ref}", "--no-floor", "--no-limit", "--ready", "notify",
+            "--command", command, "--json", str(out), "-q"]
+    subprocess.run(argv, check=True, timeout=1800)
+    doc = json.loads(out.read_text())
+    return str(doc["image"]["snapshot"]["coldstart+snapshot"]["digest"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--storage", type=Path, required=True,
+                    help="the registry's directory (coldstart bench's: bench/images/registry)")
+    ap.add_argument("--repo", required=True, help="repository, e.g. bench/compile")
+    ap.add_argument("--first", help="a snapshot artifact's digest")
+    ap.add_argument("--second", help="another one's")
+    ap.add_argument("--changed", metavar="TAG",
+                    help="instead of --first/--second: snapshot the image REPO:TAG "
+                         "(zstd:chunked) and the same image plus a new app layer, each "
+                         "started with --command, and compare the two")
+    ap.add_argument("--command", default="", help="the app's command (with --changed)")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    if not a.changed and not (a.first and a.second):
+        ap.error("give --first and --second, or --changed TAG")
+    with start_registry(a.storage, log_level="error") as reg, \
+            RegistryClient(insecure_hosts=[reg.host]) as client:
+        repo = Reference.parse(f"{reg.host}/{a.repo}:x")
+        extra: dict[str, Any] = {}
+        if a.changed:
+            import tempfile
+
+            base = Reference.parse(f"{reg.host}/{a.repo}:{a.changed}")
+            app = (b"# app v2: a new version of the app's code\n" +
+                   b"VERSION = 2\n" * 4096)
+            changed = derive(client, base, f"{a.changed}-v2", {"app/version.py": app})
+            with tempfile.TemporaryDirectory(prefix="dedup-") as tmp:
+                a.first = _snapshot_of(str(base), a.command, Path(tmp))
+                a.second = _snapshot_of(changed, a.command, Path(tmp))
+            extra = {"first_image": str(base), "second_image": changed,
+                     "change": "one new layer: app/version.py"}
+        doc = {**extra, **compare(client, repo, a.first, a.second)}
     print(json.dumps(doc, indent=1))
     if a.json:
         a.json.write_text(json.dumps(doc, indent=1) + "\n")

@@ -81,7 +81,8 @@ class Attempt:
                 "bytes": self.bytes, "signalled": self.signalled, "pages": self.pages,
                 "warm": None if self.warmer is None else {
                     "files": self.warmer.files, "skipped": self.warmer.skipped,
-                    "bytes": self.warmer.bytes, "seconds": round(self.warmer.seconds, 4)}}
+                    "bytes": self.warmer.bytes, "seconds": round(self.warmer.seconds, 4),
+                    "complete": self.warmer.complete}}
 
 
 def _criu_ok(cfg: Config, state: NodeState) -> tuple[str, str, Callable[[], None]]:

@@ -184,6 +184,7 @@ class Warmer:
         self.skipped = 0
         self.files = 0
         self.seconds = 0.0
+        self.complete = False           # every range read (not stopped first)
         self._t0 = self._last = time.monotonic()
         self._deadline = deadline
         self._lock = threading.Lock()
@@ -219,25 +220,27 @@ class Warmer:
             return fd if fd >= 0 else None
 
     def _run(self) -> None:
-        while True:
-            if self._stop.is_set() or (self._deadline is not None and
-                                       time.monotonic() > self._deadline):
-                return
-            with self._lock:
-                item = next(self._todo, None)
+        try:
+            while not self._stop.is_set() and (self._deadline is None or
+                                               time.monotonic() <= self._deadline):
+                with self._lock:
+                    item = next(self._todo, None)
                 if item is None:
-                    self._last = time.monotonic()
+                    self.complete = True
                     return
-            path, off, length = item
-            fd = self._fd(path)
-            if fd is None:
-                continue
-            try:
-                n = len(os.pread(fd, length, off))
-            except OSError:
-                continue
-            with self._lock:
-                self.bytes += n
+                path, off, length = item
+                fd = self._fd(path)
+                if fd is None:
+                    continue
+                try:
+                    n = len(os.pread(fd, length, off))
+                except OSError:
+                    continue
+                with self._lock:
+                    self.bytes += n
+        finally:
+            with self._lock:        # when the last reader ended (done, stopped or late)
+                self._last = max(self._last, time.monotonic())
 
     def stop(self) -> None:
         """No more reads (the one under way finishes); the file descriptors closed."""

@@ -102,7 +102,7 @@ def test_the_warmer_reads_inside_the_root_and_follows_no_link(tmp_path: Path) ->
     t = time.monotonic()
     assert warmer.wait(10)
     assert time.monotonic() - t < 10            # the FIFO did not block it
-    assert warmer.files == 1 and warmer.skipped == 4
+    assert warmer.files == 1 and warmer.skipped == 4 and warmer.complete
     assert warmer.bytes == 3 * PAGE + PAGE      # its head, then all it holds of the ranges
 
 
@@ -115,6 +115,7 @@ def test_a_stopped_warmer_reads_no_more(tmp_path: Path) -> None:
     warmer = Warmer(root, [("/big", [(0, size)])], workers=1)
     warmer.stop()
     assert warmer.wait(0)
-    assert 0 <= warmer.bytes < size
+    assert 0 <= warmer.bytes < size and not warmer.complete
+    assert warmer.seconds > 0
     warmer.stop()           # twice: nothing closed twice
 
