@@ -122,6 +122,11 @@ MODES: dict[str, ModeSpec] = {m.name: m for m in (
     ModeSpec("coldstart+snapshot+fill", "coldstart", "zstd:chunked",
              "coldstart+snapshot with the hybrid fill on (the product's default)",
              background_rate=None, snapshot=True),
+    ModeSpec("coldstart+profile+snapshot", "coldstart", "zstd:chunked-profile",
+             "coldstart+profile, the container restored from the image's snapshot (both made "
+             "once before the runs): the start-up set the profile names comes in bulk from "
+             "the mount on while coldstart-runc fetches the pages and restores",
+             snapshot=True),
     ModeSpec("coldstart+snapshot-lazy", "coldstart", "zstd:chunked",
              "coldstart+snapshot with lazy pages: CRIU restores before the memory is here, "
              "userfaultfd faults each page in from the bundle, mounted through the FUSE server "
