@@ -281,6 +281,8 @@ class ReadyWatch:
                 time.sleep(0.05)
                 notified = self._read_notices()
                 logged = self._read_log()
+                if kind == "notify" and notified and self._ready_at is not None:
+                    return ReadyOutcome(self._ready_at, code)
                 if ((kind == "exit" and code == 0) or (kind == "notify" and notified)
                         or (kind == "log" and logged)):
                     return ReadyOutcome(at, code)

@@ -325,9 +325,13 @@ def main(argv: list[str] | None = None) -> int:
             # its weights are in memory again, as after a load, before it says it is ready
             # (they came through the image, not the snapshot)
             t = time.monotonic()
-            n = populate(tensors)
-            print(f"server: populated {n / 1e9:.2f} GB of mapped weights in "
-                  f"{time.monotonic() - t:.2f} s (restored)", flush=True)
+            try:
+                n = populate(tensors)
+                print(f"server: populated {n / 1e9:.2f} GB of mapped weights in "
+                      f"{time.monotonic() - t:.2f} s (restored)", flush=True)
+            except OSError as exc:      # the inference faults them in instead
+                print(f"server: cannot populate the weights: {exc}", file=sys.stderr,
+                      flush=True)
         print(f"server: inference {json.dumps(model.infer())} (restored)", flush=True)
         notify("READY=1", "STATUS=ready", "X_PHASE=ready", "X_RESTORED=1")
 

@@ -104,7 +104,10 @@ def _restore_row(cfg: configmod.Config) -> dict[str, Any] | None:
     from coldstart.snapshot.state import NodeState
 
     state = NodeState(Path(cfg.snapshot.state_dir))
-    if not (state.root / "counters.json").exists():
+    try:
+        if not (state.root / "counters.json").exists():
+            return None
+    except OSError:         # not ours to read (0700, another user): not shown
         return None
     counts = state.counters()
     raw = counts.get("fallbacks")

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from coldstart.errors import FormatError, InvalidArgument
+from coldstart.errors import FormatError, IntegrityError, InvalidArgument
 from coldstart.format.layer import SeekableLayer
 
 if TYPE_CHECKING:
@@ -252,6 +252,10 @@ def materialize(layer: SeekableLayer, dest: Path, cache: ChunkCache | None, *,
             else:
                 runs.append([c])
 
+        import threading
+
+        listed = threading.Lock()
+
         def fetch(run: list[Chunk]) -> None:
             if deadline is not None and time.monotonic() > deadline:
                 from coldstart.errors import DeadlineExceeded
@@ -265,15 +269,16 @@ def materialize(layer: SeekableLayer, dest: Path, cache: ChunkCache | None, *,
                     os.pwrite(fd, data, off)
                 if cache is not None and not defer_cache:
                     cache.put_async(c.digest, data, verified=True)
+                elif defer_cache:       # listed as it lands: a deadline keeps what came
+                    fd, off = where[c.digest][0]
+                    with listed:
+                        out.uncached.append((c.digest, names[fd], off, c.chunk_size))
 
         if runs:
             with ThreadPoolExecutor(max_workers=max(1, min(workers, len(runs)))) as pool:
                 for f in [pool.submit(fetch, run) for run in runs]:
                     f.result()
         out.chunks_fetched = len(missing)
-        if defer_cache:
-            out.uncached = [(c.digest, names[where[c.digest][0][0]], where[c.digest][0][1],
-                             c.chunk_size) for c in missing]
         for name, kind, _ in plan:
             if kind == "rootfs":
                 out.rootfs = layer.read_file(name)      # verified: chunks and whole file
@@ -286,8 +291,8 @@ def materialize(layer: SeekableLayer, dest: Path, cache: ChunkCache | None, *,
 
 def cache_later(dest: Path, uncached: list[tuple[str, str, int, int]], cache: ChunkCache) -> int:
     """Hand the chunks :func:`materialize` wrote into ``dest`` (``defer_cache``) to ``cache``,
-    read back from their files (which only this node's root writes: they were verified as
-    they were fetched); the bytes handed. A file gone or short ends it: what is left is not
+    read back from their files and verified against their digests again (one that no longer
+    matches is left out); the bytes handed. A file gone or short ends it: what is left is not
     cached."""
     done = 0
     for digest, base, offset, size in uncached:
@@ -298,6 +303,11 @@ def cache_later(dest: Path, uncached: list[tuple[str, str, int, int]], cache: Ch
             break
         if len(data) != size:
             break
-        cache.put_async(digest, data, verified=True)
+        # hashed again: the file is the node's, but anything may have changed it since (a
+        # disk error, CRIU's auto-dedup punching holes into restored pages)
+        try:
+            cache.put_async(digest, data)
+        except IntegrityError:
+            continue
         done += size
     return done

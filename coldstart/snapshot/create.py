@@ -132,12 +132,16 @@ def checkpoint(address: str, namespace: str, container: str, client: RegistryCli
     t = time.monotonic()
     # what the processes read of their mapped files, for a restore to read ahead (a hint:
     # a snapshot is taken without it when /proc says nothing)
-    pid = _task_pid(address, namespace, container)
+    try:
+        pid = _task_pid(address, namespace, container)
+    except Unavailable:
+        pid = None
     if pid:
         from coldstart.snapshot.procs import descendants
         from coldstart.snapshot.touched import record
 
-        (dest / "touched.json").write_bytes(record(descendants(pid)))
+        with contextlib.suppress(OSError):
+            (dest / "touched.json").write_bytes(record(descendants(pid)))
     seconds["touched"] = time.monotonic() - t
     t = time.monotonic()
     work = dest / "criu-work"

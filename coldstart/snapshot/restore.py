@@ -118,6 +118,9 @@ def _criu_ok(cfg: Config, state: NodeState) -> tuple[str, str, Callable[[], None
             problems.extend(find_criu(quick.path, check=True).problems)
         except Exception as exc:        # said as the reason
             problems.append(f"criu check: {exc}")
+        if not problems:        # kept even when this attempt falls back for another reason
+            with contextlib.suppress(OSError):
+                passed.touch()
 
     thread = threading.Thread(target=check, name="criu-check", daemon=True)
     thread.start()
@@ -126,8 +129,6 @@ def _criu_ok(cfg: Config, state: NodeState) -> tuple[str, str, Callable[[], None
         thread.join()
         if problems:            # only a pass is kept: a failure is checked again next time
             raise Fallback("criu", "; ".join(problems))
-        with contextlib.suppress(OSError):
-            passed.touch()
 
     return quick.path, quick.version, verdict
 
@@ -333,7 +334,8 @@ def try_restore(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg: Con
         # the restored processes first (while a lazy pager still serves their pages), then
         # the pager, the rootfs changes, the mount; each step on its own
         if attempt.warmer is not None:
-            attempt.warmer.stop()
+            with contextlib.suppress(Exception):
+                attempt.warmer.stop()
         with contextlib.suppress(Exception):
             cleanup_leftovers(state, runc, inv)
         if pager is not None and pager.poll() is None:
@@ -347,6 +349,12 @@ def try_restore(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg: Con
                 left = [f"undo failed: {undo_exc}"]
             if left:
                 reason += f" (rootfs: {len(left)} changes could not be undone: {left[:3]})"
+        if kind == "timeout" and cache is not None and attempt.uncached:
+            # what came before the deadline stays on the node: the next attempt fetches less
+            from coldstart.snapshot.bundle import cache_later
+
+            with contextlib.suppress(Exception):
+                cache_later(state.work(root, inv.cid) / "images", attempt.uncached, cache)
         with contextlib.suppress(Exception):
             _unmount(cfg, state.work(root, inv.cid) / "bundle")
             import shutil
@@ -368,13 +376,15 @@ def try_restore(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg: Con
     with contextlib.suppress(Exception):
         attempt.signalled = _tell(pid, signal_number(cfg.snapshot.signal)) if pid else []
     attempt.phases["total"] = time.monotonic() - t0     # to the restored app told
+    t = time.monotonic()
     if attempt.warmer is not None:
         # the app runs: from now on its own faults go first (what it had read and is not read
         # yet comes on demand)
-        attempt.warmer.stop()
+        with contextlib.suppress(Exception):
+            attempt.warmer.stop()
     if cache is not None:
         # the fetched chunks into the node's cache now that nothing waits on them (the next
-        # restore of a snapshot sharing them fetches them no more)
+        # restore of a snapshot sharing them fetches them no more), hashed again as they go
         from coldstart.snapshot.bundle import cache_later
 
         with contextlib.suppress(Exception):
@@ -387,6 +397,8 @@ def try_restore(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg: Con
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)
+    # what the wrapper did after the app was told, before runc's create returns
+    attempt.phases["after"] = time.monotonic() - t
     with contextlib.suppress(Exception):
         state.record({"outcome": "restored", **attempt.to_json()})
     return True
@@ -434,13 +446,21 @@ def _fetch_and_place(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg
         if sbundle.TOUCHED in layer.toc.entries:
             # read ahead, through the container's rootfs, what the process had read of its
             # mapped files, while its pages come and CRIU restores
-            from coldstart.snapshot.touched import Warmer, parse
+            from coldstart.snapshot.touched import MAX_JSON, Warmer, parse
 
-            touched = layer.read_file(sbundle.TOUCHED)      # verified: a bad chunk falls back
+            entry = layer.toc.entries[sbundle.TOUCHED]
             try:
-                attempt.warmer = Warmer(_rootfs(bundle, spec), parse(touched),
-                                        deadline=deadline)
-            except (OSError, FormatError) as exc:   # a hint only: the restore goes on
+                if entry.size > MAX_JSON:
+                    raise FormatError(f"{sbundle.TOUCHED} holds {entry.size} bytes")
+                # verified: a bad chunk falls back (IntegrityError is not caught here)
+                files = parse(layer.read_file(sbundle.TOUCHED))
+                mounts = [str(m.get("destination", "")) for m in spec.get("mounts") or []
+                          if isinstance(m, Mapping)]
+                attempt.warmer = Warmer(_rootfs(bundle, spec), files, deadline=deadline,
+                                        skip=mounts)
+            except IntegrityError:
+                raise
+            except Exception as exc:        # a hint only: the restore goes on without it
                 log.warning("no read-ahead of the mapped files: %s", exc)
         work = state.work(inv.global_value("--root", "/run/runc"), inv.cid)
         import shutil
@@ -459,12 +479,12 @@ def _fetch_and_place(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg
             else:
                 sbundle.materialize(layer, work / "images", cache, into=done,
                                     deadline=deadline, defer_cache=True)
-                attempt.uncached = done.uncached
         finally:
             attempt.fetched_bytes = int(getattr(layer.blob, "bytes", 0))
             attempt.requests = int(getattr(layer.blob, "requests", 0))
             attempt.chunks_cached, attempt.chunks_fetched = done.chunks_cached, \
                 done.chunks_fetched
+            attempt.uncached = done.uncached
         left()
         attempt.bytes = done.size
         attempt.phases["fetch"] = time.monotonic() - t

@@ -17,6 +17,7 @@ deleted since, a symbolic link anywhere on the way) is skipped, never followed.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import stat
 import struct
@@ -28,13 +29,17 @@ from pathlib import Path, PurePosixPath
 
 from coldstart.errors import FormatError
 
-__all__ = ["MAX_BYTES", "Warmer", "parse", "record"]
+__all__ = ["MAX_BYTES", "MAX_JSON", "Warmer", "parse", "record"]
 
-PAGE = 4096
+PAGE = mmap.PAGESIZE
 #: the list names at most this many files …
 MAX_FILES = 20_000
 #: … and this many bytes in all (the rest is left to faults)
 MAX_BYTES = 8 << 30
+#: … in at most this many ranges
+MAX_RANGES = 1_000_000
+#: a ``touched.json`` of more bytes is not read
+MAX_JSON = 64 << 20
 #: one read of :class:`Warmer` covers at most this many bytes
 READ = 1 << 20
 _PRESENT, _FILE = 1 << 63, 1 << 61
@@ -125,20 +130,25 @@ def parse(data: bytes) -> list[tuple[str, list[tuple[int, int]]]]:
     is not absolute and normal, a range that is not two non-negative integers)."""
     try:
         doc = json.loads(data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise FormatError(f"touched.json: {exc}") from None
     files = doc.get("files") if isinstance(doc, dict) else None
     if not isinstance(files, list) or len(files) > MAX_FILES:
         raise FormatError(f"touched.json: 'files' must be a list of at most {MAX_FILES}")
     out: list[tuple[str, list[tuple[int, int]]]] = []
+    count = 0
     for f in files:
         path = f.get("path") if isinstance(f, dict) else None
         ranges = f.get("ranges") if isinstance(f, dict) else None
         if not isinstance(path, str) or not path.startswith("/") or "\0" in path or \
-                str(PurePosixPath(path)) != path or ".." in PurePosixPath(path).parts:
+                str(PurePosixPath(path)) != path or ".." in PurePosixPath(path).parts or \
+                path == "/":
             raise FormatError(f"touched.json: {path!r} is not an absolute, normal path")
         if not isinstance(ranges, list):
             raise FormatError(f"touched.json: {path}: 'ranges' is not a list")
+        count += len(ranges)
+        if count > MAX_RANGES:
+            raise FormatError(f"touched.json: more than {MAX_RANGES} ranges")
         rs: list[tuple[int, int]] = []
         for r in ranges:
             if not (isinstance(r, list) and len(r) == 2 and
@@ -152,8 +162,11 @@ def parse(data: bytes) -> list[tuple[str, list[tuple[int, int]]]]:
 
 def _open_inside(root_fd: int, path: str) -> int:
     """``path`` opened for reading under the directory ``root_fd``, no symbolic link
-    followed on the way; OSError when it is not a regular file there."""
+    followed on the way and nothing but a regular file opened (its type is checked on an
+    ``O_PATH`` descriptor first: opening a device can have effects); OSError otherwise."""
     parts = PurePosixPath(path).parts[1:]
+    if not parts:
+        raise OSError(f"{path!r} names no file")
     fd = os.dup(root_fd)
     try:
         for part in parts[:-1]:
@@ -161,25 +174,29 @@ def _open_inside(root_fd: int, path: str) -> int:
                           dir_fd=fd)
             os.close(fd)
             fd = nxt
-        out = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
-                      dir_fd=fd)
+        handle = os.open(parts[-1], os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
     finally:
         os.close(fd)
-    if not stat.S_ISREG(os.fstat(out).st_mode):
-        os.close(out)
-        raise OSError(f"{path} is not a regular file")
-    return out
+    try:
+        if not stat.S_ISREG(os.fstat(handle).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(handle)
 
 
 class Warmer:
     """Reads the ranges of a ``touched.json`` through ``rootfs`` with ``workers`` threads, in
     the background (:meth:`wait` joins them, :meth:`stop` ends them). The first page of every
     file comes first (CRIU reads each mapped ELF's headers as it opens it), then the ranges,
-    in the list's order. Nothing it meets stops it: a file it cannot open is counted in
+    in the list's order. Each read opens its file and closes it again (a list of thousands of
+    files holds no descriptors). Nothing it meets stops it: a file it cannot open, or one
+    under ``skip`` (the container's mounts: not the image's files), is counted in
     ``skipped``."""
 
     def __init__(self, rootfs: Path, files: Sequence[tuple[str, Sequence[tuple[int, int]]]],
-                 *, workers: int = 8, deadline: float | None = None) -> None:
+                 *, workers: int = 8, deadline: float | None = None,
+                 skip: Sequence[str] = ()) -> None:
         self.bytes = 0
         self.skipped = 0
         self.files = 0
@@ -189,35 +206,52 @@ class Warmer:
         self._deadline = deadline
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._fds: dict[str, int] = {}
-        self._root = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        heads = [(p, 0, PAGE) for p, _ in files]
+        self._seen: dict[str, bool] = {}      # path -> opened once
+        prefixes = tuple(p.rstrip("/") + "/" for p in skip if p.rstrip("/"))
+        kept = [(p, r) for p, r in files if not (p + "/").startswith(prefixes)]
+        self.skipped = len(files) - len(kept)
+        heads = [(p, 0, PAGE) for p, _ in kept]
         rest: list[tuple[str, int, int]] = []
         budget = MAX_BYTES
-        for path, ranges in files:
+        for path, ranges in kept:
             for start, length in ranges:
+                if budget <= 0:
+                    break
                 length = min(length, budget)
                 budget -= length
                 for off in range(start, start + length, READ):
                     rest.append((path, off, min(READ, start + length - off)))
         self._todo = iter([*heads, *rest])
-        self._threads = [threading.Thread(target=self._run, name=f"warm-{i}", daemon=True)
-                         for i in range(max(1, workers))]
-        for t in self._threads:
-            t.start()
+        self._root = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._threads: list[threading.Thread] = []
+        try:
+            for i in range(max(1, workers)):
+                t = threading.Thread(target=self._run, name=f"warm-{i}", daemon=True)
+                t.start()
+                self._threads.append(t)
+        except BaseException:
+            self.stop()
+            raise
 
-    def _fd(self, path: str) -> int | None:
-        with self._lock:
-            if path in self._fds:
-                return self._fds[path] if self._fds[path] >= 0 else None
-            try:
-                fd = _open_inside(self._root, path)
-                self.files += 1
-            except OSError:
-                fd = -1
-                self.skipped += 1
-            self._fds[path] = fd
-            return fd if fd >= 0 else None
+    def _read(self, path: str, off: int, length: int) -> int:
+        try:
+            fd = _open_inside(self._root, path)
+        except OSError:
+            with self._lock:
+                if path not in self._seen:
+                    self._seen[path] = False
+                    self.skipped += 1
+            return 0
+        try:
+            with self._lock:
+                if not self._seen.get(path):
+                    if path in self._seen:          # skipped before (EMFILE, a race): not now
+                        self.skipped -= 1
+                    self._seen[path] = True
+                    self.files += 1
+            return len(os.pread(fd, length, off))
+        finally:
+            os.close(fd)
 
     def _run(self) -> None:
         try:
@@ -228,13 +262,9 @@ class Warmer:
                 if item is None:
                     self.complete = True
                     return
-                path, off, length = item
-                fd = self._fd(path)
-                if fd is None:
-                    continue
                 try:
-                    n = len(os.pread(fd, length, off))
-                except OSError:
+                    n = self._read(*item)
+                except Exception:       # a hint: nothing it meets is the restore's problem
                     continue
                 with self._lock:
                     self.bytes += n
@@ -243,23 +273,18 @@ class Warmer:
                 self._last = max(self._last, time.monotonic())
 
     def stop(self) -> None:
-        """No more reads (the one under way finishes); the file descriptors closed."""
+        """No more reads (the one under way finishes); the threads joined (5 s at most)."""
         self._stop.set()
         self.wait(5.0)
 
     def wait(self, timeout: float) -> bool:
-        """Join the readers for at most ``timeout`` seconds; True when they finished (the
-        file descriptors are closed then)."""
+        """Join the readers for at most ``timeout`` seconds; True when they finished."""
         end = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, end - time.monotonic()))
         done = not any(t.is_alive() for t in self._threads)
         self.seconds = (self._last if done else time.monotonic()) - self._t0
         if done and self._root >= 0:
-            for fd in self._fds.values():
-                if fd >= 0:
-                    os.close(fd)
             os.close(self._root)
-            self._fds.clear()
             self._root = -1
         return done

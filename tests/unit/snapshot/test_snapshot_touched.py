@@ -68,6 +68,7 @@ def test_a_process_gone_records_nothing() -> None:
     {"files": [{"path": "usr/lib/x.so", "ranges": []}]},             # relative
     {"files": [{"path": "/usr/../etc/shadow", "ranges": []}]},       # ..
     {"files": [{"path": "/usr//lib", "ranges": []}]},                # not normal
+    {"files": [{"path": "/", "ranges": [[0, 1]]}]},                  # no file
     {"files": [{"path": "/x", "ranges": [[0]]}]},
     {"files": [{"path": "/x", "ranges": [[0, -1]]}]},
     {"files": [{"path": "/x", "ranges": [[True, 1]]}]},
@@ -104,6 +105,19 @@ def test_the_warmer_reads_inside_the_root_and_follows_no_link(tmp_path: Path) ->
     assert time.monotonic() - t < 10            # the FIFO did not block it
     assert warmer.files == 1 and warmer.skipped == 4 and warmer.complete
     assert warmer.bytes == 3 * PAGE + PAGE      # its head, then all it holds of the ranges
+
+
+def test_the_containers_mounts_are_not_read(tmp_path: Path) -> None:
+    """A file under one of the container's mounts (a volume) is not the image's: the rootfs
+    holds another copy, hidden in the container, which is not read."""
+    root = tmp_path / "rootfs"
+    (root / "models").mkdir(parents=True)
+    (root / "models/w.bin").write_bytes(b"w" * PAGE)
+    (root / "lib.so").write_bytes(b"l" * PAGE)
+    warmer = Warmer(root, [("/models/w.bin", [(0, PAGE)]), ("/lib.so", [(0, PAGE)])],
+                    skip=["/models/", "/proc"])
+    assert warmer.wait(10)
+    assert warmer.files == 1 and warmer.skipped == 1 and warmer.bytes == 2 * PAGE  # head, range
 
 
 def test_a_stopped_warmer_reads_no_more(tmp_path: Path) -> None:
