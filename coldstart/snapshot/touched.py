@@ -189,10 +189,10 @@ class Warmer:
     """Reads the ranges of a ``touched.json`` through ``rootfs`` with ``workers`` threads, in
     the background (:meth:`wait` joins them, :meth:`stop` ends them). The first page of every
     file comes first (CRIU reads each mapped ELF's headers as it opens it), then the ranges,
-    in the list's order. Each read opens its file and closes it again (a list of thousands of
-    files holds no descriptors). Nothing it meets stops it: a file it cannot open, or one
-    under ``skip`` (the container's mounts: not the image's files), is counted in
-    ``skipped``."""
+    in the list's order. Each reader holds one file open at a time (a list of thousands of
+    files holds no more descriptors than readers). Nothing it meets stops it: a file it
+    cannot open, or one under ``skip`` (the container's mounts: not the image's files), is
+    counted in ``skipped``."""
 
     def __init__(self, rootfs: Path, files: Sequence[tuple[str, Sequence[tuple[int, int]]]],
                  *, workers: int = 8, deadline: float | None = None,
@@ -233,7 +233,7 @@ class Warmer:
             self.stop()
             raise
 
-    def _read(self, path: str, off: int, length: int) -> int:
+    def _open(self, path: str) -> int | None:
         try:
             fd = _open_inside(self._root, path)
         except OSError:
@@ -241,19 +241,19 @@ class Warmer:
                 if path not in self._seen:
                     self._seen[path] = False
                     self.skipped += 1
-            return 0
-        try:
-            with self._lock:
-                if not self._seen.get(path):
-                    if path in self._seen:          # skipped before (EMFILE, a race): not now
-                        self.skipped -= 1
-                    self._seen[path] = True
-                    self.files += 1
-            return len(os.pread(fd, length, off))
-        finally:
-            os.close(fd)
+            return None
+        with self._lock:
+            if not self._seen.get(path):
+                if path in self._seen:          # skipped before (EMFILE, a race): not now
+                    self.skipped -= 1
+                self._seen[path] = True
+                self.files += 1
+        return fd
 
     def _run(self) -> None:
+        # each reader keeps the one file it reads open (the list reads a file's ranges in a
+        # row): no descriptor is shared between threads, at most one held per thread
+        cur_path, cur_fd = "", -1
         try:
             while not self._stop.is_set() and (self._deadline is None or
                                                time.monotonic() <= self._deadline):
@@ -262,13 +262,23 @@ class Warmer:
                 if item is None:
                     self.complete = True
                     return
+                path, off, length = item
                 try:
-                    n = self._read(*item)
+                    if path != cur_path:
+                        if cur_fd >= 0:
+                            os.close(cur_fd)
+                        opened = self._open(path)
+                        cur_path, cur_fd = path, -1 if opened is None else opened
+                    if cur_fd < 0:
+                        continue
+                    n = len(os.pread(cur_fd, length, off))
                 except Exception:       # a hint: nothing it meets is the restore's problem
                     continue
                 with self._lock:
                     self.bytes += n
         finally:
+            if cur_fd >= 0:
+                os.close(cur_fd)
             with self._lock:        # when the last reader ended (done, stopped or late)
                 self._last = max(self._last, time.monotonic())
 
