@@ -65,14 +65,15 @@ def _chunks(lay: SeekableLayer) -> dict[str, tuple[int, int, str]]:
     return out
 
 
-def _grid(lay: SeekableLayer, grid: int = 1 << 20) -> set[str]:
-    """Digests of the pages files cut every ``grid`` bytes (the baseline: no content cuts)."""
-    out = set()
+def _grid(lay: SeekableLayer, grid: int = 1 << 20) -> list[str]:
+    """Digests of the pages files cut every ``grid`` bytes (1 MiB: the baseline of no content
+    cuts; 4 KiB: each page, the most any cut could share)."""
+    out = []
     for name, entry in lay.toc.entries.items():
         if entry.type == "reg" and "/pages-" in name:
             data = lay.read_file(name)
             for off in range(0, len(data), grid):
-                out.add(hashlib.sha256(data[off:off + grid]).hexdigest())
+                out.append(hashlib.sha256(data[off:off + grid]).hexdigest())
     return out
 
 
@@ -84,7 +85,9 @@ def compare(client: RegistryClient, repo: Reference, first: str, second: str) ->
     ca, cb = _chunks(lay_a), _chunks(lay_b)
     shared = {d: v for d, v in cb.items() if d in ca}
     new = {d: v for d, v in cb.items() if d not in ca}
-    ga, gb = _grid(lay_a), _grid(lay_b)
+    ga, gb = set(_grid(lay_a)), set(_grid(lay_b))
+    zero = hashlib.sha256(bytes(4096)).hexdigest()
+    pa, pb = set(_grid(lay_a, 4096)), [p for p in _grid(lay_b, 4096) if p != zero]
     return {
         "first": {"artifact": first, "blob_bytes": int(la["size"]), "chunks": len(ca),
                   "compressed_bytes": sum(v[0] for v in ca.values())},
@@ -99,6 +102,9 @@ def compare(client: RegistryClient, repo: Reference, first: str, second: str) ->
             sum(v[0] for v in new.values()) / max(1, sum(v[0] for v in cb.values()))),
         "registry_adds_bytes": int(lb["size"]),
         "grid_1mib_pages_shared_fraction": len(gb & ga) / max(1, len(gb)),
+        # the second's non-zero pages found anywhere in the first: what no cut can beat
+        "nonzero_pages": len(pb),
+        "nonzero_pages_in_the_first_fraction": sum(1 for p in pb if p in pa) / max(1, len(pb)),
     }
 
 
