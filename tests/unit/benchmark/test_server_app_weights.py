@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
-torch = pytest.importorskip("torch")
-from safetensors.torch import save_file  # noqa: E402
-
-from coldstart.benchmark.server_app import PAGE, load_weights, populate  # noqa: E402
+from coldstart.benchmark.server_app import PAGE, load_weights, populate
 
 
 def _libc() -> Any:
