@@ -463,6 +463,10 @@ def run_bench(opts: BenchOptions, report: Reporter | None = None) -> BenchResult
         # bytes at the link's rate are the floor's link term)
         floor_ref = (prepared.refs["overlayfs"]
                      if opts.floor and "overlayfs" in prepared.refs and active else None)
+        if opts.floor and active and floor_ref is None:
+            # said, not left for the table to show by omission
+            report.stage("no floor: its warm starts pull the image mode overlayfs pulls; "
+                         "add overlayfs to --mode for a floor (or --no-floor to silence this)")
         insecure = tuple({Reference.parse(r).registry for r in prepared.refs.values()}
                          | ({proxy_host} if proxy_host else set()) | set(opts.insecure))
         checkpoint = (_checkpoint(opts, active, prepared.refs, proxy_host, insecure, report)
