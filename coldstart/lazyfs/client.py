@@ -91,6 +91,11 @@ class FuseServerClient:
         result: int = self._call(control.record_request(on, mountpoint))
         return result
 
+    def hold(self, seconds: float) -> None:
+        """Background work (the fill) waits ``seconds`` as if the node were reading: a
+        restore is busy without reading through FUSE."""
+        self._call(control.hold_request(seconds), timeout=min(self.timeout, 5.0))
+
     def profile(self) -> list[dict[str, Any]]:
         """Per layer that recorded: digest, mountpoints and the files read, in order."""
         result: list[dict[str, Any]] = self._call(control.profile_request())

@@ -14,6 +14,7 @@ lines are skipped; a request line over :data:`MAX_LINE` bytes ends the connectio
     {"op": "status"}                                      -> {"ok": true, "result": [{…}, …]}
     {"op": "record", "on": B, "mountpoint": P | null}     -> {"ok": true, "result": N}
     {"op": "profile"}                                     -> {"ok": true, "result": [{…}, …]}
+    {"op": "hold", "seconds": S}                          -> {"ok": true, "result": null}
     {"op": "unpack", "dir": D, "spec": {…}, "lowers": [L, …],
      "parent_chain": C, "chain": C}                       -> {"ok": true, "result": {…}}
     failure:  {"ok": false, "error": {"kind": "IntegrityError",
@@ -86,7 +87,10 @@ STATUS = "status"
 RECORD = "record"      # start/stop recording file accesses (one mountpoint's layer, or all)
 PROFILE = "profile"    # what each recording layer read so far
 UNPACK = "unpack"      # pull a layer in full into a directory (parallel fetch, unpacked)
-OPS = (PING, MOUNT, CHECK, UNMOUNT, STATUS, RECORD, PROFILE, UNPACK)
+HOLD = "hold"          # background work (the fill) waits: the node is busy with a restore
+#: the longest one ``hold`` lasts
+MAX_HOLD = 600.0
+OPS = (PING, MOUNT, CHECK, UNMOUNT, STATUS, RECORD, PROFILE, UNPACK, HOLD)
 
 
 # -- framing -------------------------------------------------------------------------------
@@ -158,6 +162,10 @@ def record_request(on: bool, mountpoint: str | None = None) -> dict[str, Any]:
 
 def profile_request() -> dict[str, Any]:
     return {"op": PROFILE}
+
+
+def hold_request(seconds: float) -> dict[str, Any]:
+    return {"op": HOLD, "seconds": seconds}
 
 
 def unpack_request(directory: str, spec: LayerSpec, *, lowers: list[str], parent_chain: str,
@@ -254,6 +262,8 @@ class ControlHandler(Protocol):
 
     def profile(self) -> list[dict[str, Any]]: ...
 
+    def hold(self, seconds: float) -> None: ...
+
     async def unpack(self, directory: str, spec: LayerSpec, lowers: list[str],
                      parent_chain: str, chain: str) -> dict[str, Any]: ...
 
@@ -293,6 +303,13 @@ async def dispatch(line: bytes, handler: ControlHandler) -> bytes:
             result = handler.record(on, mp)
         elif op == PROFILE:
             result = handler.profile()
+        elif op == HOLD:
+            seconds = req.get("seconds")
+            if isinstance(seconds, bool) or not isinstance(seconds, int | float) or \
+                    not 0 <= seconds <= MAX_HOLD:
+                raise InvalidArgument(f"'seconds' must be a number from 0 to {MAX_HOLD:g}, "
+                                      f"not {seconds!r}")
+            handler.hold(float(seconds))
         elif op == UNPACK:
             spec = LayerSpec.from_json(json.dumps(req.get("spec")))
             lowers = req.get("lowers")

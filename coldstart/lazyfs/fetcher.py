@@ -138,6 +138,7 @@ class ChunkFetcher:
         self._deferred = 0          # compressed bytes held for deferred spreads
         self._closed = False
         self.last_read = 0.0       # monotonic time of the last FUSE read served
+        self.held_until = 0.0      # monotonic time until which the node counts as busy (hold)
         # held by the one big file being streamed whole on the node (streams.SequentialReads)
         self.stream_slot = threading.Semaphore(1)
 
@@ -456,6 +457,13 @@ class ChunkFetcher:
         looks its files up: it counts as reading (files are opened without the server)."""
         self.last_read = time.monotonic()
 
+    def hold(self, seconds: float) -> None:
+        """The node is busy for ``seconds`` more without FUSE reads (a snapshot restore
+        decoding its pages and running CRIU): background work waits as it would for reads.
+        Holds only extend: two restores at once keep the later end."""
+        with self._lock:
+            self.held_until = max(self.held_until, time.monotonic() + seconds)
+
     def wait_quiet(self, timeout: float | None = None,
                    stop: threading.Event | None = None) -> bool:
         """Block while on-demand fetches are in flight or a read was served within the last
@@ -479,7 +487,7 @@ class ChunkFetcher:
                 if any(fl.urgent for fl in owned.values()):
                     return True
                 now = time.monotonic()
-                quiet = QUIET_SECONDS - (now - self.last_read)
+                quiet = max(QUIET_SECONDS - (now - self.last_read), self.held_until - now)
                 if self._foreground == 0 and quiet <= 0:
                     return False
                 wait = quiet if self._foreground == 0 else 0.5

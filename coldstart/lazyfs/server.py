@@ -476,7 +476,8 @@ class FuseServer:
 
     async def _serve(self, listener: trio.SocketListener) -> None:
         assert self._restored is not None
-        handler = _Handler(self.fuse_dir, self.layers, self._restored, self._unpack)
+        handler = _Handler(self.fuse_dir, self.layers, self._restored, self._unpack,
+                           self.fetcher.hold)
 
         async def connection(stream: trio.SocketStream) -> None:
             await serve_connection(stream, handler)
@@ -540,11 +541,13 @@ class _Handler:
     process, the rest from the layer table once the restore is done."""
 
     def __init__(self, fuse_dir: Path, layers: LayerTable, restored: trio.Event,
-                 unpack: Callable[..., dict[str, Any]]) -> None:
+                 unpack: Callable[..., dict[str, Any]],
+                 hold: Callable[[float], None]) -> None:
         self.fuse_dir = fuse_dir
         self.layers = layers
         self.restored = restored
         self._unpack = unpack
+        self._hold = hold
         # full pulls at once: each takes a core to unpack, one to inflate
         self._unpacking = trio.CapacityLimiter(2)
 
@@ -571,6 +574,9 @@ class _Handler:
 
     def profile(self) -> list[dict[str, Any]]:
         return self.layers.profile()
+
+    def hold(self, seconds: float) -> None:
+        self._hold(seconds)
 
     async def unpack(self, directory: str, spec: LayerSpec, lowers: list[str],
                      parent_chain: str, chain: str) -> dict[str, Any]:

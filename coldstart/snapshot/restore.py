@@ -261,6 +261,7 @@ def try_restore(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg: Con
         lazy = cfg.snapshot.pages == "lazy"
         attempt.pages = cfg.snapshot.pages
         ref = _image_ref(spec)
+        _hold_background(cfg)
         attempt.phases["check"] = time.monotonic() - t0
         from coldstart.cache.chunks import ChunkCache
 
@@ -493,6 +494,22 @@ def _fetch_and_place(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg
     applied = rootdiff.apply(done.rootfs, rootfs) if done.rootfs else rootdiff.Applied(rootfs)
     attempt.phases["rootfs"] = time.monotonic() - t
     return applied
+
+
+#: seconds the node's FUSE server holds its background work (the hybrid fill) when a restore
+#: starts: a restore decodes pages and runs CRIU without reading through FUSE, so the fill
+#: would not see it busy; after it, the app's own reads keep the fill waiting
+HOLD_SECONDS = 20.0
+
+
+def _hold_background(cfg: Config) -> None:
+    """Ask the node's FUSE server to hold its background work (a hint: a server that is not
+    there, or older, is ignored)."""
+    with contextlib.suppress(Exception):
+        from coldstart.lazyfs.client import FuseServerClient
+
+        FuseServerClient(cfg.fuse.socket, timeout=2.0).hold(min(HOLD_SECONDS,
+                                                                  cfg.snapshot.timeout))
 
 
 def _since_exec() -> float:

@@ -47,7 +47,7 @@ from tests.unit.fuzz.common import (
     to_pairs,
 )
 
-_KEYS = ["op", "mountpoint", "spec", "on", "reference", "digest", "size", "media_type",
+_KEYS = ["op", "mountpoint", "spec", "on", "seconds", "reference", "digest", "size", "media_type",
          "manifest_digest", "annotations", "ok", "result", "error", "kind", "kinds", "message"]
 _STRINGS = [*control.OPS, "/mp", "/a/./b/../mp", "//mp", "/mp/", "relative/mp", "/\x00",
             "/\udcff", "NotFound", "IntegrityError", "ColdstartError", "Exception", "__class__",
@@ -103,6 +103,10 @@ class CheckingHandler:
         self.calls.append("profile")
         return []
 
+    def hold(self, seconds: float) -> None:
+        assert isinstance(seconds, float) and 0 <= seconds <= 600, seconds
+        self.calls.append("hold")
+
     @staticmethod
     def _mountpoint(mp: str) -> None:
         assert isinstance(mp, str) and os.path.isabs(mp) and os.path.normpath(mp) == mp, mp
@@ -140,6 +144,8 @@ def _requests(draw: st.DrawFn) -> dict[str, Any]:
         return {"op": op, "mountpoint": mp}
     if op == control.RECORD:
         return control.record_request(draw(st.booleans()), draw(st.none() | st.just(mp)))
+    if op == control.HOLD:
+        return control.hold_request(draw(st.floats(0, control.MAX_HOLD)))
     return {"op": op}
 
 
