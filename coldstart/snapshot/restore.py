@@ -261,7 +261,6 @@ def try_restore(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg: Con
         lazy = cfg.snapshot.pages == "lazy"
         attempt.pages = cfg.snapshot.pages
         ref = _image_ref(spec)
-        _hold_background(cfg)
         attempt.phases["check"] = time.monotonic() - t0
         from coldstart.cache.chunks import ChunkCache
 
@@ -442,6 +441,7 @@ def _fetch_and_place(inv: Invocation, bundle: Path, spec: Mapping[str, Any], cfg
         if found.digest is None:
             raise Fallback("no-snapshot", "; ".join(found.reasons) or "no snapshot")
         attempt.snapshot = found.digest
+        _hold_background(cfg)           # a restore follows: the node's fill waits for it
         t = time.monotonic()
         layer = open_bundle(client, image, found, timeout=min(r.timeout, left()))
         if sbundle.TOUCHED in layer.toc.entries:
