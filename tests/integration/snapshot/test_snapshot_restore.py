@@ -179,7 +179,10 @@ def _events(e: Env) -> list[dict[str, object]]:
 
 
 def _last_event(e: Env, name: str) -> dict[str, object]:
-    mine = [ev for ev in _events(e) if ev.get("container") == name]
+    """The last restore attempt of ``name`` (a lazy restore's pager may have written its own
+    end, pages-in or pages-failed, after it already)."""
+    mine = [ev for ev in _events(e) if ev.get("container") == name and
+            ev.get("outcome") in ("restored", "fallback")]
     assert mine, f"no restore attempt of {name} recorded"
     return mine[-1]
 
@@ -469,13 +472,15 @@ def test_a_lazy_restore_never_runs_on_a_page_that_fails_its_digest(
     try:
         with node(env, pages="lazy") as st:
             out = _start(st, env, "l2")
-            assert out.returncode == 0, out.stderr
             ev = _last_event(env, "l2")
             if ev["outcome"] == "fallback":
+                assert out.returncode == 0, out.stderr
                 assert ev["kind"] == "restore-failed", ev
                 _wait(env.io / "l2" / "ready")          # a normal start, to READY
                 assert _ask(env, "l2")[0] != before[0]
             else:
+                # restored, then the pager met the bad chunk and killed the process: before
+                # ctr's start (which then fails: the container fails visibly) or after it
                 pager = _pager_event(env, "l2")
                 assert pager["outcome"] == "pages-failed" and pager["killed"], pager
                 deadline = time.monotonic() + 30
