@@ -30,7 +30,7 @@ from pathlib import Path, PurePosixPath
 
 from coldstart.errors import FormatError, InvalidArgument
 
-__all__ = ["Applied", "apply", "capture", "upper_dir"]
+__all__ = ["Applied", "apply", "capture", "open_parent", "upper_dir"]
 
 WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
@@ -125,7 +125,7 @@ class Applied:
         steps += [(rel, saved, put_back) for rel, saved in reversed(self.moved)]
         for rel, saved, step in steps:
             try:
-                parent, name = _parent(self.root, rel, create=False)
+                parent, name = open_parent(self.root, rel, create=False)
             except (OSError, FormatError):
                 failed.append(rel)
                 continue
@@ -157,7 +157,7 @@ def _clean(name: str) -> PurePosixPath:
     return p
 
 
-def _parent(root: Path, rel: str, *, create: bool,
+def open_parent(root: Path, rel: str, *, create: bool,
             made: list[str] | None = None) -> tuple[int, str]:
     """A descriptor of ``rel``'s parent under ``root`` (directories opened without following
     symlinks; missing ones created when ``create``, and noted in ``made``) and its last name."""
@@ -252,7 +252,7 @@ def _apply_one(m: tarfile.TarInfo, tar: tarfile.TarFile, done: Applied) -> None:
     base = p.name
     if base == OPAQUE:
         # the directory's lower contents are hidden: move them aside
-        parent, name = _parent(done.root, str(p.parent / "x"), create=True, made=done.created)
+        parent, name = open_parent(done.root, str(p.parent / "x"), create=True, made=done.created)
         try:
             for child in sorted(os.listdir(parent)):
                 _aside(done, parent, child, str(p.parent / child))
@@ -264,7 +264,7 @@ def _apply_one(m: tarfile.TarInfo, tar: tarfile.TarFile, done: Applied) -> None:
             raise FormatError(f"rootfs change {m.name!r}: a whiteout of nothing")
         target = str(p.parent / base[len(WHITEOUT):]) if str(p.parent) != "." else \
             base[len(WHITEOUT):]
-        parent, name = _parent(done.root, target, create=False)
+        parent, name = open_parent(done.root, target, create=False)
         try:
             if _exists(parent, name) is not None:
                 _aside(done, parent, name, target)
@@ -277,7 +277,7 @@ def _apply_one(m: tarfile.TarInfo, tar: tarfile.TarFile, done: Applied) -> None:
             os.close(parent)
         return
     rel = str(p)
-    parent, name = _parent(done.root, rel, create=True, made=done.created)
+    parent, name = open_parent(done.root, rel, create=True, made=done.created)
     try:
         st = _exists(parent, name)
         if m.isdir():
@@ -307,7 +307,7 @@ def _apply_one(m: tarfile.TarInfo, tar: tarfile.TarFile, done: Applied) -> None:
         elif m.islnk():
             # a link to a regular file only (never to a symlink: a later chmod would follow
             # it out of the root); it shares that file's owner and mode as they are
-            src_parent, src_name = _parent(done.root, m.linkname, create=False)
+            src_parent, src_name = open_parent(done.root, m.linkname, create=False)
             try:
                 src = _exists(src_parent, src_name)
                 if src is None or not stat.S_ISREG(src.st_mode):

@@ -160,23 +160,21 @@ def parse(data: bytes) -> list[tuple[str, list[tuple[int, int]]]]:
     return out
 
 
-def _open_inside(root_fd: int, path: str) -> int:
-    """``path`` opened for reading under the directory ``root_fd``, no symbolic link
-    followed on the way and nothing but a regular file opened (its type is checked on an
-    ``O_PATH`` descriptor first: opening a device can have effects); OSError otherwise."""
-    parts = PurePosixPath(path).parts[1:]
-    if not parts:
-        raise OSError(f"{path!r} names no file")
-    fd = os.dup(root_fd)
+def _open_inside(root: Path, path: str) -> int:
+    """``path`` opened for reading under ``root``, no symbolic link followed on the way
+    (:func:`~coldstart.snapshot.rootdiff.open_parent`'s walk) and nothing but a regular file
+    opened (its type is checked on an ``O_PATH`` descriptor first: opening a device can have
+    effects); OSError otherwise."""
+    from coldstart.snapshot.rootdiff import open_parent
+
     try:
-        for part in parts[:-1]:
-            nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                          dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-        handle = os.open(parts[-1], os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        parent, name = open_parent(root, path.lstrip("/"), create=False)
+    except FormatError as exc:
+        raise OSError(str(exc)) from None
+    try:
+        handle = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
     finally:
-        os.close(fd)
+        os.close(parent)
     try:
         if not stat.S_ISREG(os.fstat(handle).st_mode):
             raise OSError(f"{path} is not a regular file")
@@ -222,7 +220,7 @@ class Warmer:
                 for off in range(start, start + length, READ):
                     rest.append((path, off, min(READ, start + length - off)))
         self._todo = iter([*heads, *rest])
-        self._root = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._root = rootfs
         self._threads: list[threading.Thread] = []
         try:
             for i in range(max(1, workers)):
@@ -294,7 +292,4 @@ class Warmer:
             t.join(max(0.0, end - time.monotonic()))
         done = not any(t.is_alive() for t in self._threads)
         self.seconds = (self._last if done else time.monotonic()) - self._t0
-        if done and self._root >= 0:
-            os.close(self._root)
-            self._root = -1
         return done

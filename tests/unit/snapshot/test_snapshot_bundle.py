@@ -37,9 +37,10 @@ def _criu_dir(root: Path, pages: list[bytes], *, extra: bytes = b"core") -> Path
     return root
 
 
-def _packed(tmp: Path, criu: Path, rootfs: Path | None = None) -> tuple[Packed, bytes]:
+def _packed(tmp: Path, criu: Path, rootfs: Path | None = None,
+            touched: Path | None = None) -> tuple[Packed, bytes]:
     buf = io.BytesIO()
-    packed = pack(criu, buf, rootfs_tar=rootfs)
+    packed = pack(criu, buf, rootfs_tar=rootfs, touched=touched)
     return packed, buf.getvalue()
 
 
@@ -236,9 +237,8 @@ def test_the_touched_list_rides_first_and_a_deferred_cache_is_filled_from_the_fi
     criu = _criu_dir(tmp_path / "criu", _pages(rng, 400))
     touched = tmp_path / "touched.json"
     touched.write_bytes(b'{"files":[{"path":"/usr/lib/libc.so.6","ranges":[[0,4096]]}]}')
-    buf = io.BytesIO()
-    packed = pack(criu, buf, touched=touched)
-    layer = open_layer(BytesReadAt(buf.getvalue()), annotations=packed.layer.annotations)
+    packed, blob = _packed(tmp_path, criu, touched=touched)
+    layer = open_layer(BytesReadAt(blob), annotations=packed.layer.annotations)
     assert next(iter(layer.toc.entries)).lstrip("./") == TOUCHED   # read before the pages
     assert layer.read_file(TOUCHED) == touched.read_bytes()
     cache = ChunkCache(tmp_path / "cache", max_bytes=1 << 30)
